@@ -1,0 +1,219 @@
+"""Typed configuration: one pydantic model per stage, a YAML file plus `--set key=value` overrides.
+
+Every field is documented (its `description`) and validated on load; an unknown key or a wrong
+type is a one-line error naming the field. The resolved config is written next to what each stage
+produces (`RUN/<stage>/config.yaml`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from draftsmith import DraftsmithError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerateConfig(_Section):
+    backend: Literal["local", "openai"] = Field(
+        "local", description="`local`: the target in-process (transformers); `openai`: served model(s).")
+    servers: list[str] = Field(
+        default_factory=list, description="Base URLs of OpenAI-compatible servers (backend openai), e.g. http://127.0.0.1:8000/v1.")
+    model: str | None = Field(
+        None, description="Model name sent to the server; default: the first one the server lists.")
+    api_key_env: str = Field(
+        "OPENAI_API_KEY", description="Environment variable holding the API key (never logged or stored).")
+    prompts: str = Field(
+        "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
+    limit: int | None = Field(None, ge=1, description="How many prompts (after filtering); all when unset.")
+    seed: int | None = Field(None, description="Shuffle with this seed before taking `limit`; file order when unset.")
+    skip_invalid: bool = Field(False, description="Skip malformed prompt records (counted) instead of failing.")
+    first_turn_only: bool = Field(False, description="Keep only the first user turn of each conversation.")
+    min_chars: int = Field(0, ge=0, description="Drop prompts whose first user turn is shorter than this.")
+    max_chars: int | None = Field(None, ge=1, description="Drop prompts whose first user turn is longer than this.")
+    max_tokens: int = Field(256, ge=1, description="Maximum new tokens per answer.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    concurrency: int = Field(32, ge=1, description="Requests in flight at once (backend openai).")
+    batch_size: int = Field(8, ge=1, description="Prompts per batch (backend local).")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds (backend openai).")
+    retries: int = Field(5, ge=0, description="Retries per request on 408/409/425/429/5xx and connection errors.")
+    retry_failed: bool = Field(False, description="Retry the samples recorded in generate/failures.jsonl.")
+
+
+class PrepareConfig(_Section):
+    max_length: int = Field(2048, ge=8, description="Maximum tokens per sample.")
+    overflow: Literal["truncate", "drop"] = Field(
+        "truncate", description="What to do with a longer sample: cut it to max_length, or drop it (counted).")
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(8192, ge=2, description="Tokens in the draft vocabulary.")
+
+
+class ExtractConfig(_Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="`hf`: transformers forward in-process; `vllm`: a vLLM server.")
+    layers: list[int] | None = Field(
+        None, description="Auxiliary layer ids (hidden state entering that decoder layer); default [2, N//2, N-3].")
+    shard_size: int = Field(1000, ge=1, description="Samples per rows_{start}-{end}/ shard folder.")
+    batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch (samples are grouped by length).")
+    force: bool = Field(False, description="Skip the free-disk-space refusal.")
+    verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
+    servers: list[str] = Field(default_factory=list, description="Running vLLM extraction servers (backend vllm).")
+
+
+class TrainConfig(_Section):
+    mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: target in-process, nothing on disk.")
+    ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")
+    gamma: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step k's loss is gamma**k.")
+    epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay floor, as a share of lr.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    batch_tokens: int = Field(4096, ge=16, description="Tokens per micro-batch (samples packed into rows).")
+    seq_len: int = Field(2048, ge=16, description="Length of a packed row.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast or plain float32.")
+    checkpoint_every: int = Field(200, ge=1, description="Write a checkpoint every N optimizer steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
+    log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")
+    seed: int = Field(0, description="Seed for initialisation and data order.")
+    tensorboard: bool = Field(False, description="Also write a TensorBoard log under train/tb.")
+    fsdp: bool = Field(False, description="Use FSDP instead of DDP when distributed.")
+
+
+class ExportConfig(_Section):
+    checkpoint: str | None = Field(None, description="Checkpoint folder to export; default: the last one.")
+
+
+class EvalConfig(_Section):
+    engine: Literal["local", "vllm"] = Field("local", description="`local`: draftsmith's own speculative decoding; `vllm`: a vLLM server.")
+    prompts: str = Field("mt-bench", description="Prompts, as for generate.prompts.")
+    limit: int | None = Field(None, ge=1, description="How many prompts.")
+    offset: int = Field(0, ge=0, description="Skip this many prompts first (e.g. 80 for MT-bench questions 81-).")
+    num_speculative_tokens: int = Field(3, ge=1, description="K, draft tokens per verification step.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature.")
+    max_tokens: int = Field(128, ge=1, description="Tokens per answer.")
+    server: str | None = Field(None, description="Use this running vLLM server instead of starting one.")
+    baseline: bool = Field(True, description="Also measure plain decoding for the speedup.")
+    seed: int = Field(0, description="Sampling seed.")
+
+
+class Config(_Section):
+    target: str = Field("smollm2-135m", description="Model folder, .gguf file, or `smollm2-135m`.")
+    device: str = Field("auto", description="`auto` (cuda when available), `cpu`, `cuda`, `cuda:1`...")
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="Target dtype; `auto` = bfloat16 (fast on this CPU and on GPUs).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the target folder (logged when on).")
+    stall_after_s: float = Field(300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("target")
+    @classmethod
+    def _target_nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def section(self, stage: str) -> dict[str, Any]:
+        """Settings a stage's fingerprint depends on: the global keys plus its own section."""
+        d = self.model_dump(mode="json")
+        out = {k: d[k] for k in ("target", "trust_remote_code")}
+        if stage in d:
+            out[stage] = d[stage]
+        return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _format_validation_error(e: ValidationError, source: str) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        inp = err.get("input")
+        shown = "" if err["type"] == "extra_forbidden" or isinstance(inp, dict) else f" (got {inp!r})"
+        parts.append(f"{loc}: {msg}{shown}")
+    more = f" (+{len(e.errors()) - 3} more)" if len(e.errors()) > 3 else ""
+    return f"{source}: " + "; ".join(parts) + more
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], value), the value parsed as YAML (`3`, `true`, `[2, 15]`)."""
+    if "=" not in item:
+        raise DraftsmithError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise DraftsmithError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for p in path[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise DraftsmithError(f"--set {item}: '{p}' is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (optional) and apply `key=value` overrides; validate everything."""
+    data: dict = {}
+    source = "config"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise DraftsmithError(f"{p}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise DraftsmithError(f"{p}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        except UnicodeDecodeError:
+            raise DraftsmithError(f"{p}: not UTF-8 text") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise DraftsmithError(f"{p}: the top level must be a mapping of keys")
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{source} + --set" if path else "--set"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise DraftsmithError(_format_validation_error(e, source)) from None

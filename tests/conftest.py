@@ -1,0 +1,93 @@
+"""Shared fixtures: a tiny random Llama target built in the test, the real SmolLM2 target, and a
+helper that runs the CLI as a subprocess (the way a user does)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A ChatML template like SmolLM2's, with {% generation %} markers left out on purpose: draftsmith
+# must find assistant spans itself.
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them with the target.",
+    "def add(a, b):\n    return a + b\n",
+    "Hello! How can I help you today? I am a helpful assistant.",
+    "Write a short poem about the sea and the sky.",
+    "1 2 3 4 5 6 7 8 9 10, numbers and letters: a b c d e f g",
+] * 20
+
+
+def build_tiny_target(path: Path, *, chat_template: str | None = CHATML, num_layers: int = 6, vocab_size: int = 384) -> Path:
+    """A random LlamaForCausalLM (hidden 64) with a real byte-level BPE tokenizer, saved as a
+    Hugging Face folder: the shape of a real target at a size that runs in milliseconds."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(CORPUS, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """Path of a tiny random Llama target folder (ChatML template)."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def smol_target() -> str:
+    """The real target: SmolLM2-135M-Instruct (converted once into the user cache)."""
+    from draftsmith.target import target_info
+
+    target_info("smollm2-135m")
+    return "smollm2-135m"
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = False, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """Run `python -m draftsmith ARGS` as a user would; returns the completed process."""
+    e = {**os.environ, **(env or {})}
+    p = subprocess.run([sys.executable, "-m", "draftsmith", *args], capture_output=True, text=True,
+                       env=e, timeout=timeout, cwd=kw.pop("cwd", REPO), **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"draftsmith {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,308 @@
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.model import (
+    DrafterCache,
+    Eagle3Config,
+    Eagle3Drafter,
+    RMSNorm,
+    rope_cos_sin,
+)
+
+H, HEADS, KV_HEADS, V, DV = 32, 4, 2, 100, 40
+
+
+def make_config(**overrides) -> Eagle3Config:
+    kwargs = dict(hidden_size=H, intermediate_size=64, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, vocab_size=V, draft_vocab_size=DV)
+    kwargs.update(overrides)
+    return Eagle3Config(**kwargs)
+
+
+def make_drafter(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(make_config())
+    # random norm weights too, so a swapped or skipped norm changes the output
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    draft_ids = torch.randperm(V)[:DV].sort().values
+    model.init_from_target(torch.randn(V, H), torch.randn(V, H), torch.rand(H) + 0.5, draft_ids)
+    return model.eval()
+
+
+def make_batch(B: int = 2, L: int = 12, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, L), generator=g), torch.randn(B, L, 3 * H, generator=g)
+
+
+# --- structure ---------------------------------------------------------------
+
+def test_state_dict_names_match_vllm_export():
+    expected = {
+        "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+        *(f"layers.0.{n}.weight" for n in ("input_layernorm", "hidden_norm",
+                                           "post_attention_layernorm")),
+    }
+    sd = Eagle3Drafter(make_config()).state_dict()
+    assert set(sd) == expected
+    assert sd["fc.weight"].shape == (H, 3 * H)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (HEADS * 8, 2 * H)
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (KV_HEADS * 8, 2 * H)
+    assert sd["layers.0.self_attn.o_proj.weight"].shape == (H, HEADS * 8)
+    assert sd["lm_head.weight"].shape == (DV, H)
+    assert sd["d2t"].dtype == torch.long and sd["d2t"].shape == (DV,)
+    assert sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (V,)
+
+
+def test_embeddings_frozen():
+    model = Eagle3Drafter(make_config())
+    assert not model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "embed_tokens.weight")
+
+
+def test_init_from_target_copies_and_maps_vocab():
+    torch.manual_seed(0)
+    model = Eagle3Drafter(make_config())
+    embed, head, norm = torch.randn(V, H), torch.randn(V, H), torch.randn(H)
+    draft_ids = torch.randperm(V)[:DV].sort().values
+    model.init_from_target(embed, head, norm, draft_ids)
+
+    assert torch.equal(model.embed_tokens.weight, embed)
+    assert not model.embed_tokens.weight.requires_grad
+    assert torch.equal(model.lm_head.weight, head[draft_ids])
+    assert torch.equal(model.norm.weight, norm)
+    assert torch.equal(torch.arange(DV) + model.d2t, draft_ids)
+    assert torch.equal(model.draft_ids(), draft_ids)
+    assert int(model.t2d.sum()) == DV
+    assert torch.equal(model.t2d.nonzero().squeeze(1), draft_ids)
+
+    with pytest.raises(ValueError, match="strictly increasing"):
+        model.init_from_target(embed, head, None, draft_ids.flip(0))
+    with pytest.raises(ValueError, match="draft_ids must be"):
+        model.init_from_target(embed, head, None, draft_ids[:-1])
+    with pytest.raises(ValueError, match="embed_weight"):
+        model.init_from_target(embed[:-1], head, None, draft_ids)
+
+
+def test_default_vocab_mapping_is_identity():
+    model = Eagle3Drafter(make_config())
+    assert torch.equal(model.draft_ids(), torch.arange(DV))
+    assert torch.equal(model.t2d.nonzero().squeeze(1), torch.arange(DV))
+
+
+# --- numerics against references -------------------------------------------
+
+def test_rmsnorm_and_rope_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    x = torch.randn(2, 5, H)
+    ours, ref = RMSNorm(H, 1e-5), LlamaRMSNorm(H, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    torch.testing.assert_close(ours(x), ref(x))
+    torch.testing.assert_close(ours(x.bfloat16()), ref(x.bfloat16()))
+
+    cfg = LlamaConfig(hidden_size=H, num_attention_heads=HEADS, rope_theta=500000.0)
+    pos = torch.tensor([[0, 1, 2, 700, 5000], [3, 0, 1, 2, 9]])
+    ref_cos, ref_sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    cos, sin = rope_cos_sin(pos, H // HEADS, 500000.0)
+    torch.testing.assert_close(cos, ref_cos)
+    torch.testing.assert_close(sin, ref_sin)
+
+
+def test_decoder_layer_follows_vllm_residual_structure():
+    # With a single token, attention is just o_proj(v) (softmax over one key;
+    # RoPE does not touch v), which isolates the norm/residual wiring of
+    # vLLM's llama_eagle3 layer (norm_before_residual=False).
+    model = make_drafter()
+    layer = model.layers[0]
+    ids, aux = make_batch(B=3, L=1)
+    logits, prenorm = model(ids, aux, torch.zeros(3, 1, dtype=torch.long))
+
+    hidden = model.fc(aux)
+    x = torch.cat([layer.input_layernorm(model.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
+    v = layer.self_attn.v_proj(x).view(3, 1, KV_HEADS, 8).repeat_interleave(HEADS // KV_HEADS, 2)
+    x = layer.self_attn.o_proj(v.reshape(3, 1, HEADS * 8)) + hidden
+    mlp = layer.mlp
+    h = layer.post_attention_layernorm(x)
+    x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    torch.testing.assert_close(prenorm, x)
+    torch.testing.assert_close(logits, model.lm_head(model.norm(x)))
+
+
+# --- training-time test == inference -----------------------------------------
+
+@torch.no_grad()
+def test_ttt_matches_cached_chain_drafting():
+    """The central guarantee: ttt_forward's step-k logits at index i are what
+    chain drafting with a KV cache produces after the prefix t_0..t_{i+1}."""
+    model = make_drafter()
+    B, L, steps = 2, 12, 3
+    ids, aux = make_batch(B, L)
+    # a non-zero position offset per row, as if the sequence continued a prompt
+    pos = torch.arange(L).expand(B, L) + torch.tensor([[0], [5]])
+    ttt = model.ttt_forward(ids, aux, steps, position_ids=pos)
+    assert len(ttt) == steps and all(t.shape == (B, L, DV) for t in ttt)
+
+    for i in range(L - steps):
+        # prefill step 0 over the verified prefix t_0..t_{i+1}: index j reads
+        # the target state after t_j and the token t_{j+1}
+        cache = DrafterCache()
+        logits, prenorm = model(ids[:, 1 : i + 2], aux[:, : i + 1], pos[:, : i + 1], cache)
+        torch.testing.assert_close(logits, ttt[0][:, : i + 1], rtol=1e-5, atol=1e-5)
+
+        # a chain of wrongly drafted tokens, then roll back as after a rejection
+        h = prenorm[:, -1:]
+        for k in range(1, steps):
+            _, h = model((ids[:, i + 1 + k : i + 2 + k] + 1) % V, h, pos[:, i : i + 1] + k, cache)
+        cache.crop(i + 1)
+
+        # the chain that feeds back its own pre-norm state, one token per step
+        h = prenorm[:, -1:]
+        for k in range(1, steps):
+            logits, h = model(ids[:, i + 1 + k : i + 2 + k], h, pos[:, i : i + 1] + k, cache)
+            torch.testing.assert_close(logits[:, 0], ttt[k][:, i], rtol=1e-5, atol=1e-5)
+        assert cache.length == i + steps
+
+
+@torch.no_grad()
+def test_cache_prefill_in_chunks_matches_one_shot():
+    model = make_drafter()
+    ids, aux = make_batch(L=10)
+    pos = torch.arange(10).expand(2, 10)
+    full, _ = model(ids, aux, pos, DrafterCache())
+    cache = DrafterCache()
+    first, _ = model(ids[:, :4], aux[:, :4], pos[:, :4], cache)
+    second, _ = model(ids[:, 4:], aux[:, 4:], pos[:, 4:], cache)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-5, atol=1e-5)
+    no_cache, _ = model(ids, aux, pos)
+    torch.testing.assert_close(no_cache, full)
+    with pytest.raises(ValueError):
+        cache.crop(11)
+    cache.crop(0)
+    assert cache.length == 0
+
+
+@torch.no_grad()
+def test_packed_documents_match_separate_documents():
+    model = make_drafter()
+    steps, La, Lb = 3, 7, 6
+    ids, aux = make_batch(B=1, L=La + Lb)
+    pos = torch.cat([torch.arange(La), torch.arange(Lb)])[None]
+    doc = torch.cat([torch.zeros(La), torch.ones(Lb)]).long()[None]
+    packed = model.ttt_forward(ids, aux, steps, position_ids=pos, doc_ids=doc)
+    alone_a = model.ttt_forward(ids[:, :La], aux[:, :La], steps)
+    alone_b = model.ttt_forward(ids[:, La:], aux[:, La:], steps)
+    for k in range(steps):
+        # document A's chain at index i is self-contained while t_{i+1+k} is in A
+        n = La - 1 - k
+        torch.testing.assert_close(packed[k][:, :n], alone_a[k][:, :n], rtol=1e-5, atol=1e-5)
+        # document B ends the row, so both see the same zero fill past its end
+        torch.testing.assert_close(packed[k][:, La:], alone_b[k], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_ttt_is_causal():
+    model = make_drafter()
+    steps, L, p = 3, 12, 8
+    ids, aux = make_batch(L=L)
+    base = model.ttt_forward(ids, aux, steps)
+
+    ids2 = ids.clone()
+    ids2[:, p] = (ids2[:, p] + 1) % V
+    changed = model.ttt_forward(ids2, aux, steps)
+    for k in range(steps):
+        # index i reads tokens t_1..t_{i+1+k}: only i >= p-1-k may change
+        n = p - 1 - k
+        torch.testing.assert_close(changed[k][:, :n], base[k][:, :n])
+        assert not torch.allclose(changed[k][:, n], base[k][:, n])
+
+    aux2 = aux.clone()
+    aux2[:, p] += 1.0
+    changed = model.ttt_forward(ids, aux2, steps)
+    for k in range(steps):
+        torch.testing.assert_close(changed[k][:, :p], base[k][:, :p])
+        assert not torch.allclose(changed[k][:, p], base[k][:, p])
+
+
+# --- training plumbing -------------------------------------------------------
+
+def test_gradients_reach_trainable_weights_only():
+    model = make_drafter().train()
+    ids, aux = make_batch()
+    loss = sum(logits.float().logsumexp(-1).mean() for logits in model.ttt_forward(ids, aux, 3))
+    loss.backward()
+    assert model.embed_tokens.weight.grad is None
+    for name, p in model.named_parameters():
+        if name != "embed_tokens.weight":
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_bf16_autocast_on_cpu():
+    model = make_drafter()
+    ids, aux = make_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ttt = model.ttt_forward(ids, aux, 2)
+        logits, prenorm = model(ids, aux, torch.arange(12).expand(2, 12), DrafterCache())
+    for t in (*ttt, logits, prenorm):
+        assert torch.isfinite(t.float()).all()
+    assert ttt[0].dtype == torch.bfloat16
+
+    # weights cast to bf16 outright (no autocast) must also run
+    model = model.to(torch.bfloat16)
+    out = model.ttt_forward(ids, aux.bfloat16(), 2)
+    assert out[0].dtype == torch.bfloat16 and torch.isfinite(out[0].float()).all()
+
+
+# --- config ------------------------------------------------------------------
+
+def test_config_defaults_and_validation():
+    cfg = make_config()
+    assert cfg.head_dim == H // HEADS and cfg.num_aux_layers == 3 and cfg.rms_norm_eps == 1e-5
+    assert make_config(head_dim=16).head_dim == 16
+
+    bad = [
+        (dict(hidden_size=30), "not divisible"),
+        (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+        (dict(draft_vocab_size=V + 1), "draft_vocab_size"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(num_aux_layers=1), "num_aux_layers"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ValueError, match=message):
+            make_config(**overrides)
+
+
+def test_from_target_config_reads_llama_config():
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(hidden_size=H, intermediate_size=96, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, vocab_size=V, rope_theta=500000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096)
+    cfg = Eagle3Config.from_target_config(target, draft_vocab_size=DV)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim) == (H, 96, HEADS, KV_HEADS, H // HEADS)
+    assert (cfg.vocab_size, cfg.draft_vocab_size) == (V, DV)
+    assert cfg.rope_theta == 500000.0 and cfg.rms_norm_eps == 1e-6
+    assert cfg.max_position_embeddings == 4096
+
+    # transformers 4 style: rope_theta as a plain attribute, no kv heads given
+    old = types.SimpleNamespace(hidden_size=H, intermediate_size=96, num_attention_heads=HEADS,
+                                vocab_size=V, rope_theta=1234.0, rms_norm_eps=1e-5)
+    cfg = Eagle3Config.from_target_config(old, draft_vocab_size=DV)
+    assert cfg.rope_theta == 1234.0 and cfg.num_key_value_heads == HEADS
+
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        Eagle3Config.from_target_config(target, draft_vocab_size=V + 1)
