@@ -31,7 +31,7 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_target(path: Path, *, chat_template: str | None = CHATML, num_layers: int = 6, vocab_size: int = 384) -> Path:
+def build_tiny_target(path: Path, *, chat_template: str | None = CHATML, num_layers: int = 8, vocab_size: int = 384) -> Path:
     """A random LlamaForCausalLM (hidden 64) with a real byte-level BPE tokenizer, saved as a
     Hugging Face folder: the shape of a real target at a size that runs in milliseconds."""
     import torch

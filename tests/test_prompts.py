@@ -1,0 +1,120 @@
+import gzip
+import json
+
+import pytest
+
+from draftsmith.prompts import LoadStats, PromptError, load_prompts
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_sharegpt_jsonl_and_array(tmp_path):
+    recs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+                                      {"from": "human", "value": "More?"}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "Be brief"}, {"from": "human", "value": "Q"}]},
+    ]
+    for path in (_jsonl(tmp_path / "s.jsonl", recs), tmp_path / "s.json"):
+        if path.suffix == ".json":
+            path.write_text(json.dumps(recs, indent=1))
+        ps = load_prompts(str(path))
+        assert [p.id for p in ps] == ["a", "b"]
+        assert ps[0].turns == ["Hi", "More?"]  # assistant turns are regenerated, not kept
+        assert ps[1].system == "Be brief" and ps[1].turns == ["Q"]
+
+
+def test_openai_messages_and_fallback_ids(tmp_path):
+    path = _jsonl(tmp_path / "m.jsonl", [
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                      {"role": "assistant", "content": "A"}, {"role": "user", "content": "U2"}]},
+    ])
+    (p,) = load_prompts(str(path))
+    assert p.id == "m-1" and p.system == "S" and p.turns == ["U1", "U2"]
+
+
+def test_mtbench_and_humaneval_files(tmp_path):
+    mt = _jsonl(tmp_path / "question.jsonl", [{"question_id": 81, "category": "writing", "turns": ["T1", "T2"]}])
+    (p,) = load_prompts(str(mt))
+    assert p.id == "mt-bench-81" and p.turns == ["T1", "T2"]
+    he = tmp_path / "HumanEval.jsonl.gz"
+    he.write_bytes(gzip.compress(json.dumps({"task_id": "HumanEval/7", "prompt": "def f():\n"}).encode() + b"\n"))
+    (p,) = load_prompts(str(he))
+    assert p.id == "HumanEval-7" and "def f():" in p.turns[0]
+
+
+def test_shipped_sources():
+    mt = load_prompts("mt-bench")
+    assert len(mt) == 80 and mt[0].id == "mt-bench-81" and len(mt[0].turns) == 2
+    he = load_prompts("humaneval")
+    assert len(he) == 164 and he[0].id == "HumanEval-0"
+    st = LoadStats()
+    sg = load_prompts("sharegpt", limit=50, first_turn_only=True, min_chars=8, max_chars=2000, skip_invalid=True, stats=st)
+    assert len(sg) == 50 and all(len(p.turns) == 1 and 8 <= len(p.turns[0]) <= 2000 for p in sg)
+    assert len({p.id for p in sg}) == 50
+
+
+def test_limit_seed_offset_are_deterministic(tmp_path):
+    path = _jsonl(tmp_path / "q.jsonl", [{"question_id": i, "turns": [f"q{i}"]} for i in range(30)])
+    first = load_prompts(str(path), limit=5)
+    assert [p.id for p in first] == [f"mt-bench-{i}" for i in range(5)]
+    a = load_prompts(str(path), limit=5, seed=1)
+    b = load_prompts(str(path), limit=5, seed=1)
+    c = load_prompts(str(path), limit=5, seed=2)
+    assert [p.id for p in a] == [p.id for p in b] != [p.id for p in c]
+    assert [p.id for p in load_prompts(str(path), offset=10, limit=2)] == ["mt-bench-10", "mt-bench-11"]
+
+
+def test_duplicate_ids_stay_apart(tmp_path):
+    conv = [{"from": "human", "value": "x"}]
+    path = _jsonl(tmp_path / "d.jsonl", [{"id": "a", "conversations": conv}] * 3)
+    assert [p.id for p in load_prompts(str(path))] == ["a", "a#2", "a#3"]
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b'{"id": "a", "conversations": [{"from": "human", "value": "x"}]}\n{"id": "b", "conv\n', r"bad\.jsonl:2: malformed JSON"),
+        (b'{"id": "a", "conversations": []}\n', r"bad\.jsonl:1: empty conversation"),
+        (b'{"id": "a", "conversations": [{"from": "robot", "value": "x"}]}\n', r"bad\.jsonl:1: .*unknown role 'robot'"),
+        (b'{"messages": [{"role": "tool", "content": "x"}]}\n', r"bad\.jsonl:1: .*unknown role 'tool'"),
+        (b'{"x": 1}\n{"bad": \xff\xfe}\n', r"bad\.jsonl:2: invalid UTF-8"),
+        (b'{"foo": 1}\n', r"bad\.jsonl:1: unknown record format"),
+        (b'{"id": "a", "conversations": [{"from": "human", "value": 5}]}\n', r"bad\.jsonl:1: field .*must be a string"),
+        (b"", r"bad\.jsonl: the file is empty"),
+    ],
+)
+def test_malformed_records_name_file_and_line(tmp_path, content, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(PromptError, match=match) as e:
+        load_prompts(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_skip_invalid_counts_instead_of_dropping_silently(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"id": "a", "conversations": [{"from": "human", "value": "ok"}]}\n{broken\n'
+                    '{"id": "c", "conversations": []}\n')
+    st = LoadStats()
+    ps = load_prompts(str(path), skip_invalid=True, stats=st)
+    assert [p.id for p in ps] == ["a"]
+    assert st.skipped_invalid == 2 and st.read == 3
+    assert "mixed.jsonl:2" in st.invalid_examples[0]
+
+
+def test_json_array_line_numbers_and_unclosed_array(tmp_path):
+    path = tmp_path / "arr.json"
+    path.write_text('[\n {"id": "a", "conversations": [{"from": "human", "value": "x"}]},\n {"id": "b", "conversations": []}\n]\n')
+    with pytest.raises(PromptError, match=r"arr\.json:3: empty conversation"):
+        load_prompts(str(path))
+    path.write_text('[\n {"id": "a", "conversations": [{"from": "human", "value": "x"}]},\n {"id": "b", "conv')
+    with pytest.raises(PromptError, match=r"arr\.json:3: malformed JSON"):
+        load_prompts(str(path))
+
+
+def test_unknown_source_and_missing_file():
+    with pytest.raises(PromptError, match="no such file .*sharegpt, mt-bench, humaneval"):
+        load_prompts("/nonexistent/prompts.jsonl")

@@ -1,0 +1,109 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith.target import load_target, pick_dtype, resolve_target, target_info
+
+
+def test_tiny_target_info(tiny_target):
+    info = target_info(str(tiny_target))
+    assert info.architecture == "LlamaForCausalLM"
+    assert (info.num_layers, info.hidden_size) == (8, 64)
+    assert info.has_chat_template
+    assert info.default_aux_layers() == [2, 4, 5]
+    assert info.fingerprint == target_info(str(tiny_target)).fingerprint
+
+
+def test_layer_checks(tiny_target):
+    info = target_info(str(tiny_target))
+    assert info.check_layers([1, 2, 5]) == [1, 2, 5]
+    with pytest.raises(DraftsmithError, match=r"extract\.layers: layer id 8 is out of range .*8 layers"):
+        info.check_layers([1, 2, 8])
+    with pytest.raises(DraftsmithError, match="expected 3"):
+        info.check_layers([1, 2])
+    with pytest.raises(DraftsmithError, match="distinct and increasing"):
+        info.check_layers([3, 2, 1])
+
+
+def test_load_tiny_target_picks_bf16_on_cpu(tiny_target):
+    import torch
+
+    t = load_target(str(tiny_target))
+    assert t.device.type == "cpu" and t.dtype == torch.bfloat16
+    assert next(t.model.parameters()).dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in t.model.parameters())
+    assert pick_dtype("float32") == torch.float32
+
+
+def test_bad_targets(tmp_path):
+    with pytest.raises(DraftsmithError, match="not a model folder, a .gguf file, or a known name"):
+        resolve_target("no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DraftsmithError, match=r"empty: no config.json"):
+        resolve_target(str(tmp_path / "empty"))
+    with pytest.raises(DraftsmithError, match=r"missing\.gguf: GGUF file not found"):
+        resolve_target(str(tmp_path / "missing.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    os.environ["DRAFTSMITH_CACHE"] = str(tmp_path / "cache")
+    try:
+        with pytest.raises(DraftsmithError, match=r"bad\.gguf: cannot read as a GGUF model"):
+            resolve_target(str(bad))
+    finally:
+        del os.environ["DRAFTSMITH_CACHE"]
+    assert not any((tmp_path / "cache" / "models").glob("bad-*-bf16")), "no half-converted folder left behind"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(DraftsmithError, match=r"broken/config\.json: cannot read the model config"):
+        target_info(str(broken))
+
+
+@pytest.mark.integration
+def test_smollm2_loads_applies_template_and_runs_forward(smol_target):
+    import torch
+
+    t = load_target(smol_target)
+    info = t.info
+    assert (info.num_layers, info.hidden_size, info.vocab_size) == (30, 576, 49152)
+    assert (info.num_attention_heads, info.num_key_value_heads) == (9, 3)
+    assert info.has_chat_template and info.tie_word_embeddings
+    assert info.default_aux_layers() == [2, 15, 27]
+    enc = t.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                          add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    text = t.tokenizer.decode(enc["input_ids"][0])
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    with torch.inference_mode():
+        out = t.model(input_ids=enc["input_ids"])
+    assert out.logits.shape == (1, enc["input_ids"].shape[1], 49152)
+    assert torch.isfinite(out.logits).all()
+    with torch.inference_mode():
+        gen = t.model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert "Paris" in t.tokenizer.decode(gen[0, enc["input_ids"].shape[1]:])
+
+
+@pytest.mark.integration
+def test_conversion_is_safe_against_concurrency_and_crashes(tmp_path, smol_target):
+    """Two processes convert the same GGUF at once into a fresh cache that holds the debris of a
+    crashed conversion: both end with the same complete folder and no debris is left."""
+    cache = tmp_path / "cache"
+    debris = cache / "models" / "smollm2-135m-bf16.tmp-999999"
+    debris.mkdir(parents=True)
+    (debris / "config.json").write_text("{}")  # a crash half-way: never mistaken for finished
+    code = "from draftsmith.target import resolve_target; print(resolve_target('smollm2-135m')[0])"
+    env = {**os.environ, "DRAFTSMITH_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert paths == {str(cache / "models" / "smollm2-135m-bf16")}
+    dest = Path(paths.pop())
+    assert json.loads((dest / "config.json").read_text())["num_hidden_layers"] == 30
+    assert sum("converting" in o[0] for o in outs) == 1, "exactly one process converts"
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["smollm2-135m-bf16", "smollm2-135m-bf16.lock"]
