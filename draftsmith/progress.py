@@ -89,7 +89,7 @@ class Progress:
         unit: str,
         done: int = 0,
         stall_after_s: float = 300.0,
-        interval_s: float = 10.0,
+        interval_s: float | None = None,
         heartbeat_s: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -100,7 +100,8 @@ class Progress:
         self.total = total
         self.done = self.start_done = done
         self.stall_after_s = stall_after_s
-        self.interval_s = interval_s
+        # Seconds between plain progress lines; DRAFTSMITH_LOG_INTERVAL_S overrides the default.
+        self.interval_s = interval_s if interval_s is not None else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0))
         # Heartbeat often enough that a healthy stage is never near its stall threshold.
         self.heartbeat_s = heartbeat_s or max(0.2, min(5.0, stall_after_s / 10))
         self.rank = env_r if rank is None else rank

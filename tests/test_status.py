@@ -1,0 +1,181 @@
+"""Observability with real processes: done, failed, stalled (SIGSTOP), dead (SIGKILL), on_disk vs
+journal, logs that arrive in a redirected file while the stage runs, and an instant status."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith.progress import Progress
+from draftsmith.rundir import RunDir
+from draftsmith.status import read_journal, render_table, run_status
+
+SIM = str(Path(__file__).with_name("sim_stage.py"))
+
+
+def start(run, stage, total, per_item, mode="ok", stall=300.0, log=None):
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, SIM, str(run), stage, str(total), str(per_item), mode, str(stall)],
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def stage_row(run, name):
+    return next(s for s in run_status(run)["stages"] if s["name"] == name)
+
+
+def wait_for(pred, timeout=30.0, every=0.05):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            v = pred()
+        except Exception:  # the stage may not have created its files yet
+            v = None
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def test_done(tmp_path):
+    p = start(tmp_path, "extract", 20, 0.01)
+    assert p.wait(60) == 0
+    row = stage_row(tmp_path, "extract")
+    assert row["state"] == "done" and row["done"] == 20 and row["total"] == 20 and row["unit"] == "samples"
+    assert row["on_disk"] == 20 and row["bytes_on_disk"] == 2000
+    assert row["error"] is None
+
+
+def test_failed_records_its_message(tmp_path):
+    p = start(tmp_path, "extract", 10, 0.01, mode="raise")
+    assert p.wait(60) != 0
+    row = stage_row(tmp_path, "extract")
+    assert row["state"] == "failed"
+    assert row["error"] == "sample 5: simulated failure"
+    assert row["done"] == 5
+    assert row["log"].endswith("extract/stage.log")
+    assert "FAILED: sample 5: simulated failure" in Path(row["log"]).read_text()
+    assert "sample 5: simulated failure" in render_table(run_status(tmp_path))
+
+
+def test_running_then_stalled_under_sigstop_then_dead_under_sigkill(tmp_path):
+    p = start(tmp_path, "extract", 10_000, 0.02, stall=1.5)
+    try:
+        row = wait_for(lambda: (r := stage_row(tmp_path, "extract"))["done"] and r["done"] > 20 and r)
+        assert row["state"] == "running" and row["pid"] == p.pid
+        time.sleep(2.5)  # let the rate window fill
+        row = stage_row(tmp_path, "extract")
+        assert row["rate_per_s"] and 5 < row["rate_per_s"] < 60  # ~45/s at 20 ms an item, minus overheads
+        assert row["eta_s"] and row["eta_s"] > 100
+        assert row["heartbeat_age_s"] < 1.5
+        os.kill(p.pid, signal.SIGSTOP)
+        row = wait_for(lambda: (r := stage_row(tmp_path, "extract"))["state"] == "stalled" and r, timeout=10)
+        assert row["heartbeat_age_s"] >= 1.5
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        row = stage_row(tmp_path, "extract")
+        assert row["state"] == "dead"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_busy_step_with_heartbeats_is_running_not_stalled(tmp_path):
+    p = start(tmp_path, "train", 3, 3.0, mode="busy", stall=1.0)
+    try:
+        time.sleep(2.0)  # inside the 3 s "loading target" step: no progress, but heartbeats
+        row = stage_row(tmp_path, "train")
+        assert row["state"] == "running", row
+        assert row["phase"] == "loading target"
+        assert row["heartbeat_age_s"] < 1.0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_on_disk_is_counted_from_files_and_disagreement_is_shown(tmp_path):
+    assert start(tmp_path, "extract", 12, 0.0).wait(60) == 0
+    shard = tmp_path / "extract" / "rows_0-12"
+    (shard / "3.safetensors").unlink()
+    (shard / ".7.safetensors.abc.tmp").write_bytes(b"partial")  # a temp file is never counted
+    row = stage_row(tmp_path, "extract")
+    assert row["done"] == 12 and row["on_disk"] == 11
+    assert "the journal says 12 samples done, the files on disk hold 11" in render_table(run_status(tmp_path))
+
+
+def test_logs_reach_a_redirected_file_while_running(tmp_path):
+    """`nohup draftsmith ... > log 2>&1 &`: progress lines are in the file before the stage ends."""
+    log = tmp_path / "nohup.out"
+    p = start(tmp_path / "run", "extract", 400, 0.01, log=log)
+    try:
+        text = wait_for(lambda: (t := log.read_text()).count("[extract]") >= 2 and t, timeout=30)
+        assert p.poll() is None, "the stage should still be running"
+        line = [l for l in text.splitlines() if "[extract]" in l][-1]
+        assert "/400 samples" in line and "samples/s" in line and "ETA" in line
+    finally:
+        p.wait(60)
+    assert "finished" in log.read_text()
+
+
+def test_journal_cut_mid_line_is_tolerated(tmp_path):
+    run = RunDir(tmp_path).ensure()
+    with Progress(run, "generate", total=10, unit="samples", console=False) as prog:
+        prog.advance(4)
+        prog._write(prog._event("p"))
+        j = prog.journal_path
+        prog._close(prog._event("p"))  # close without an end event, like a crash
+    with open(j, "ab") as f:
+        f.write(b'{"ev":"p","t":12')  # the crash cut this line
+    start_ev, events = read_journal(j)
+    assert start_ev["pid"] == os.getpid() and events[-1]["done"] == 4
+    row = stage_row(tmp_path, "generate")
+    assert row["done"] == 4 and row["state"] in ("running", "stalled")  # its pid (us) is alive
+
+
+def test_other_host_is_judged_by_heartbeats_alone(tmp_path):
+    run = RunDir(tmp_path).ensure()
+    d = run.stage_dir("extract")
+    now = time.time()
+    host = socket.gethostname() + "-elsewhere"
+
+    def journal(age):
+        lines = [{"ev": "start", "t": now - 100, "pid": 1, "host": host, "total": 100, "unit": "samples",
+                  "done": 0, "stall_after_s": 10},
+                 {"ev": "p", "t": now - age, "done": 50, "pt": now - age, "total": 100}]
+        (d / "progress.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    journal(1)  # pid 1 is alive here, but it is not that host's pid: heartbeats decide
+    assert stage_row(tmp_path, "extract")["state"] == "running"
+    journal(15)
+    assert stage_row(tmp_path, "extract")["state"] == "stalled"
+    journal(100)
+    assert stage_row(tmp_path, "extract")["state"] == "dead"
+
+
+def test_status_cli_json_and_exit_codes(tmp_path, cli):
+    assert start(tmp_path, "generate", 3, 0.0).wait(60) == 0
+    p = cli("status", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    assert st["run"] == str(tmp_path)
+    assert [s["name"] for s in st["stages"]] == ["generate", "prepare", "vocab", "extract", "train", "export", "eval"]
+    keys = {"name", "state", "done", "total", "unit", "rate_per_s", "eta_s", "heartbeat_age_s", "pid", "on_disk", "bytes_on_disk", "error"}
+    assert keys <= set(st["stages"][0])
+    assert st["stages"][0]["state"] == "done" and st["stages"][1]["state"] == "pending"
+    table = cli("status", str(tmp_path))
+    assert table.returncode == 0 and "generate  done" in table.stdout
+    bad = cli("status", str(tmp_path / "nope"), "--json")
+    assert bad.returncode != 0 and "not a draftsmith run directory" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_watch_snapshots_when_piped_and_stops_when_done(tmp_path, cli):
+    assert start(tmp_path, "generate", 3, 0.0).wait(60) == 0
+    p = cli("watch", str(tmp_path), "--interval", "0.1", timeout=30)
+    assert p.returncode == 0
+    assert p.stdout.startswith("--- ") and "generate  done" in p.stdout
