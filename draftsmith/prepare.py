@@ -1,0 +1,565 @@
+"""The `prepare` stage: token ids and a loss mask per generated conversation.
+
+Each record of `generate/samples.jsonl` is rendered with the target's own chat template and
+tokenized; the loss mask is 1 on the tokens the target itself produced in each assistant turn:
+its reasoning (when it gave one), its answer and the end-of-turn token that closed the turn
+(`<|im_end|>` for ChatML: the drafter must learn to predict the end of a turn too). The role
+header (`<|im_start|>assistant\\n`), system and user turns, and the separators between turns
+get 0.
+
+How assistant spans are found, without `{% generation %}` markers (SmolLM2's template has none):
+the conversation is rendered whole, and again up to each assistant message with
+`add_generation_prompt=True`; that prefix render must be a prefix of the whole render, and the
+assistant's text starts where it ends. The message's content (and reasoning) must then appear
+right there, as the model wrote it (surrounding whitespace aside): a template that drops or
+rewrites assistant content is an error, not a silent mis-mask. Tokens are mapped to characters
+with the tokenizer's offsets; when a BPE merge straddles a span boundary, the text is tokenized
+piece by piece at the boundaries instead (the way the model saw it: prompt tokens, then its own).
+
+Reasoning: a template that renders a `reasoning_content` / `reasoning` / `thinking` field gets it
+in that field (found by rendering a probe); for any other template the reasoning is written into
+the content as `<think>\\n{reasoning}\\n</think>\\n\\n{content}`. Templates that keep reasoning
+only for the last turn (Qwen3) drop it from earlier turns, as they do at inference; those turns
+are counted (`reasoning_dropped_by_template`).
+
+Output: `prepare/samples.jsonl`, one line per kept sample in generate's order (see
+docs/run-directory.md), appended and flushed as each one is done. A rerun with the same
+fingerprint skips the ids already there (a line cut by a crash is dropped first); a different
+fingerprint starts the file afresh. `prepare/state.json` records which fingerprint the file
+belongs to.
+"""
+
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith import DraftsmithError
+from draftsmith.rundir import RunDir, atomic_write_json, file_sha256, stage_fingerprint, write_stage_config
+
+STAGE = "prepare"
+# Bump when the way ids or masks are built changes: old prepared data then no longer matches.
+PREPARE_VERSION = 1
+# Characters a template may put between the generation prompt and the content (e.g. "<think>\n\n</think>\n\n").
+MAX_GAP = 64
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+THINK_FORMAT = "<think>\n{reasoning}\n</think>\n\n{content}"
+ROLES = ("system", "user", "assistant")
+NOTE_KEYS = ("reasoning_dropped_by_template", "turns_without_end_token", "boundary_retokenized", "boundary_overlap")
+
+EPILOG = """Examples:
+
+  draftsmith prepare --run runs/r1
+
+  draftsmith prepare --run runs/r1 --max-length 4096 --overflow drop
+
+  draftsmith prepare --run runs/r1 --config my.yaml --set prepare.max_length=1024
+"""
+
+
+class TemplateProblem(DraftsmithError):
+    """The chat template cannot yield a loss mask for a conversation (the caller adds where)."""
+
+
+# -------------------------------------------------------------------------------------------------
+# Encoding one conversation
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+    assistant_turns: int = 0
+    notes: dict[str, int] = field(default_factory=dict)  # counters from NOTE_KEYS, only when non-zero
+
+
+class ChatEncoder:
+    """Renders conversations with a target's chat template and builds the loss mask."""
+
+    def __init__(self, tokenizer, target_name: str, end_tokens: list[str]):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DraftsmithError(
+                f"target {target_name}: its tokenizer has no chat template, so prepare cannot render "
+                f"conversations the way the target sees them (add a chat_template to the target folder)")
+        self.tok = tokenizer
+        self.target = target_name
+        # Longest first, so that a token is never matched by a shorter one it starts with.
+        self.end_tokens = sorted({t for t in end_tokens if t}, key=len, reverse=True)
+        self.reasoning_key = self._probe_reasoning_key()
+
+    @classmethod
+    def for_target(cls, tokenizer, info) -> "ChatEncoder":
+        return cls(tokenizer, info.name, end_of_turn_tokens(tokenizer, Path(info.path)))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
+            raise TemplateProblem(f"the chat template of {self.target} fails on it ({type(e).__name__}: {e})") from None
+        if not isinstance(text, str):
+            raise TemplateProblem(f"the chat template of {self.target} did not render text (got {type(text).__name__})")
+        return text
+
+    def _probe_reasoning_key(self) -> str | None:
+        """The message field this template renders reasoning from, if any."""
+        marker = "draftsmith-reasoning-probe-7f3a"
+        for key in REASONING_KEYS:
+            msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", key: marker}]
+            try:
+                if marker in self._render(msgs, False):
+                    return key
+            except TemplateProblem:
+                return None
+        return None
+
+    def _template_message(self, m: dict) -> dict:
+        out = {"role": m["role"], "content": m["content"]}
+        reasoning = m.get("reasoning")
+        if m["role"] == "assistant" and reasoning:
+            if self.reasoning_key:
+                out[self.reasoning_key] = reasoning
+            else:
+                out["content"] = THINK_FORMAT.format(reasoning=reasoning.strip("\n"), content=m["content"])
+        return out
+
+    def encode(self, messages: list[dict], finish_reasons: list[str] | None = None) -> Encoded:
+        """Token ids of the rendered conversation and its loss mask (1 = a token the target wrote).
+
+        `finish_reasons` (one per assistant turn): a turn cut by the token limit ("length") did not
+        end with an end-of-turn token, so the one the template appends is not trained on.
+        """
+        tmsgs = [self._template_message(m) for m in messages]
+        full = self._render(tmsgs, False)
+        spans: list[tuple[int, int]] = []  # [start, end) character ranges of assistant output
+        notes: dict[str, int] = {}
+        turn = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prefix = self._render(tmsgs[:i], True)
+            if not full.startswith(prefix):
+                raise TemplateProblem(
+                    f"the chat template of {self.target} renders the conversation before assistant message "
+                    f"{i + 1} differently once later messages are added, so its tokens cannot be located")
+            start = len(prefix)
+            pos = start
+            reasoning = (m.get("reasoning") or "").strip()
+            if reasoning:
+                k = full.find(reasoning, start)
+                if 0 <= k <= start + MAX_GAP:
+                    pos = k + len(reasoning)
+                else:
+                    notes["reasoning_dropped_by_template"] = notes.get("reasoning_dropped_by_template", 0) + 1
+            content_end, end = self._locate_content(full, pos, m["content"].strip(), i)
+            ended = finish_reasons is None or turn >= len(finish_reasons) or finish_reasons[turn] != "length"
+            if end is None:
+                notes["turns_without_end_token"] = notes.get("turns_without_end_token", 0) + 1
+            spans.append((start, end if (end is not None and ended) else content_end))
+            turn += 1
+        ids, mask, how = self._tokenize(full, spans)
+        if how:
+            notes[how] = 1
+        return Encoded(ids, mask, assistant_turns=turn, notes=notes)
+
+    def _locate_content(self, full: str, pos: int, content: str, i: int) -> tuple[int, int | None]:
+        """(end of the content, end of the end-of-turn token after it or None) in `full`."""
+        window_end = pos + MAX_GAP + len(content)
+        first = None
+        k = full.find(content, pos, window_end)
+        while k >= 0:
+            first = k if first is None else first
+            stop = self._end_token_after(full, k + len(content))
+            if stop is not None:
+                return k + len(content), stop
+            if not content:
+                break
+            k = full.find(content, k + 1, window_end)
+        if first is None:
+            raise TemplateProblem(
+                f"the chat template of {self.target} drops or rewrites the content of assistant message {i + 1} "
+                f"(it does not start with {content[:40]!r}), so prepare cannot tell which tokens to train on")
+        return first + len(content), None
+
+    def _end_token_after(self, full: str, j: int) -> int | None:
+        """End of the end-of-turn token that follows position j (whitespace between allowed)."""
+        n, j0 = len(full), j
+        while j < n and full[j].isspace() and j - j0 < MAX_GAP:
+            j += 1
+        for t in self.end_tokens:
+            if full.startswith(t, j):
+                return j + len(t)
+        return None
+
+    def _tokenize(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int], str | None]:
+        """Token ids and mask for `text`; the third value names the boundary fix used, if any."""
+        import numpy as np
+
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [T, 2] character ranges
+        a, b = offs[:, 0], offs[:, 1]
+        bounds = np.asarray(sorted({x for s in spans for x in s}), dtype=np.int64)
+        # A token that covers a boundary strictly inside itself mixes header and model output.
+        straddle = bool(len(bounds)) and bool(((a[:, None] < bounds[None, :]) & (bounds[None, :] < b[:, None])).any())
+        if straddle:
+            cuts = sorted({0, len(text), *bounds.tolist()})
+            piece_ids: list[int] = []
+            piece_mask: list[int] = []
+            span_set = set(spans)
+            for x, y in zip(cuts[:-1], cuts[1:]):
+                seg = self.tok(text[x:y], add_special_tokens=False)["input_ids"]
+                inside = any(s <= x and y <= e for s, e in span_set)
+                piece_ids += seg
+                piece_mask += [int(inside)] * len(seg)
+            # Piecewise tokenization must spell the same text (a tokenizer that adds a prefix space
+            # to every call would not); otherwise keep the whole-text tokens and mask by overlap.
+            if self.tok.decode(piece_ids) == self.tok.decode(ids):
+                return piece_ids, piece_mask, "boundary_retokenized"
+        mask = np.zeros(len(ids), dtype=bool)
+        for s, e in spans:
+            mask |= (a < e) & (b > s) & (b > a)
+        return ids, mask.astype(np.int64).tolist(), ("boundary_overlap" if straddle else None)
+
+
+def end_of_turn_tokens(tokenizer, folder: Path) -> list[str]:
+    """Tokens the target stops generating at: the tokenizer's eos plus the eos ids of the model's
+    generation_config.json / config.json (Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = folder / name
+        try:
+            eos = json.loads(p.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids.update(x for x in (eos if isinstance(eos, list) else [eos]) if isinstance(x, int))
+    tokens = {tokenizer.eos_token} if tokenizer.eos_token else set()
+    for i in ids:
+        t = tokenizer.convert_ids_to_tokens(i)
+        if isinstance(t, str):
+            tokens.add(t)
+    return sorted(tokens)
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading generate's samples
+
+
+def _check_record(rec: Any, where: str) -> tuple[Any, list[dict], list[str] | None]:
+    if not isinstance(rec, dict) or "id" not in rec:
+        raise DraftsmithError(f"{where}: not a sample record (an object with 'id' and 'messages')")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise DraftsmithError(f"{where}: 'messages' must be a non-empty list")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DraftsmithError(f"{where}: message {j + 1}: role must be one of {', '.join(ROLES)} (got {m.get('role') if isinstance(m, dict) else m!r})")
+        if not isinstance(m.get("content"), str):
+            raise DraftsmithError(f"{where}: message {j + 1}: 'content' must be a string")
+        if m.get("reasoning") is not None and not isinstance(m["reasoning"], str):
+            raise DraftsmithError(f"{where}: message {j + 1}: 'reasoning' must be a string")
+    fr = rec.get("finish_reasons")
+    return rec["id"], msgs, fr if isinstance(fr, list) else None
+
+
+def _id_key(sample_id: Any) -> str:
+    return json.dumps(sample_id, sort_keys=True)
+
+
+def scan_generated(path: Path) -> list[str]:
+    """Id keys of generate's records in file order; a bad line or a duplicate id is an error."""
+    keys: list[str] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DraftsmithError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            sid, _, _ = _check_record(rec, f"{path}:{n}")
+            key = _id_key(sid)
+            if key in seen:
+                raise DraftsmithError(f"{path}:{n}: duplicate sample id {sid!r} (first on line {seen[key]})")
+            seen[key] = n
+            keys.append(key)
+    return keys
+
+
+# -------------------------------------------------------------------------------------------------
+# Resume
+
+
+def repair_jsonl_tail(path: Path) -> int:
+    """Cut a last line left incomplete by a crash (no trailing newline); returns bytes removed."""
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return 0
+        # Walk back to the last newline; everything after it is the torn line.
+        pos, chunk = size, 1 << 16
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            block = f.read(pos - start)
+            k = block.rfind(b"\n")
+            if k >= 0:
+                keep = start + k + 1
+                break
+            pos = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep
+
+
+@dataclass
+class Tally:
+    samples: int = 0
+    assistant_turns: int = 0  # contiguous masked spans (a turn cut by truncation still counts)
+    tokens: int = 0
+    masked_tokens: int = 0
+    truncated: int = 0
+    notes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in NOTE_KEYS})
+
+    def add(self, ids: list[int], mask: list[int], truncated: bool, notes: dict[str, int]) -> None:
+        self.samples += 1
+        self.assistant_turns += sum(1 for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1]))
+        self.tokens += len(ids)
+        self.masked_tokens += sum(mask)
+        self.truncated += int(truncated)
+        for k, v in notes.items():
+            self.notes[k] = self.notes.get(k, 0) + v
+
+
+def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], Tally]:
+    """Ids and totals of the samples already in prepare/samples.jsonl (after the tail repair)."""
+    done: set[str] = set()
+    tally = Tally()
+    if not path.exists():
+        return done, tally
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+                ids, mask = rec["input_ids"], rec["loss_mask"]
+                key = _id_key(rec["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DraftsmithError(
+                    f"{path}:{n}: corrupt line in a partial prepare output; delete {path} and rerun") from None
+            if key not in valid_keys or key in done:
+                raise DraftsmithError(
+                    f"{path}:{n}: sample {rec['id']!r} does not belong to this attempt; delete {path} and rerun")
+            done.add(key)
+            tally.add(ids, mask, bool(rec.get("truncated")), rec.get("notes") or {})
+    return done, tally
+
+
+# -------------------------------------------------------------------------------------------------
+# The stage
+
+
+def _upstream_target_fingerprint(manifest: dict) -> str | None:
+    """The target fingerprint an upstream manifest records, under the keys stages use."""
+    inputs = manifest.get("inputs") or {}
+    for holder in (inputs, manifest):
+        fp = holder.get("target_fingerprint")
+        if isinstance(fp, str):
+            return fp
+        t = holder.get("target")
+        if isinstance(t, dict) and isinstance(t.get("fingerprint"), str):
+            return t["fingerprint"]
+    return None
+
+
+def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None:
+    fp = _upstream_target_fingerprint(manifest)
+    if fp is not None and fp != info.fingerprint:
+        raise DraftsmithError(
+            f"{run.manifest_path(stage)}: built for another target (fingerprint {fp}) than the configured "
+            f"target {info.name} ({info.fingerprint}); use the same `target` for every stage of a run")
+
+
+def _human(n: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(int(n))
+
+
+def run_prepare(run: RunDir, cfg, **opts) -> dict:
+    """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
+    from draftsmith.progress import Progress, log
+    from draftsmith.target import load_tokenizer, target_info
+
+    started = time.time()
+    say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
+    gen_manifest = run.require_manifest("generate", by="draftsmith prepare")
+    gen_path = run.stage_dir("generate", create=False) / "samples.jsonl"
+    if not gen_path.is_file():
+        raise DraftsmithError(f"{gen_path}: missing although generate completed; rerun `draftsmith generate --run {run.path}`")
+    info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+    check_upstream_target(run, "generate", gen_manifest, info)
+    pcfg = cfg.prepare
+    settings = {**cfg.section(STAGE), "version": PREPARE_VERSION}
+    gen_sha = file_sha256(gen_path)
+    # The samples file's own hash too: a generate rerun that only added samples keeps its print.
+    fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint, "generate_samples_sha256": gen_sha},
+                           {"generate": gen_manifest})
+    d = run.stage_dir(STAGE)
+    out_path = d / "samples.jsonl"
+    state_path = d / "state.json"
+
+    old = run.read_manifest(STAGE)
+    if old is not None:
+        if old.get("fingerprint") == fp and out_path.is_file():
+            say(f"up to date ({old['counts'].get('done')} samples); nothing to do")
+            return old
+        run.invalidate(STAGE)
+    write_stage_config(run, STAGE, cfg)
+
+    tok = load_tokenizer(info, cfg.trust_remote_code)
+    encoder = ChatEncoder.for_target(tok, info)
+    keys = scan_generated(gen_path)
+    total = len(keys)
+
+    # Resume only a partial file built with this very fingerprint; anything else starts afresh.
+    state = None
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+        except ValueError:
+            state = None
+    if out_path.exists() and not (isinstance(state, dict) and state.get("fingerprint") == fp):
+        say(f"{out_path.name} was built with other inputs or settings; starting it afresh")
+        out_path.unlink()
+    atomic_write_json(state_path, {"fingerprint": fp, "started": started})
+    cut = repair_jsonl_tail(out_path)
+    if cut:
+        say(f"dropped an incomplete last line ({cut} bytes) left by an interrupted run")
+    done_keys, tally = read_prepared(out_path, set(keys))
+
+    counts = {"dropped_too_long": 0, "dropped_empty_mask": 0}
+    dropped_examples: list[str] = []
+    last_sync = time.time()
+    with Progress(run, STAGE, total=total, unit="samples", done=len(done_keys), stall_after_s=cfg.stall_after_s) as prog:
+        prog.log(f"target {info.name}; {total} generated samples, {len(done_keys)} already prepared; "
+                 f"max_length {pcfg.max_length} ({pcfg.overflow}); reasoning "
+                 + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else "written as <think> blocks"))
+        with open(gen_path, encoding="utf-8") as src, open(out_path, "a", encoding="utf-8") as out:
+            n = 0
+            for lineno, line in enumerate(src, 1):
+                if not line.strip():
+                    continue
+                key = keys[n]
+                n += 1
+                if key in done_keys:
+                    continue
+                sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
+                try:
+                    enc = encoder.encode(msgs, finish)
+                except TemplateProblem as e:
+                    raise TemplateProblem(f"{gen_path}:{lineno}: sample {sid!r}: {e}") from None
+                ids, mask, truncated = enc.input_ids, enc.loss_mask, False
+                reason = None
+                if len(ids) > pcfg.max_length:
+                    if pcfg.overflow == "drop":
+                        reason = "dropped_too_long"
+                    else:
+                        ids, mask, truncated = ids[: pcfg.max_length], mask[: pcfg.max_length], True
+                if reason is None and not any(mask):
+                    reason = "dropped_empty_mask"
+                if reason is not None:
+                    counts[reason] += 1
+                    if len(dropped_examples) < 5:
+                        why = ("too long" if reason == "dropped_too_long" else
+                               "no assistant token within max_length" if truncated else "no assistant token")
+                        dropped_examples.append(f"{sid} ({why}, {len(enc.input_ids)} tokens)")
+                    # Dropped samples leave no line: shrink the total so that done == lines on disk.
+                    prog.set_total(prog.total - 1)
+                    continue
+                rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
+                if enc.notes:
+                    rec["notes"] = enc.notes
+                out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                out.flush()  # a whole line per sample: a kill can only cut the last one
+                tally.add(ids, mask, truncated, enc.notes)
+                prog.advance(1)
+                if time.time() - last_sync > 10:
+                    os.fsync(out.fileno())
+                    last_sync = time.time()
+            os.fsync(out.fileno())
+
+        dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
+        if tally.samples == 0:
+            raise DraftsmithError(f"{gen_path}: no sample kept ({dropped} dropped: {', '.join(dropped_examples)})")
+        share = tally.masked_tokens / max(1, tally.tokens)
+        prog.log(f"prepared {tally.samples} samples: {_human(tally.tokens)} tokens, {_human(tally.masked_tokens)} "
+                 f"loss-masked ({share:.1%}); truncated {tally.truncated}; dropped {counts['dropped_too_long']} too long, "
+                 f"{counts['dropped_empty_mask']} with no assistant tokens")
+        if dropped_examples:
+            prog.log("dropped, e.g.: " + "; ".join(dropped_examples))
+        for k, msg in (("reasoning_dropped_by_template", "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
+                       ("turns_without_end_token", "assistant turns with no end-of-turn token after them in the template"),
+                       ("boundary_retokenized", "samples tokenized piecewise because a token straddled a turn boundary"),
+                       ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
+            if tally.notes.get(k):
+                prog.log(f"note: {tally.notes[k]} {msg}")
+        manifest_counts = {
+            "done": tally.samples, "total": tally.samples, "unit": "samples",
+            "input_samples": total, "samples": tally.samples, "assistant_turns": tally.assistant_turns, "tokens": tally.tokens,
+            "masked_tokens": tally.masked_tokens, "truncated": tally.truncated,
+            "dropped": dropped, **counts, **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
+        }
+        inputs = {"generate": gen_manifest.get("fingerprint"), "generate_samples_sha256": gen_sha,
+                  "target": info.name, "target_fingerprint": info.fingerprint}
+        manifest = run.write_manifest(STAGE, fingerprint=fp, inputs=inputs, settings=settings, counts=manifest_counts,
+                                      started=started, outputs=["samples.jsonl"],
+                                      extra={"reasoning_key": encoder.reasoning_key, "end_tokens": encoder.end_tokens})
+        prog.end(samples=tally.samples, tokens=tally.tokens, masked_tokens=tally.masked_tokens)
+    return manifest
+
+
+def iter_prepared(run: RunDir):
+    """Yield (index, record) of prepare/samples.jsonl in order; the stage must have completed."""
+    run.require_manifest(STAGE, by="reading prepared samples")
+    path = run.stage_dir(STAGE, create=False) / "samples.jsonl"
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DraftsmithError(f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+
+
+def register(app) -> None:
+    from typing import Annotated, Optional
+
+    import typer
+
+    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
+
+    @app.command(epilog=EPILOG)
+    def prepare(
+        run: RunOpt,
+        config: ConfigOpt = None,
+        sets: SetOpt = None,
+        max_length: Annotated[Optional[int], typer.Option("--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
+        overflow: Annotated[Optional[str], typer.Option("--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
+    ):
+        """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
+        cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
+        run_prepare(RunDir(run), cfg)
