@@ -44,6 +44,8 @@ class GenerateConfig(_Section):
     batch_size: int = Field(8, ge=1, description="Prompts per batch (backend local).")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds (backend openai).")
     retries: int = Field(5, ge=0, description="Retries per request on 408/409/425/429/5xx and connection errors.")
+    backoff_s: float = Field(
+        0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a 429's Retry-After wins).")
     retry_failed: bool = Field(False, description="Retry the samples recorded in generate/failures.jsonl.")
 
 
