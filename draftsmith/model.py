@@ -375,6 +375,7 @@ class Eagle3Drafter(nn.Module):
         steps: int,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> list[torch.Tensor]:
         """Training-time test: simulate `steps` steps of chain drafting at every
         position at once.
@@ -389,6 +390,10 @@ class Eagle3Drafter(nn.Module):
         position position_ids[i] + k and predicts t_{i+2+k}. Where i+1+k runs
         past the row, or past the document, the outputs are meaningless and the
         caller must mask them.
+
+        return_hidden: return each step's pre-norm output state [B, L, H]
+        instead of its logits (logits = lm_head(norm(state))), so that a caller
+        can run the [H, Dv] head only at the positions it trains on.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -426,7 +431,7 @@ class Eagle3Drafter(nn.Module):
             hidden, (k_new, v_new) = layer(self.embed_tokens(ids), hidden, cos, sin, mask, past)
             past = (k_new, v_new) if past is None else (
                 torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))
-            logits.append(self.lm_head(self.norm(hidden)))
+            logits.append(hidden if return_hidden else self.lm_head(self.norm(hidden)))
         return logits
 
     def forward(

@@ -1,0 +1,499 @@
+"""The train stage: TTT targets and masks by hand, packing, checkpoint format and exact resume after
+SIGKILL, the NaN stop, DDP equivalence (torchrun on gloo), offline == online, learning a signal."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import REPO, build_tiny_target, run_cli
+from draftsmith import DraftsmithError
+from draftsmith.config import load_config
+from draftsmith.extract import ExtractStore, encode_sample, run_extract
+from draftsmith.model import Eagle3Config, Eagle3Drafter
+from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
+from draftsmith.target import target_info
+from draftsmith.train import (
+    NOT_FINGERPRINTED,
+    _objective_class,
+    acceptance_length,
+    lr_lambda,
+    pack_epoch,
+    read_target_weights,
+    run_train,
+    ttt_masks,
+)
+from draftsmith.vocab import run_vocab
+
+DV = 64  # draft vocabulary of the tiny runs
+
+
+# -------------------------------------------------------------------------------------------------
+# Helpers: a run with prepare + vocab (+ extract) built by the real stages
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when the cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory) -> Path:
+    """A tiny random Llama with 8 layers (default aux layers [2, 4, 5])."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
+
+
+def cycle_samples(vocab_size: int, n: int, seed: int = 0, lengths=(24, 60), prompt=(3, 8)) -> list[dict]:
+    """Prompts of random tokens (loss mask 0), answers that walk a fixed permutation cycle over
+    40 token ids (loss mask 1): the next answer token is a function of the current one."""
+    rng = random.Random(1234)
+    cycle = rng.sample(range(3, vocab_size), 40)
+    nxt = {cycle[j]: cycle[(j + 1) % len(cycle)] for j in range(len(cycle))}
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt))]
+        a = [rng.choice(cycle)]
+        for _ in range(rng.randint(*lengths) - len(p) - 1):
+            a.append(nxt[a[-1]])
+        out.append({"id": f"s{i}", "input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a), "truncated": False})
+    return out
+
+
+def write_prepare(run: RunDir, target, samples: list[dict]) -> dict:
+    info = target_info(str(target))
+    d = run.ensure().stage_dir("prepare")
+    text = "".join(json.dumps(s) + "\n" for s in samples)
+    (d / "samples.jsonl").write_text(text)
+    n = len(samples)
+    return run.write_manifest(
+        "prepare", fingerprint=fingerprint(text), settings={},
+        inputs={"target": info.name, "target_fingerprint": info.fingerprint},
+        counts={"done": n, "total": n, "unit": "samples", "masked_tokens": sum(sum(s["loss_mask"]) for s in samples)},
+        started=time.time(), outputs=["samples.jsonl"])
+
+
+def base_sets(target, **train) -> list[str]:
+    sets = {"target": str(target), "vocab.draft_vocab_size": DV, "train.seq_len": 64, "train.batch_tokens": 128,
+            "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every_s": 0.001, "train.checkpoint_every": 1000}
+    sets.update({f"train.{k}" if "." not in k else k: v for k, v in train.items()})
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def cfg_for(target, **train):
+    return load_config(None, base_sets(target, **train))
+
+
+def make_run(path: Path, target, samples: list[dict], extract: bool = True) -> RunDir:
+    """prepare (written) + vocab (run) + extract (run) on the tiny target."""
+    run = RunDir(path)
+    write_prepare(run, target, samples)
+    run_vocab(run, cfg_for(target))
+    if extract:
+        run_extract(run, cfg_for(target, **{"extract.shard_size": 16}))
+    return run
+
+
+def synthesize_states(run: RunDir, target, scale: float = 8.0, nan_sample: int | None = None) -> None:
+    """Replace the extracted states by a learnable signal: last_hidden[j] makes the target's
+    draft-vocab distribution peak at t[j+1]; aux_hidden[j] carries t[j]'s embedding."""
+    info = target_info(str(target))
+    E = read_target_weights(info)[0].float()  # [V, H], tied lm_head
+    store = ExtractStore(run)
+    g = torch.Generator().manual_seed(0)
+    for i in range(len(store)):
+        rec = store[i]
+        ids = rec["input_ids"].long()
+        L, H = len(ids), E.shape[1]
+        nxt = torch.cat([ids[1:], ids[-1:]])
+        e = E[nxt]
+        last = scale * e / (e * e).sum(-1, keepdim=True)  # logit of t[j+1] = scale
+        aux = (E[ids] * 30).unsqueeze(1).expand(L, 3, H) + 0.01 * torch.randn(L, 3, H, generator=g)
+        if nan_sample == i:
+            aux = aux.clone()
+            aux[L // 2] = float("nan")
+        sample = {"id": store.metadata(i)["id"], "input_ids": ids.tolist(), "loss_mask": rec["loss_mask"].tolist()}
+        atomic_write_bytes(store.path(i), encode_sample(i, sample, aux, last, store.layers))
+
+
+def final_weights(run: RunDir) -> dict:
+    return load_file(str(run.path / "train" / "final" / "model.safetensors"))
+
+
+def metrics(run: RunDir) -> list[dict]:
+    return [json.loads(x) for x in (run.path / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def copy_run(src: RunDir, dst: Path) -> RunDir:
+    import shutil
+
+    shutil.copytree(src.path, dst, ignore=shutil.ignore_patterns("train"))
+    return RunDir(dst)
+
+
+@pytest.fixture(scope="module")
+def synth_run(tiny8, tmp_path_factory) -> RunDir:
+    """A finished prepare/vocab/extract run with the learnable synthetic states (copy before use)."""
+    run = make_run(tmp_path_factory.mktemp("synth") / "run", tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 48))
+    synthesize_states(run, tiny8)
+    return run
+
+
+# -------------------------------------------------------------------------------------------------
+# Targets, masks, loss: by hand on a tiny case
+
+
+def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=V, draft_vocab_size=len(draft_ids))
+    d = Eagle3Drafter(cfg)
+    W = torch.randn(V, H)
+    d.init_from_target(torch.randn(V, H), W, None, torch.tensor(draft_ids))
+    return d, W[torch.tensor(draft_ids)]
+
+
+# one row: document 0 (5 tokens), document 1 (3 tokens), one padding position
+IDS = torch.tensor([[2, 3, 5, 19, 7, 11, 13, 4, 0]])
+MASK = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+DOC = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1]])
+POS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0]])
+
+
+def test_masks_respect_documents_loss_mask_and_draft_vocab():
+    d, _ = tiny_drafter()
+    masks = ttt_masks(IDS, MASK, DOC, d.t2d, 3)
+    got = [(m[0].nonzero().flatten().tolist(), v[0].nonzero().flatten().tolist()) for m, v in masks]
+    # k=0, i -> t[i+2]: i=0 (5, ok), 1 (19 not in draft vocab: a miss, not trained), 2 (7, ok),
+    # 3 and 4 cross into document 1, 5 (4 not in draft vocab), 6 reaches the padding
+    assert got[0] == ([0, 1, 2, 5], [0, 2])
+    # k=1, i -> t[i+3]: 0 (19: miss), 1 (7), 2.. cross the document or run off it
+    assert got[1] == ([0, 1], [1])
+    # k=2, i -> t[i+4]: only i=0 (7) stays in document 0
+    assert got[2] == ([0], [0])
+    # a step that runs past the row has no position at all
+    assert not any(m.any() or v.any() for m, v in ttt_masks(IDS[:, :4], MASK[:, :4], DOC[:, :4], d.t2d, 3)[2:])
+
+
+def test_loss_targets_and_accuracy_match_a_hand_computation():
+    d, W_d = tiny_drafter()
+    d.eval()
+    aux = torch.randn(1, 9, 48)
+    last = torch.randn(1, 9, 16)
+    gamma = 0.5
+    valid = {0: [0, 2], 1: [1], 2: [0]}
+    masked = {0: 4, 1: 2, 2: 1}
+    logits = d.ttt_forward(IDS, aux, 3, position_ids=POS, doc_ids=DOC)  # the plain path: full logits
+    draft_ids = d.draft_ids()
+    expected_loss, kl, correct = 0.0, {}, {}
+    for k in range(3):
+        kl[k] = 0.0
+        correct[k] = 0
+        for i in valid[k]:
+            p = torch.softmax(W_d @ last[0, i + 1 + k], -1)  # target distribution for token i+2+k
+            logq = torch.log_softmax(logits[k][0, i], -1)
+            kl[k] += float((p * (p.log() - logq)).sum().detach())
+            correct[k] += int(draft_ids[logits[k][0, i].argmax()] == IDS[0, i + 2 + k])
+        expected_loss += gamma ** k * kl[k] / len(valid[k])
+    obj = _objective_class()(d, W_d, 3, gamma)
+    denom = [float(len(valid[k])) for k in range(3)]
+    loss, stats = obj(IDS, MASK, DOC, POS, aux, last, denom)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    for k in range(3):
+        assert stats[k, 0].item() == pytest.approx(kl[k], rel=1e-5)
+        assert stats[k, 1].item() == len(valid[k])
+        assert stats[k, 2].item() == correct[k]
+        assert stats[k, 3].item() == masked[k]
+    # the gradient reaches every trainable parameter (one step's term alone included)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.parameters() if p.requires_grad)
+
+
+def test_return_hidden_gives_the_states_behind_the_logits():
+    d, _ = tiny_drafter()
+    aux = torch.randn(2, 9, 48)
+    ids = IDS.expand(2, 9)
+    logits = d.ttt_forward(ids, aux, 3, position_ids=POS.expand(2, 9), doc_ids=DOC.expand(2, 9))
+    states = d.ttt_forward(ids, aux, 3, position_ids=POS.expand(2, 9), doc_ids=DOC.expand(2, 9), return_hidden=True)
+    for lg, h in zip(logits, states):
+        assert h.shape == (2, 9, 16)
+        torch.testing.assert_close(d.lm_head(d.norm(h)), lg)
+
+
+def test_acceptance_length_and_schedule():
+    assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert acceptance_length([1.0, 0.0, 1.0]) == 2.0
+    f = lr_lambda(warmup=4, total=20, min_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
+
+
+def test_packing_places_every_sample_once_within_rows():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(300)] + [250, 0]
+    plan = pack_epoch(lengths, row_len=128, rows_per_batch=3, seed=7, epoch=0)
+    seen = [i for mb in plan for row in mb for i in row]
+    assert sorted(seen) == [i for i in range(len(lengths)) if lengths[i] > 0]  # the empty one is skipped
+    assert all(len(mb) <= 3 for mb in plan)
+    assert all(sum(min(lengths[i], 128) for i in row) <= 128 for mb in plan for row in mb)
+    used = sum(min(n, 128) for n in lengths)
+    rows = sum(len(mb) for mb in plan)
+    assert used / (rows * 128) > 0.95  # best-fit decreasing leaves little padding
+    assert plan == pack_epoch(lengths, 128, 3, seed=7, epoch=0)  # every rank / resume agrees
+    assert plan != pack_epoch(lengths, 128, 3, seed=7, epoch=1)  # a new order per epoch
+
+
+# -------------------------------------------------------------------------------------------------
+# The stage end to end (in-process)
+
+
+def test_training_learns_a_synthetic_signal_and_writes_the_documented_files(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    m = run_train(run, cfg_for(tiny8, max_steps=80, checkpoint_every=30, keep_checkpoints=2, tensorboard="true"))
+    assert m["counts"]["done"] == 80 and m["counts"]["unit"] == "steps"
+    rows = metrics(run)
+    first, last = rows[0], rows[-1]
+    assert last["step"] == 80
+    assert last["loss"][0] < 0.3 * first["loss"][0]
+    assert last["acc"][0] > 0.8 and last["acc"][2] > 0.5
+    assert last["acceptance_length"] > 2.5
+    assert {"lr", "grad_norm", "tokens_per_s", "elapsed_s", "step_time_s"} <= set(last)
+    assert set(last["step_time_s"]) == {"data", "forward", "backward", "optimizer"}
+
+    d = run.path / "train"
+    steps = sorted(p.name for p in (d / "checkpoints").iterdir())
+    assert steps == ["step_60", "step_80"]  # keep_checkpoints=2
+    assert list(d.glob("tb/events.*"))
+    for folder in (d / "checkpoints" / "step_80", d / "final"):
+        assert sorted(p.name for p in folder.iterdir()) == ["drafter.json", "model.safetensors", "optimizer.pt",
+                                                           "rng.safetensors", "state.json"]
+        sd = load_file(str(folder / "model.safetensors"))
+        assert "embed_tokens.weight" not in sd and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+        assert sd["lm_head.weight"].shape == (DV, 64) and int(sd["t2d"].sum()) == DV
+        meta = json.loads((folder / "drafter.json").read_text())
+        assert meta["aux_layers"] == [2, 4, 5] and meta["ttt_steps"] == 3 and meta["draft_vocab_size"] == DV
+        assert meta["target"]["fingerprint"] == target_info(str(tiny8)).fingerprint
+        assert meta["config"]["hidden_size"] == 64 and meta["vocab_fingerprint"]
+        state = json.loads((folder / "state.json").read_text())
+        assert state["step"] == 80 and state["metrics"]["step"] == 80
+        opt = torch.load(folder / "optimizer.pt", weights_only=True)
+        assert {"optimizer", "scheduler"} <= set(opt)
+    assert torch.equal(final_weights(run)["fc.weight"], load_file(str(d / "checkpoints/step_80/model.safetensors"))["fc.weight"])
+
+    # export reads it; status counts it; a rerun with the same settings does nothing
+    from draftsmith.export import drafter_config_from_meta, find_checkpoint
+    assert find_checkpoint(run) == (d / "final").resolve()
+    assert drafter_config_from_meta(json.loads((d / "final/drafter.json").read_text()), "x").draft_vocab_size == DV
+    from draftsmith.status import run_status
+    st = {s["name"]: s for s in run_status(run.path)["stages"]}["train"]
+    assert st["state"] == "done" and st["on_disk"] == 80 and st["done"] == 80
+    t0 = time.time()
+    assert run_train(run, cfg_for(tiny8, max_steps=80, checkpoint_every=30, keep_checkpoints=2))["finished"] == m["finished"]
+    assert time.time() - t0 < 5
+
+
+def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_the_last_checkpoint(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    store = ExtractStore(run)
+    # the sample that the 4th micro-batch (= optimizer step 4) of epoch 0 packs first
+    plan = pack_epoch(store.lengths, 64, 2, seed=0, epoch=0)
+    bad = plan[3][0][0]
+    synthesize_states(run, tiny8, nan_sample=bad)
+    with pytest.raises(DraftsmithError) as e:
+        run_train(run, cfg_for(tiny8, max_steps=20, checkpoint_every=1, keep_checkpoints=2))
+    msg = str(e.value)
+    assert "non-finite loss" in msg and "at step 4" in msg and f"'s{bad}'" in msg
+    assert "train/checkpoints/step_3" in msg
+    d = run.path / "train"
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    w = load_file(str(d / "checkpoints/step_3/model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in w.values() if t.is_floating_point())
+    assert not (d / "final").exists() and not (d / "manifest.json").exists()
+    journal = (d / "progress.jsonl").read_text().splitlines()
+    assert json.loads(journal[-1])["ev"] == "error"
+
+
+def test_online_mode_trains_on_the_same_numbers_as_offline(tiny8, tmp_path):
+    samples = cycle_samples(target_info(str(tiny8)).vocab_size, 16, seed=3)
+    off = make_run(tmp_path / "off", tiny8, samples, extract=True)
+    on = make_run(tmp_path / "on", tiny8, samples, extract=False)
+    sets = dict(max_steps=6, precision="fp32")
+    run_train(off, cfg_for(tiny8, mode="offline", **sets))
+    m = run_train(on, cfg_for(tiny8, mode="online", **sets))
+    assert m["inputs"]["prepare"] and "extract" not in m["inputs"]
+    assert sorted(p.name for p in (on.path).iterdir()) == ["prepare", "run.json", "train", "vocab"]  # nothing else written
+    a, b = final_weights(off), final_weights(on)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_refuses_mismatched_or_missing_upstream(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    with pytest.raises(DraftsmithError, match=r"extract\.layers: \[1, 3, 5\] differs from the layers \[2, 4, 5\]"):
+        run_train(run, cfg_for(tiny8, max_steps=2, **{"extract.layers": "[1,3,5]"}))
+    with pytest.raises(DraftsmithError, match="vocab.draft_vocab_size"):
+        run_train(run, cfg_for(tiny8, max_steps=2, **{"vocab.draft_vocab_size": 32}))
+    other = build_tiny_target(tmp_path / "other", num_layers=8, vocab_size=300)
+    with pytest.raises(DraftsmithError, match="another target"):
+        run_train(run, cfg_for(other, max_steps=2))
+    bare = RunDir(tmp_path / "bare")
+    write_prepare(bare, tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 4))
+    with pytest.raises(DraftsmithError, match="draftsmith extract"):
+        run_train(bare, cfg_for(tiny8, max_steps=2))
+    with pytest.raises(DraftsmithError, match="draftsmith vocab"):
+        run_train(bare, cfg_for(tiny8, max_steps=2, mode="online"))
+    assert not (run.path / "train").exists()
+
+
+def test_changed_settings_restart_and_cosmetic_ones_resume(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2))
+    first = final_weights(run)
+    # only cosmetic settings changed: same fingerprint, nothing to do
+    assert {"log_every_s", "checkpoint_every"} <= set(NOT_FINGERPRINTED)
+    m = run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=3, log_every_s=5))
+    assert m["counts"]["done"] == 4
+    # another learning rate: the old checkpoints move to train/previous and training starts over
+    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2, lr=1e-3))
+    d = run.path / "train"
+    assert (d / "previous" / "final").is_dir() and (d / "previous" / "checkpoints" / "step_4").is_dir()
+    assert not torch.equal(first["fc.weight"], final_weights(run)["fc.weight"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Subprocesses: SIGKILL + resume, torchrun DDP
+
+
+def cli_args(run: RunDir, target, **train) -> list[str]:
+    out = ["train", "--run", str(run.path)]
+    for s in base_sets(target, **train):
+        out += ["--set", s]
+    return out
+
+
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def test_resume_after_sigkill_ends_with_the_same_weights(synth_run, tiny8, tmp_path):
+    sets = dict(max_steps=200, checkpoint_every=10, keep_checkpoints=2, precision="fp32", log_every_s=0.2)
+    ref = copy_run(synth_run, tmp_path / "ref")
+    run_cli(*cli_args(ref, tiny8, **sets), env=THREADS, check=True)
+
+    run = copy_run(synth_run, tmp_path / "killed")
+    env = {**os.environ, **THREADS}
+    p = subprocess.Popen([sys.executable, "-m", "draftsmith", *cli_args(run, tiny8, **sets)], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ck = run.path / "train" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ck / "step_20" / "state.json").exists():
+        time.sleep(0.01)
+    time.sleep(0.05)  # land between checkpoints, mid-step
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert not (run.path / "train" / "final").exists(), "the run finished before it could be killed"
+    killed_at = max(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_"))
+    assert 20 <= killed_at < 200
+
+    r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
+    assert f"resumed from {ck / f'step_{killed_at}'}" in r.stdout
+    a, b = final_weights(ref), final_weights(run)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # metrics past the resumed checkpoint were dropped, so steps are increasing and unique
+    steps = [x["step"] for x in metrics(run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 200
+
+
+def torchrun(run: RunDir, target, nproc: int, **train) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(29500 + random.randint(1, 2000)),
+           "-m", "draftsmith", "--", *cli_args(run, target, **train)]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, **THREADS}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def full_length_run(tiny8, path: Path) -> RunDir:
+    """Every sample exactly one row long, so batch 2b packs the same rows as two batches of b."""
+    samples = cycle_samples(target_info(str(tiny8)).vocab_size, 24, seed=5, lengths=(64, 64))
+    run = make_run(path, tiny8, samples)
+    synthesize_states(run, tiny8)
+    return run
+
+
+def test_ddp_two_ranks_match_one_rank_at_double_batch(tiny8, tmp_path):
+    base = full_length_run(tiny8, tmp_path / "base")
+    sets = dict(max_steps=4, precision="fp32", lr=1e-3)
+    two = copy_run(base, tmp_path / "two")
+    p = torchrun(two, tiny8, 2, batch_tokens=64, **sets)
+    assert p.stdout.count("step 4/4 |") == 1  # rank 0 logs, rank 1 does not
+    assert sorted(x.name for x in (two.path / "train").glob("progress*.jsonl")) == ["progress.rank0.jsonl", "progress.rank1.jsonl"]
+    one = copy_run(base, tmp_path / "one")
+    run_cli(*cli_args(one, tiny8, batch_tokens=128, **sets), env=THREADS, check=True)
+    accum = copy_run(base, tmp_path / "accum")
+    run_cli(*cli_args(accum, tiny8, batch_tokens=64, grad_accum=2, **sets), env=THREADS, check=True)
+    a, b, c = final_weights(two), final_weights(one), final_weights(accum)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(c[k], b[k], rtol=1e-4, atol=1e-6)
+    assert metrics(two)[-1]["tokens"] == metrics(one)[-1]["tokens"] == 4 * 2 * 64
+
+
+def test_fsdp_two_ranks_match_ddp(tiny8, tmp_path):
+    base = full_length_run(tiny8, tmp_path / "base")
+    sets = dict(max_steps=3, precision="fp32", lr=1e-3, batch_tokens=64, checkpoint_every=2)
+    ddp = copy_run(base, tmp_path / "ddp")
+    torchrun(ddp, tiny8, 2, **sets)
+    fsdp = copy_run(base, tmp_path / "fsdp")
+    torchrun(fsdp, tiny8, 2, fsdp="true", **sets)
+    a, b = final_weights(ddp), final_weights(fsdp)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------
+# The real target
+
+
+@pytest.mark.integration
+def test_online_training_on_smollm2_lowers_the_loss(smol_target, tmp_path):
+    from draftsmith.target import load_tokenizer
+
+    info = target_info(smol_target)
+    tok = load_tokenizer(info)
+    texts = ["The quick brown fox jumps over the lazy dog. " * 3,
+             "Speculative decoding drafts tokens with a small model and verifies them with the target model.",
+             "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+             "Hello! How can I help you today? I am a helpful assistant and I like to answer questions.",
+             "Write a short poem about the sea and the sky, the waves and the wind, the sun and the moon.",
+             "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20, numbers counted one by one."]
+    samples = []
+    for i, t in enumerate(texts):
+        ids = tok(t)["input_ids"]
+        samples.append({"id": f"t{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4), "truncated": False})
+    run = RunDir(tmp_path / "run")
+    write_prepare(run, smol_target, samples)
+    sets = dict(mode="online", max_steps=12, lr=2e-3, warmup_steps=1, seq_len=256, batch_tokens=256,
+                **{"vocab.draft_vocab_size": 512})
+    run_vocab(run, cfg_for(smol_target, **sets))
+    t0 = time.time()
+    m = run_train(run, cfg_for(smol_target, **sets))
+    assert m["counts"]["done"] == 12
+    rows = metrics(run)
+    assert rows[-1]["loss"][0] < 0.7 * rows[0]["loss"][0]
+    assert time.time() - t0 < 60
