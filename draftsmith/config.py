@@ -67,6 +67,8 @@ class ExtractConfig(_Section):
     batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch (samples are grouped by length).")
     force: bool = Field(False, description="Skip the free-disk-space refusal.")
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
+    overwrite: bool = Field(
+        False, description="When extract/ holds a store built with other layers, target or prepare output, delete it and start over (else refuse).")
     servers: list[str] = Field(default_factory=list, description="Running vLLM extraction servers (backend vllm).")
 
 
@@ -95,6 +97,8 @@ class TrainConfig(_Section):
 
 class ExportConfig(_Section):
     checkpoint: str | None = Field(None, description="Checkpoint folder to export; default: the last one.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Dtype of the exported weights (d2t/t2d keep int64/bool).")
 
 
 class EvalConfig(_Section):

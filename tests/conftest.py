@@ -91,3 +91,55 @@ def run_cli(*args: str, env: dict | None = None, check: bool = False, timeout: f
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int] | None = None,
+                             draft_vocab_size: int | None = None, seed: int = 0, step: int = 10,
+                             ttt_steps: int = 3) -> Path:
+    """A training checkpoint folder as `train` writes it (model.safetensors without embed_tokens,
+    drafter.json, state.json last), holding a randomly initialised Eagle3Drafter for `target`
+    (initialised from the target's embeddings, lm_head rows and final norm)."""
+    import dataclasses
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.model import Eagle3Config, Eagle3Drafter
+    from draftsmith.target import target_info
+
+    info = target_info(target)
+    aux_layers = aux_layers or info.default_aux_layers()
+    hf = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32)
+    V = info.vocab_size
+    dv = draft_vocab_size or V
+    config = Eagle3Config.from_target_config(hf.config, dv)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+    # the draft vocabulary: the lowest ids (specials and EOS included) plus a random rest
+    g = torch.Generator().manual_seed(seed)
+    rest = torch.randperm(V - 8, generator=g)[: dv - 8] + 8 if dv > 8 else torch.empty(0, dtype=torch.long)
+    draft_ids = torch.cat([torch.arange(min(dv, 8)), rest]).sort().values
+    norm = hf.model.norm.weight.detach()
+    drafter.init_from_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach(),
+                             norm, draft_ids)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(sd, str(folder / "model.safetensors"))
+    meta = {**dataclasses.asdict(config), "aux_layers": list(aux_layers), "target": info.name,
+            "target_fingerprint": info.fingerprint, "ttt_steps": ttt_steps}
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    (folder / "state.json").write_text(json.dumps({"step": step}))
+    return folder
+
+
+@pytest.fixture
+def drafter_checkpoint():
+    """`drafter_checkpoint(folder, target, aux_layers=..., draft_vocab_size=...)` writes a
+    checkpoint folder like train's (see write_drafter_checkpoint)."""
+    return write_drafter_checkpoint

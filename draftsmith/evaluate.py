@@ -1,0 +1,676 @@
+"""`eval`: how much does the exported drafter speed up the target?
+
+An *engine* decodes every prompt with speculative decoding (and, for the speedup, plainly) and
+yields one record per prompt; this module appends the records to RUN/eval/answers.jsonl as they
+come (so `status` counts them and a rerun resumes), then aggregates them into
+RUN/eval/report.json, report.md and acceptance.png.
+
+Engines are functions `engine(ctx: EngineContext) -> Iterator[dict]` registered in ENGINES; each
+record carries at least RECORD_KEYS. The `local` engine is draftsmith's own loop:
+
+- the transformers target with an HF DynamicCache (cropped after rejections) and the drafter with
+  a DrafterCache (cropped back to the verified prefix before every drafting round);
+- vLLM's EAGLE-3 input convention: at a verified prefix the drafter at position i reads the
+  target's aux states at i (fused by fc) and token i+1; later draft steps read the drafter's own
+  pre-norm output at position +1 each; the aux states come from forward pre-hooks on the target's
+  decoder layers (the state *entering* layer k) during the verification forwards;
+- a chain of K draft tokens per step, verified in one target forward over K+1 tokens: greedy at
+  temperature 0 (the output equals plain greedy decoding), standard speculative sampling above 0
+  (Leviathan et al. 2023: accept draft x with probability min(1, p(x)/q(x)), else sample from
+  norm(max(0, p - q)); the output is distributed exactly as the target's).
+
+Counting follows vLLM (`SpecDecodingStats.observe_draft`): one draft per verification step, all
+K tokens counted as drafted, accepted tokens counted before stop/max_tokens truncation, so
+acceptance length tau = 1 + accepted / drafts and acceptance at position j = (drafts whose first
+j+1 tokens were accepted) / drafts, as vLLM computes from /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
+from draftsmith.rundir import (RunDir, atomic_path, atomic_write_json, atomic_write_text, stage_fingerprint,
+                               write_stage_config)
+
+STAGE = "eval"
+ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
+
+# what every engine's per-prompt record holds (more keys are welcome)
+RECORD_KEYS = ("id", "index", "prompt_tokens", "output_tokens", "token_ids", "text", "finish_reason",
+               "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "seconds")
+
+
+# -------------------------------------------------------------------------------------------------
+# Speculative decoding (local engine)
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]
+    finish_reason: str  # "stop" (an EOS token, kept in tokens) or "length"
+    seconds: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K] drafts whose position j was accepted
+
+
+def decoder_layers(model):
+    """The target's list of decoder layers (Llama-like: model.model.layers)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DraftsmithError(f"target {type(model).__name__}: cannot find its decoder layers (model.layers)")
+    return layers
+
+
+class AuxCapture:
+    """Forward pre-hooks that keep the hidden state entering decoder layers `layer_ids` (vLLM's aux
+    layer convention = HF hidden_states[k]) while `active`."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        layers = decoder_layers(model)
+        self.layer_ids = list(layer_ids)
+        self.active = False
+        self.states: dict[int, Any] = {}
+        self.handles = [layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True) for k in self.layer_ids]
+
+    def _hook(self, k: int):
+        def hook(module, args, kwargs):
+            if self.active:
+                self.states[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def take(self):
+        """[B, T, len(layer_ids) * H], in layer-id order (the order fc was trained on)."""
+        import torch
+
+        missing = [k for k in self.layer_ids if k not in self.states]
+        if missing:
+            raise RuntimeError(f"aux hidden states of layers {missing} were not captured")
+        out = torch.cat([self.states[k] for k in self.layer_ids], dim=-1)
+        self.states = {}
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def speculative_verify(target_logits, drafts: list[int], draft_probs, temperature: float, gen=None) -> tuple[int, int]:
+    """Verify a chain of drafts against the target.
+
+    target_logits [K+1, V]: the target's logits after the last verified token and after each
+    draft; drafts: K target token ids; draft_probs [K, V] (the drafter's distribution q each
+    draft was sampled from; unused at temperature 0); gen: torch.Generator (CPU).
+    Returns (accepted count a in 0..K, the token to emit after the accepted drafts: the target's
+    correction at a < K, the bonus token at a = K).
+    """
+    import torch
+
+    K = len(drafts)
+    if temperature <= 0:
+        best = target_logits.argmax(dim=-1).tolist()  # [K+1]
+        a = 0
+        while a < K and drafts[a] == best[a]:
+            a += 1
+        return a, best[a]
+    p = torch.softmax(target_logits.float().cpu() / temperature, dim=-1)  # [K+1, V]
+    q = draft_probs.float().cpu()
+    for j, x in enumerate(drafts):
+        u = torch.rand((), generator=gen).item()
+        if u * float(q[j, x]) < float(p[j, x]):  # u < p/q without dividing by a tiny q
+            continue
+        residual = (p[j] - q[j]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q: rejection has probability 0; guard rounding
+            residual = p[j]
+        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return K, int(torch.multinomial(p[K], 1, generator=gen))
+
+
+class SpecDecoder:
+    """Batch-1 speculative decoding of a transformers target with an Eagle3Drafter."""
+
+    def __init__(self, model, drafter, aux_layers: list[int], num_speculative_tokens: int,
+                 temperature: float, eos_ids: set[int]):
+        import inspect
+
+        import torch
+
+        self.model, self.drafter = model, drafter
+        self.K, self.temperature, self.eos_ids = num_speculative_tokens, temperature, set(eos_ids)
+        self.device = next(model.parameters()).device
+        self.capture = AuxCapture(model, aux_layers)
+        # the past-KV keyword is `cache` in transformers >= 5.2x, `past_key_values` before
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.draft_ids = drafter.draft_ids().to(self.device)  # [Dv] target id of each draft id
+        self.vocab_size = drafter.config.vocab_size
+        self._torch = torch
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _target(self, ids: list[int], cache, all_logits: bool):
+        """Run the target on `ids` after what `cache` holds -> logits [T or 1, V]."""
+        x = self._torch.tensor([ids], device=self.device)
+        out = self.model(input_ids=x, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                         **{self._cache_kw: cache})
+        return out.logits[0]
+
+    def _pick(self, logits, gen) -> int:
+        """One target token from target logits [V]."""
+        torch = self._torch
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        p = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        return int(torch.multinomial(p, 1, generator=gen))
+
+    def _pick_draft(self, logits, gen):
+        """A draft token from drafter logits [Dv] -> (target id, q [V] or None)."""
+        torch = self._torch
+        if self.temperature <= 0:
+            return int(self.draft_ids[int(logits.argmax())]), None
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)  # [Dv]
+        i = int(torch.multinomial(probs, 1, generator=gen))
+        q = torch.zeros(self.vocab_size)
+        q[self.draft_ids.cpu()] = probs
+        return int(self.draft_ids[i]), q
+
+    def _draft(self, tokens: list[int], pend_ids: list[int], pend_aux, pos0: int, cache, gen):
+        """Propose K tokens.
+
+        tokens: the sequence so far (prompt + output; the EAGLE drafter needs only what follows,
+        but other proposers may use it). pend_ids [T]: tokens at positions pos0+1 .. pos0+T
+        (the verified tokens the drafter has not read yet); pend_aux [1, T, 3H]: the target's aux
+        states at positions pos0 .. pos0+T-1; cache: the drafter's keys for positions < pos0.
+        Returns (K target token ids, q [K, V] or None at temperature 0).
+        """
+        torch = self._torch
+        T = len(pend_ids)
+        pos = torch.arange(pos0, pos0 + T, device=self.device)[None]
+        dtype = self.drafter.fc.weight.dtype
+        logits, h = self.drafter(torch.tensor([pend_ids], device=self.device), pend_aux.to(dtype), pos, cache)
+        last_logits, last_h, p = logits[0, -1], h[:, -1:], pos0 + T - 1
+        drafts, qs = [], []
+        for k in range(self.K):
+            d, q = self._pick_draft(last_logits, gen)
+            drafts.append(d)
+            qs.append(q)
+            if k == self.K - 1:
+                break
+            p += 1  # draft step k+1 reads draft k at the next position, with the drafter's own state
+            logits, last_h = self.drafter(torch.tensor([[d]], device=self.device), last_h,
+                                          torch.tensor([[p]], device=self.device), cache)
+            last_logits = logits[0, -1]
+        return drafts, (None if qs[0] is None else torch.stack(qs))
+
+    def _emit(self, out: list[int], new: list[int], max_tokens: int) -> str | None:
+        for t in new:
+            out.append(t)
+            if t in self.eos_ids:
+                return "stop"
+            if len(out) >= max_tokens:
+                return "length"
+        return None
+
+    # -- decoding ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_tokens: int, gen=None) -> GenResult:
+        from draftsmith.model import DrafterCache
+
+        torch = self._torch
+        t0 = time.perf_counter()
+        K = self.K
+        res = GenResult(tokens=[], finish_reason="length", seconds=0.0, accepted_per_pos=[0] * K)
+        with torch.no_grad():
+            cache_t, cache_d = self._new_cache(), DrafterCache()
+            self.capture.active = True
+            try:
+                logits = self._target(prompt_ids, cache_t, all_logits=False)
+                aux = self.capture.take()  # [1, n, 3H]
+            finally:
+                self.capture.active = False
+            out = res.tokens
+            reason = self._emit(out, [self._pick(logits[-1], gen)], max_tokens)
+            # the drafter's unread verified tokens start at position 0 (token 1 at position 0)
+            pend_ids, pend_aux, pos0 = list(prompt_ids[1:]) + [out[-1]], aux, 0
+            while reason is None:
+                L0 = cache_t.get_seq_length()  # tokens the target has read = position of out[-1]
+                drafts, q = self._draft(list(prompt_ids) + out, pend_ids, pend_aux, pos0, cache_d, gen)
+                self.capture.active = True
+                try:
+                    logits = self._target([out[-1]] + drafts, cache_t, all_logits=True)  # [K+1, V]
+                    aux = self.capture.take()  # [1, K+1, 3H] at positions L0 .. L0+K
+                finally:
+                    self.capture.active = False
+                a, nxt = speculative_verify(logits, drafts, q, self.temperature, gen)
+                res.num_drafts += 1
+                res.num_draft_tokens += K
+                res.num_accepted += a
+                for j in range(a):
+                    res.accepted_per_pos[j] += 1
+                # keep the target's keys for out[-1] and the accepted drafts; the drafter's for
+                # positions < L0 (its keys at L0.. came from its own guesses and are recomputed
+                # from the target's states next round, as vLLM does)
+                if a < K:
+                    cache_t.crop(-(K - a))  # a negative count removes that many from the end
+                cache_d.crop(L0)
+                new = drafts[:a] + [nxt]
+                reason = self._emit(out, new, max_tokens)
+                pend_ids, pend_aux, pos0 = new, aux[:, : a + 1], L0
+        res.finish_reason = reason
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def plain(self, prompt_ids: list[int], max_tokens: int, gen=None) -> GenResult:
+        """The baseline: the same target decoding one token per forward with a KV cache."""
+        torch = self._torch
+        t0 = time.perf_counter()
+        out: list[int] = []
+        with torch.no_grad():
+            cache = self._new_cache()
+            logits = self._target(prompt_ids, cache, all_logits=False)
+            reason = self._emit(out, [self._pick(logits[-1], gen)], max_tokens)
+            while reason is None:
+                logits = self._target([out[-1]], cache, all_logits=False)
+                reason = self._emit(out, [self._pick(logits[-1], gen)], max_tokens)
+        return GenResult(tokens=out, finish_reason=reason, seconds=time.perf_counter() - t0)
+
+
+# -------------------------------------------------------------------------------------------------
+# Engines
+
+
+@dataclass
+class EngineContext:
+    run: RunDir
+    cfg: Any  # draftsmith.config.Config
+    export_dir: Path
+    todo: list[tuple[int, Any]]  # (index in the prompt list, Prompt) still to decode
+    prog: Any  # draftsmith.progress.Progress
+    warmup: bool = True
+
+
+def render_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of the first user turn, through the chat template with the generation prompt."""
+    messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+        {"role": "user", "content": prompt.turns[0]}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    text = (prompt.system + "\n\n" if prompt.system else "") + prompt.turns[0]
+    return list(tokenizer(text).input_ids)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for v in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def make_record(index: int, prompt, prompt_ids: list[int], spec: GenResult, base: GenResult | None,
+                tokenizer, temperature: float) -> dict:
+    tps = len(spec.tokens) / spec.seconds if spec.seconds > 0 else None
+    rec = {
+        "id": prompt.id, "index": index, "prompt_tokens": len(prompt_ids),
+        "output_tokens": len(spec.tokens), "token_ids": spec.tokens,
+        "text": tokenizer.decode(spec.tokens, skip_special_tokens=True),
+        "finish_reason": spec.finish_reason,
+        "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted, "accepted_per_pos": spec.accepted_per_pos,
+        "acceptance_length": (1 + spec.num_accepted / spec.num_drafts) if spec.num_drafts else None,
+        "seconds": round(spec.seconds, 4), "tokens_per_s": tps, "baseline": None,
+    }
+    if base is not None:
+        rec["baseline"] = {
+            "output_tokens": len(base.tokens), "seconds": round(base.seconds, 4),
+            "tokens_per_s": len(base.tokens) / base.seconds if base.seconds > 0 else None,
+            "finish_reason": base.finish_reason,
+            # at temperature 0 speculative decoding must reproduce plain greedy decoding
+            "same_tokens": base.tokens == spec.tokens if temperature <= 0 else None,
+        }
+    return rec
+
+
+def local_engine(ctx: EngineContext) -> Iterator[dict]:
+    """draftsmith's own speculative decoding with the transformers target (see module doc)."""
+    import torch
+
+    from draftsmith.export import load_exported
+    from draftsmith.target import load_target
+
+    ec, prog = ctx.cfg.eval, ctx.prog
+    with prog.busy("loading target"):
+        target = load_target(ctx.cfg.target, ctx.cfg.device, ctx.cfg.dtype, ctx.cfg.trust_remote_code, log=prog.log)
+    drafter, dinfo = load_exported(ctx.export_dir, target_info=target.info, embed_weight=target.embed_weight(),
+                                   device=target.device, dtype=target.dtype)
+    prog.log(f"target {target.info.name} ({target.dtype}, {target.device}), drafter {ctx.export_dir} "
+             f"(aux layers {dinfo['aux_layers']}, draft vocab {dinfo['config'].draft_vocab_size}), "
+             f"K={ec.num_speculative_tokens}, temperature {ec.temperature}, max_tokens {ec.max_tokens}")
+    trained = (dinfo.get("draftsmith") or {}).get("ttt_steps")
+    if trained and ec.num_speculative_tokens > trained:
+        prog.log(f"note: K={ec.num_speculative_tokens} exceeds the {trained} steps the drafter was trained to draft")
+    tok = target.tokenizer
+    dec = SpecDecoder(target.model, drafter, dinfo["aux_layers"], ec.num_speculative_tokens,
+                      ec.temperature, eos_ids(target.model, tok))
+    try:
+        if ctx.warmup and ctx.todo:
+            # first calls pay one-time costs (allocator, kernels); keep them out of the timings
+            ids = render_prompt(tok, ctx.todo[0][1])
+            dec.generate(ids, min(4, ec.max_tokens), torch.Generator().manual_seed(0))
+            dec.plain(ids, min(4, ec.max_tokens), torch.Generator().manual_seed(0))
+        for index, prompt in ctx.todo:
+            ids = render_prompt(tok, prompt)
+            # one seed per prompt: a resumed run samples what an uninterrupted one would
+            seed = ec.seed * 1_000_003 + index
+            spec = dec.generate(ids, ec.max_tokens, torch.Generator().manual_seed(seed))
+            base = dec.plain(ids, ec.max_tokens, torch.Generator().manual_seed(seed)) if ec.baseline else None
+            yield make_record(index, prompt, ids, spec, base, tok, ec.temperature)
+    finally:
+        dec.capture.remove()
+
+
+ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine}
+
+
+# -------------------------------------------------------------------------------------------------
+# Aggregation and the report
+
+
+def aggregate(records: list[dict], K: int) -> dict:
+    drafts = sum(r["num_drafts"] for r in records)
+    accepted = sum(r["num_accepted_tokens"] for r in records)
+    per_pos = [sum(r["accepted_per_pos"][j] for r in records) for j in range(K)]
+    tokens = sum(r["output_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    with_base = [r for r in records if r.get("baseline")]
+    b_tokens = sum(r["baseline"]["output_tokens"] for r in with_base)
+    b_seconds = sum(r["baseline"]["seconds"] for r in with_base)
+    tps = tokens / seconds if seconds > 0 else None
+    b_tps = b_tokens / b_seconds if with_base and b_seconds > 0 else None
+    same = [r["baseline"]["same_tokens"] for r in with_base if r["baseline"].get("same_tokens") is not None]
+    return {
+        "prompts": len(records),
+        "acceptance_length": (1 + accepted / drafts) if drafts else None,
+        "acceptance_per_position": [c / drafts for c in per_pos] if drafts else [None] * K,
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": b_tps,
+        "speedup": tps / b_tps if tps and b_tps else None,
+        "num_drafts": drafts,
+        "num_draft_tokens": sum(r["num_draft_tokens"] for r in records),
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "baseline_output_tokens": b_tokens if with_base else None,
+        "baseline_seconds": round(b_seconds, 3) if with_base else None,
+        "greedy_same_as_baseline": (sum(same), len(same)) if same else None,
+        "finish_reasons": {k: sum(1 for r in records if r["finish_reason"] == k)
+                           for k in sorted({r["finish_reason"] for r in records})},
+    }
+
+
+def read_train_metrics(path: Path) -> list[dict]:
+    """(step, loss, acc per position) from train/metrics.jsonl; lines without a step are skipped.
+    Accuracies are read from an `acc` list or dict, or `acc_{k}` / `acc{k}` keys."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
+            continue
+        acc = rec.get("acc")
+        if isinstance(acc, dict):
+            acc = [acc[k] for k in sorted(acc, key=lambda s: int(re.sub(r"\D", "", str(s)) or 0))]
+        if not isinstance(acc, list):
+            found = sorted((int(m.group(1)), v) for k, v in rec.items()
+                           if (m := re.fullmatch(r"acc_?(\d+)", k)) and isinstance(v, (int, float)))
+            acc = [v for _, v in found] or None
+        rows.append({"step": rec["step"], "loss": rec.get("loss"), "acc": acc})
+    return rows
+
+
+def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + (2 if train_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    acc = [a or 0.0 for a in report["acceptance_per_position"]]
+    ax.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    for i, a in enumerate(acc):
+        ax.text(i + 1, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(range(1, len(acc) + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of drafts accepted up to here")
+    tau = report.get("acceptance_length")
+    ax.set_title(f"{report['engine']}: K={report['num_speculative_tokens']}, T={report['temperature']}, "
+                 f"tau={tau:.2f}" if tau else f"{report['engine']}: no drafts")
+    if train_rows:
+        steps = [r["step"] for r in train_rows]
+        ax = axes[0][1]
+        ax.plot(steps, [r["loss"] for r in train_rows], color="tab:red")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("training loss")
+        ax = axes[0][2]
+        n = max((len(r["acc"]) for r in train_rows if r["acc"]), default=0)
+        for k in range(n):
+            pts = [(r["step"], r["acc"][k]) for r in train_rows if r["acc"] and len(r["acc"]) > k]
+            ax.plot([s for s, _ in pts], [a for _, a in pts], label=f"step {k}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("accuracy")
+        ax.set_title("training accuracy per TTT step")
+        if n:
+            ax.legend()
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def report_markdown(report: dict) -> str:
+    acc = report["acceptance_per_position"]
+    same = report.get("greedy_same_as_baseline")
+    lines = [
+        f"# draftsmith eval: {report['target']}",
+        "",
+        f"Engine `{report['engine']}`, K = {report['num_speculative_tokens']}, temperature {report['temperature']}, "
+        f"max {report['max_tokens']} tokens, {report['prompts']} prompts from `{report['prompts_source']}`, "
+        f"dtype {report.get('dtype')}.",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        f"| acceptance length (tau = 1 + accepted/drafts) | {_fmt(report['acceptance_length'])} |",
+        f"| acceptance per position | {', '.join(_fmt(a) for a in acc)} |",
+        f"| tokens/s with drafting | {_fmt(report['tokens_per_s'], '.1f')} |",
+        f"| tokens/s plain decoding | {_fmt(report['baseline_tokens_per_s'], '.1f')} |",
+        f"| speedup | {_fmt(report['speedup'])} |",
+        f"| drafts / accepted tokens | {report['num_drafts']} / {report['num_accepted_tokens']} |",
+        f"| output tokens | {report['output_tokens']} |",
+    ]
+    if same:
+        lines.append(f"| greedy output identical to plain decoding | {same[0]} of {same[1]} prompts |")
+    lines += ["", f"Plot: `{PLOT}`. Per-prompt results: `{ANSWERS}`.", ""]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------
+# The stage
+
+
+def _read_answers(path: Path, fingerprint: str) -> tuple[dict[str, dict], bool]:
+    """Finished records of this fingerprint by prompt id, and whether the file must be rewritten
+    (a cut last line or records of another fingerprint)."""
+    done: dict[str, dict] = {}
+    dirty = False
+    if not path.is_file():
+        return done, False
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dirty = True  # cut by a crash mid-write
+            continue
+        if not isinstance(rec, dict) or rec.get("fingerprint") != fingerprint:
+            dirty = True
+            continue
+        done[rec["id"]] = rec
+    return done, dirty
+
+
+def _append_line(path: Path, rec: dict) -> None:
+    data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)  # one write per line: a crash can only cut the last line
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
+    """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
+    Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest."""
+    from draftsmith.export import CONFIG_FILE, _read_json
+    from draftsmith.progress import Progress
+    from draftsmith.prompts import load_prompts
+    from draftsmith.target import target_info
+
+    ec = cfg.eval
+    if ec.engine not in ENGINES:
+        raise DraftsmithError(f"eval.engine={ec.engine}: not available in this build; use eval.engine=local")
+    run.ensure()
+    started = time.time()
+    export_manifest = run.require_manifest("export", by="draftsmith eval")
+    export_dir = run.path / "export"
+    cj = _read_json(export_dir / CONFIG_FILE)
+    info = target_info(cfg.target, cfg.trust_remote_code)
+    ds = cj.get("draftsmith") or {}
+    if ds.get("target_fingerprint") not in (None, info.fingerprint):
+        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target {ds.get('target')} "
+                              f"(fingerprint {ds.get('target_fingerprint')}), but target is {info.name} "
+                              f"(fingerprint {info.fingerprint})")
+    prompts = load_prompts(ec.prompts, limit=ec.limit, offset=ec.offset, first_turn_only=True)
+    if not prompts:
+        raise DraftsmithError(f"eval.prompts: no prompts in {ec.prompts} (offset {ec.offset}, limit {ec.limit})")
+
+    settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
+    fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
+    # a per-prompt record stays valid when only the selection of prompts changes (a larger
+    # limit reuses the answers already written)
+    record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
+    record_fp = stage_fingerprint({**record_settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
+    old = run.read_manifest(STAGE)
+    if old is not None and old.get("fingerprint") != fp:
+        run.invalidate(STAGE)
+    d = run.stage_dir(STAGE)
+    write_stage_config(run, STAGE, cfg)
+    answers = d / ANSWERS
+    done, dirty = _read_answers(answers, record_fp)
+    ids = {p.id for p in prompts}
+    if any(k not in ids for k in done):  # answers.jsonl holds exactly this selection (status counts its lines)
+        done, dirty = {k: v for k, v in done.items() if k in ids}, True
+    if dirty:
+        atomic_write_text(answers, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()))
+    todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
+
+    with Progress(run, STAGE, total=len(prompts), unit="prompts", done=len(done), stall_after_s=cfg.stall_after_s) as prog:
+        if done:
+            prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {answers}")
+        if todo:
+            ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup)
+            for rec in ENGINES[ec.engine](ctx):
+                missing = [k for k in RECORD_KEYS if k not in rec]
+                if missing:
+                    raise RuntimeError(f"engine {ec.engine} returned a record without {missing}")
+                rec = {**rec, "engine": ec.engine, "fingerprint": record_fp}
+                _append_line(answers, rec)
+                done[rec["id"]] = rec
+                prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {_fmt(rec.get('acceptance_length'))}, "
+                         f"{_fmt(rec.get('tokens_per_s'), '.1f')} tok/s"
+                         + (f" (plain {_fmt(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
+                prog.advance(1)
+        records = [done[p.id] for p in prompts]
+        agg = aggregate(records, ec.num_speculative_tokens)
+        report = {
+            "engine": ec.engine, "num_speculative_tokens": ec.num_speculative_tokens, "temperature": ec.temperature,
+            **agg,
+            "max_tokens": ec.max_tokens, "prompts_source": ec.prompts, "offset": ec.offset, "limit": ec.limit,
+            "target": info.name, "target_fingerprint": info.fingerprint, "dtype": cfg.dtype, "device": cfg.device,
+            "drafter": str(export_dir), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
+            "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
+        }
+        atomic_write_json(d / REPORT_JSON, report)
+        atomic_write_text(d / REPORT_MD, report_markdown(report))
+        write_plot(d / PLOT, report, read_train_metrics(run.path / "train" / "metrics.jsonl"))
+        prog.log(f"tau {_fmt(report['acceptance_length'])}, acceptance per position "
+                 f"[{', '.join(_fmt(a) for a in report['acceptance_per_position'])}], "
+                 f"{_fmt(report['tokens_per_s'], '.1f')} tok/s vs {_fmt(report['baseline_tokens_per_s'], '.1f')} plain "
+                 f"(speedup {_fmt(report['speedup'])})")
+    return run.write_manifest(
+        STAGE, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
+                                       "prompts": ec.prompts},
+        settings=settings, counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
+        started=started, outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT],
+        extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
+                                                 "baseline_tokens_per_s", "speedup")}},
+    )
+
+
+def register(app) -> None:
+    @app.command("eval", epilog="Examples:\n\n"
+                 "  draftsmith eval --run runs/r1\n\n"
+                 "  draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128\n\n"
+                 "  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl")
+    def eval_(
+        run: RunOpt,
+        engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target.")] = None,
+        prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
+        limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
+        offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
+        num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
+        temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
+        max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens per answer.")] = None,
+        config: ConfigOpt = None,
+        sets: SetOpt = None,
+    ):
+        """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
+        cfg = stage_config(config, sets, **{
+            "eval.engine": engine, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
+            "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
+            "eval.max_tokens": max_tokens})
+        m = run_eval(RunDir(run), cfg)
+        r = m["report"]
+        print(f"acceptance length {_fmt(r['acceptance_length'])}, speedup {_fmt(r['speedup'])}; "
+              f"report: {RunDir(run).stage_dir(STAGE) / REPORT_JSON}")

@@ -1,0 +1,533 @@
+"""`export`: turn a training checkpoint into a drafter folder that vLLM serves as is.
+
+The output, RUN/export/, is in the speculators format that vLLM's `eagle3` method reads
+(vllm/transformers_utils/configs/speculators/ and vllm/model_executor/models/llama_eagle3.py):
+
+    config.json        speculators config: `speculators_model_type: "eagle3"`,
+                       `transformer_layer_config` (a one-layer Llama: shapes, eps, plain RoPE),
+                       `draft_vocab_size`, `norm_before_residual: false`, `target_hidden_size`,
+                       `eagle_aux_hidden_state_layer_ids`, `speculators_config` (proposal method
+                       and verifier = the target folder), plus a `draftsmith` block (target name
+                       and fingerprint, checkpoint, step)
+    model.safetensors  fc, layers.0.*, norm, lm_head, d2t, t2d (no embed_tokens: vLLM then
+                       shares the target's embeddings, which is what the drafter trained with)
+
+    vllm serve TARGET --speculative-config '{"model": "RUN/export", "method": "eagle3", "num_speculative_tokens": 3}'
+
+The folder is built beside RUN/export/ and renamed into place, so RUN/export/ always holds a
+complete export or none. `load_exported(folder)` reads it back with every file and key checked.
+
+Gotchas that decide whether vLLM computes the same function as training:
+- vLLM's speculators loader defaults `norm_before_residual` to True for eagle3; draftsmith's
+  layer keeps the raw incoming state as the residual, so the config must say false.
+- vLLM builds RoPE from `transformer_layer_config.rope_parameters` (theta 10000 when absent):
+  we write the target's theta with `rope_type: default`, the RoPE the drafter trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from draftsmith import DraftsmithError, __version__
+from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
+from draftsmith.rundir import RunDir, file_sha256, stage_fingerprint, write_stage_config
+
+STAGE = "export"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# files of a training checkpoint folder (written by `train`; state.json last)
+CKPT_WEIGHTS, CKPT_META, CKPT_STATE = "model.safetensors", "drafter.json", "state.json"
+# the stage's bookkeeping files, carried over when the built folder replaces RUN/export/
+BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
+
+# Model parameter name -> name in the exported safetensors. One-to-one today (model.py names its
+# parameters after vLLM's), but spelled out so that a rename on either side is one edit here and
+# so that the exported key set is fixed: embed_tokens is left out on purpose (see module doc).
+EXPORT_KEYS: dict[str, str] = {
+    "fc.weight": "fc.weight",
+    **{f"layers.0.self_attn.{p}_proj.weight": f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"},
+    **{f"layers.0.mlp.{p}_proj.weight": f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"layers.0.{n}.weight": f"layers.0.{n}.weight"
+       for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+# optional in an export (vLLM uses the target's embeddings when it is absent)
+OPTIONAL_KEYS = {"embed_tokens.weight": "embed_tokens.weight"}
+# tensors that keep their integer/bool dtype; every other tensor is cast to export.dtype
+INDEX_KEYS = ("d2t", "t2d")
+
+
+# -------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in (CKPT_WEIGHTS, CKPT_META, CKPT_STATE))
+
+
+def find_checkpoint(run: RunDir, explicit: str | None = None) -> Path:
+    """The checkpoint folder to export: `explicit` (a path, or relative to the run), else
+    RUN/train/final, else the newest complete RUN/train/checkpoints/step_N."""
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not p.is_absolute() and not p.exists() and (run.path / p).exists():
+            p = run.path / p
+        if not p.is_dir():
+            raise DraftsmithError(f"export.checkpoint: {p}: no such checkpoint folder")
+        for f in (CKPT_WEIGHTS, CKPT_META):
+            if not (p / f).is_file():
+                raise DraftsmithError(f"export.checkpoint: {p / f}: missing (not a draftsmith checkpoint)")
+        if not (p / CKPT_STATE).is_file():
+            raise DraftsmithError(f"export.checkpoint: {p}: incomplete checkpoint (no {CKPT_STATE}; "
+                                  "it was being written when training stopped)")
+        return p.resolve()
+    train = run.path / "train"
+    if _complete(train / "final"):
+        return (train / "final").resolve()
+    steps = []
+    ck = train / "checkpoints"
+    if ck.is_dir():
+        for d in ck.iterdir():
+            if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit() and _complete(d):
+                steps.append((int(d.name[5:]), d))
+    if not steps:
+        raise DraftsmithError(f"{train}: no complete checkpoint (train/final or train/checkpoints/step_N "
+                              f"with {CKPT_STATE}); run `draftsmith train --run {run.path}` first")
+    return max(steps)[1].resolve()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"{path}: expected a JSON object")
+    return data
+
+
+def drafter_config_from_meta(meta: dict, where: str):
+    """Eagle3Config from a checkpoint's drafter.json: its Eagle3Config fields, at the top level
+    or under "config"."""
+    from draftsmith.model import Eagle3Config
+
+    src = meta.get("config") if isinstance(meta.get("config"), dict) else meta
+    names = {f.name for f in fields(Eagle3Config)}
+    kwargs = {k: v for k, v in src.items() if k in names}
+    try:
+        return Eagle3Config(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
+
+
+def _meta_aux_layers(meta: dict, where: str) -> list[int]:
+    layers = meta.get("aux_layers")
+    if not (isinstance(layers, list) and layers and all(isinstance(x, int) for x in layers)):
+        raise DraftsmithError(f"{where}: 'aux_layers' must be a list of layer ids, got {layers!r}")
+    return layers
+
+
+def _meta_target(meta: dict) -> tuple[str | None, str | None]:
+    """(target name, target fingerprint) recorded by train, in either flat or nested form."""
+    t = meta.get("target")
+    if isinstance(t, dict):
+        return t.get("name"), t.get("fingerprint")
+    return t, meta.get("target_fingerprint")
+
+
+# -------------------------------------------------------------------------------------------------
+# Shapes and checks shared by export and load_exported
+
+
+def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
+    Built on the meta device: no memory, always in step with model.py."""
+    import torch
+
+    from draftsmith.model import Eagle3Drafter
+
+    with torch.device("meta"):
+        model = Eagle3Drafter(config)
+    out = {}
+    for name, t in model.state_dict().items():
+        kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
+        out[EXPORT_KEYS.get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
+    return out
+
+
+def _kind(dtype) -> str:
+    import torch
+
+    return "int64" if dtype == torch.int64 else "bool" if dtype == torch.bool else (
+        "float" if dtype.is_floating_point else str(dtype))
+
+
+def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], config, *,
+                  allow_extra: tuple[str, ...] = ()) -> None:
+    """Check the names, shapes and dtypes of a safetensors file against `expected_shapes` without
+    loading it; a missing, extra or misshapen tensor is a one-line error naming file and key."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise DraftsmithError(f"{path}: missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in keys}
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise DraftsmithError(f"{path}: not a readable safetensors file ({e})") from None
+    for key in EXPORT_KEYS.values():
+        if key not in keys:
+            raise DraftsmithError(f"{path}: missing tensor '{key}'")
+    extra = sorted(keys - set(EXPORT_KEYS.values()) - set(OPTIONAL_KEYS.values()) - set(allow_extra))
+    if extra:
+        raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+    st_kind = {"I64": "int64", "BOOL": "bool", "F32": "float", "F16": "float", "BF16": "float", "F64": "float"}
+    for key in [*EXPORT_KEYS.values(), *OPTIONAL_KEYS.values()]:  # a fixed order: the same error every time
+        if key not in found or key not in shapes:
+            continue
+        (shape, dtype), (want, kind) = found[key], shapes[key]
+        if shape != want:
+            raise DraftsmithError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
+                                  f"(hidden {config.hidden_size}, vocab {config.vocab_size}, draft vocab {config.draft_vocab_size})")
+        if st_kind.get(dtype, dtype) != kind:
+            raise DraftsmithError(f"{path}: tensor '{key}' has dtype {dtype}, expected {kind}")
+
+
+def check_vocab_maps(d2t, t2d, where: str) -> None:
+    """d2t must map draft ids to strictly increasing target ids in range, and t2d mark exactly them."""
+    import torch
+
+    ids = d2t + torch.arange(d2t.numel())
+    V = t2d.numel()
+    if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        raise DraftsmithError(f"{where}: 'd2t' maps a draft id outside the target vocabulary [0, {V})")
+    if d2t.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise DraftsmithError(f"{where}: 'd2t' target ids are not strictly increasing")
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):
+        raise DraftsmithError(f"{where}: 't2d' does not mark exactly the target ids of 'd2t'")
+
+
+# -------------------------------------------------------------------------------------------------
+# The speculators config
+
+
+def speculators_config(config, aux_layers: list[int], *, target_path: str, target_arch: str,
+                       num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
+    """config.json for vLLM (speculators format, eagle3)."""
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        # plain RoPE with the target's theta, as in training (never the target's scaling)
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,
+        "vocab_size": config.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+    }
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        # vLLM's default for speculators eagle3 is True; model.py's residual is the raw state
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "target_hidden_size": config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{
+                "proposal_type": "greedy",
+                "speculative_tokens": num_speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }],
+            # `vllm serve EXPORT_DIR` serves this model with the drafter attached
+            "verifier": {"name_or_path": target_path, "architectures": [target_arch]},
+        },
+        "dtype": dtype,
+        "draftsmith": draftsmith,
+    }
+
+
+def _config_from_export(cj: dict, where: str):
+    """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
+    from draftsmith.model import Eagle3Config
+
+    if cj.get("speculators_model_type") != "eagle3":
+        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", got {cj.get('speculators_model_type')!r}")
+    layer = cj.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
+    sc = cj.get("speculators_config")
+    try:
+        int(sc["proposal_methods"][0]["speculative_tokens"])
+        str(sc["verifier"]["name_or_path"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise DraftsmithError(f"{where}: 'speculators_config' needs proposal_methods[0].speculative_tokens "
+                              "and verifier.name_or_path") from None
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in layer:
+            raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be 1, got {layer.get('num_hidden_layers')}")
+    if cj.get("norm_before_residual", True):
+        raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
+                              "the raw hidden state as the residual; vLLM's default is true)")
+    if cj.get("norm_before_fc") or cj.get("fc_norm"):
+        raise DraftsmithError(f"{where}: 'norm_before_fc'/'fc_norm' are not supported by draftsmith's drafter")
+    rope = layer.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise DraftsmithError(f"{where}: 'transformer_layer_config.rope_parameters.rope_type' must be "
+                              f"\"default\" (draftsmith trains with plain RoPE), got {rope.get('rope_type')!r}")
+    theta = rope.get("rope_theta", layer.get("rope_theta"))
+    if theta is None:
+        raise DraftsmithError(f"{where}: missing 'transformer_layer_config.rope_parameters.rope_theta'")
+    if layer.get("rope_theta") is not None and float(layer["rope_theta"]) != float(theta):
+        raise DraftsmithError(f"{where}: 'rope_theta' ({layer['rope_theta']}) disagrees with rope_parameters ({theta})")
+    aux = cj.get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
+        raise DraftsmithError(f"{where}: 'eagle_aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
+    if cj.get("target_hidden_size") not in (None, layer["hidden_size"]):
+        raise DraftsmithError(f"{where}: 'target_hidden_size' ({cj['target_hidden_size']}) differs from the "
+                              f"drafter's hidden_size ({layer['hidden_size']}); not supported")
+    try:
+        config = Eagle3Config(
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+            head_dim=layer.get("head_dim"),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(theta),
+            max_position_embeddings=layer.get("max_position_embeddings", 8192),
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
+            num_aux_layers=len(aux),
+            hidden_act=layer.get("hidden_act", "silu"),
+        )
+    except (TypeError, ValueError) as e:
+        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
+    return config, aux
+
+
+# -------------------------------------------------------------------------------------------------
+# Loading an export
+
+
+def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=None,
+                  device: str = "cpu", dtype=None):
+    """Read an exported drafter folder, checking it the way vLLM would use it.
+
+    target_info (draftsmith.target.TargetInfo, optional): also check that the drafter fits this
+    target (hidden size, vocabulary, aux layer ids in range). embed_weight [V, H] (optional): the
+    target's input embeddings, copied into the drafter (an export carries none by default).
+
+    Returns (Eagle3Drafter in eval mode, info dict: config, aux_layers, num_speculative_tokens,
+    has_embed_tokens, dtype, draftsmith block, path). Every problem is a DraftsmithError naming
+    the file and the key.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith.model import Eagle3Drafter
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"{folder}: no such export folder")
+    cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    cj = _read_json(cpath)
+    config, aux = _config_from_export(cj, str(cpath))
+    if target_info is not None:
+        where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
+        target_info.check_layers(aux, field=where)
+        for name, mine, theirs in (("hidden_size", config.hidden_size, target_info.hidden_size),
+                                   ("vocab_size", config.vocab_size, target_info.vocab_size)):
+            if mine != theirs:
+                raise DraftsmithError(f"{cpath}: transformer_layer_config.{name} is {mine} but the target "
+                                      f"{target_info.name} has {theirs}")
+    shapes = expected_shapes(config)
+    check_tensors(wpath, shapes, config)
+    sd = load_file(str(wpath))
+    check_vocab_maps(sd["d2t"], sd["t2d"], str(wpath))
+
+    model = Eagle3Drafter(config)
+    has_embed = "embed_tokens.weight" in sd
+    if not has_embed:
+        if embed_weight is not None:
+            if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+                raise DraftsmithError(f"{folder}: target embeddings are {list(embed_weight.shape)}, the drafter "
+                                      f"needs [{config.vocab_size}, {config.hidden_size}]")
+            sd["embed_tokens.weight"] = embed_weight.detach().to("cpu", torch.float32)
+        else:
+            sd["embed_tokens.weight"] = model.embed_tokens.weight.detach().zero_()
+    param_sd = {name: sd[export] for name, export in {**EXPORT_KEYS, **OPTIONAL_KEYS}.items()}
+    model.load_state_dict(param_sd, strict=True)
+    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    # to(dtype) casts floating tensors only: d2t (int64) and t2d (bool) keep theirs
+    model.eval().requires_grad_(False)
+    stored_dtype = next((str(t.dtype).removeprefix("torch.") for k, t in sd.items()
+                         if k not in INDEX_KEYS and k != "embed_tokens.weight"), None)
+    info = {
+        "path": str(folder.resolve()),
+        "config": config,
+        "aux_layers": list(aux),
+        "num_speculative_tokens": int(cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
+        "verifier": cj["speculators_config"]["verifier"]["name_or_path"],
+        "has_embed_tokens": has_embed,
+        "dtype": stored_dtype,
+        "draftsmith": cj.get("draftsmith") or {},
+    }
+    return model, info
+
+
+# -------------------------------------------------------------------------------------------------
+# The stage
+
+
+def _swap_into_place(built: Path, dest: Path) -> None:
+    """Replace `dest` by the folder `built` (same parent): the stage's bookkeeping files move over
+    first, then two renames; `dest` is never a mix of old and new exported files."""
+    if dest.is_dir():
+        for name in BOOKKEEPING:
+            if (dest / name).exists():
+                os.replace(dest / name, built / name)
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(built, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(built, dest)
+
+
+def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
+    """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
+    to RUN/export/. Returns the manifest."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.progress import Progress
+    from draftsmith.target import target_info
+
+    run.ensure()
+    started = time.time()
+    ckpt = find_checkpoint(run, checkpoint or cfg.export.checkpoint)
+    meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
+    meta = _read_json(meta_path)
+    state = _read_json(ckpt / CKPT_STATE)
+    config = drafter_config_from_meta(meta, str(meta_path))
+    aux = _meta_aux_layers(meta, str(meta_path))
+    if len(aux) != config.num_aux_layers:
+        raise DraftsmithError(f"{meta_path}: {len(aux)} aux_layers but the drafter's fc fuses {config.num_aux_layers}")
+
+    info = target_info(cfg.target, cfg.trust_remote_code)
+    ck_name, ck_fp = _meta_target(meta)
+    if ck_fp is not None and ck_fp != info.fingerprint:
+        raise DraftsmithError(f"{meta_path}: the checkpoint was trained for target {ck_name or '?'} (fingerprint {ck_fp}), "
+                              f"but target is {info.name} (fingerprint {info.fingerprint}); set target to the model it was trained on")
+    info.check_layers(aux, field=f"{meta_path}: aux_layers")
+    if (config.hidden_size, config.vocab_size) != (info.hidden_size, info.vocab_size):
+        raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} do not match "
+                              f"target {info.name} ({info.hidden_size}/{info.vocab_size})")
+
+    ck_sha = file_sha256(weights_path)
+    train_manifest = run.read_manifest("train")
+    settings = cfg.section(STAGE)
+    inputs = {"checkpoint": str(ckpt), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
+              "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
+    fp = stage_fingerprint({**settings, "inputs": inputs}, {})
+    old = run.read_manifest(STAGE)
+    if old is not None and old.get("fingerprint") != fp:
+        run.invalidate(STAGE)
+    write_stage_config(run, STAGE, cfg)
+
+    dtype_name = cfg.export.dtype
+    out_dtype = getattr(torch, dtype_name)
+    dest = run.stage_dir(STAGE)
+    for stale in run.path.glob(f".{STAGE}.*.tmp"):  # left by a crash mid-export
+        shutil.rmtree(stale, ignore_errors=True)
+
+    with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
+        prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, dtype {dtype_name}")
+        check_tensors(weights_path, expected_shapes(config), config)
+        sd = load_file(str(weights_path))
+        check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
+        tensors = {}
+        for name, export_name in EXPORT_KEYS.items():
+            t = sd[name]
+            tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
+        cj = speculators_config(
+            config, aux, target_path=info.path, target_arch=info.architecture,
+            num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
+            draftsmith={"version": __version__, "target": info.name, "target_fingerprint": info.fingerprint,
+                        "checkpoint": str(ckpt), "step": state.get("step"), "ttt_steps": meta.get("ttt_steps"),
+                        "exported": time.time()},
+        )
+        built = Path(tempfile.mkdtemp(prefix=f".{STAGE}.", suffix=".tmp", dir=run.path))
+        try:
+            save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
+            (built / CONFIG_FILE).write_text(json.dumps(cj, indent=2) + "\n", encoding="utf-8")
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                with open(built / name, "rb") as f:
+                    os.fsync(f.fileno())
+            # read back through the same checks a user's load goes through
+            load_exported(built, target_info=info)
+        except BaseException:
+            shutil.rmtree(built, ignore_errors=True)
+            raise
+        prog.advance(1)
+        size = (built / WEIGHTS_FILE).stat().st_size
+        prog.end(checkpoint=str(ckpt), bytes=size)
+    # after the journal is closed: its file moves with the other bookkeeping into the new folder
+    _swap_into_place(built, dest)
+    return run.write_manifest(
+        STAGE, fingerprint=fp, inputs=inputs, settings=settings,
+        counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
+        started=started, outputs=[CONFIG_FILE, WEIGHTS_FILE],
+        extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name},
+    )
+
+
+def register(app) -> None:
+    @app.command(epilog="Examples:\n\n"
+                 "  draftsmith export --run runs/r1\n\n"
+                 "  draftsmith export --run runs/r1 --checkpoint runs/r1/train/checkpoints/step_400\n\n"
+                 "  vllm serve TARGET --speculative-config '{\"model\": \"runs/r1/export\", \"method\": \"eagle3\", \"num_speculative_tokens\": 3}'")
+    def export(
+        run: RunOpt,
+        checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
+        config: ConfigOpt = None,
+        sets: SetOpt = None,
+    ):
+        """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by vLLM as is."""
+        cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
+        m = run_export(RunDir(run), cfg)
+        print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir(STAGE)}")

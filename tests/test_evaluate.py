@@ -1,0 +1,372 @@
+"""eval --engine local: speculative decoding equals plain greedy decoding, keeps the target's
+distribution when sampling, counts acceptance like vLLM, feeds the drafter vLLM's inputs, and
+writes a report that resumes."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_tiny_target, write_drafter_checkpoint
+from draftsmith import DraftsmithError
+from draftsmith.config import load_config
+from draftsmith.evaluate import (ENGINES, SpecDecoder, eos_ids, read_train_metrics, run_eval,
+                                 speculative_verify)
+from draftsmith.export import load_exported, run_export
+from draftsmith.rundir import RunDir
+from draftsmith.target import load_target
+
+AUX = [1, 3, 5]
+PROMPTS = [
+    "Hello! How can I help you today?",
+    "def add(a, b):\n    return a + b",
+    "Write a short poem about the sea and the sky.",
+    "1 2 3 4 5 6 7 8 9 10, numbers and letters: a b c d e f g",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread, above all on a busy shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def lively_target(tmp_path_factory) -> Path:
+    """The tiny target with larger random weights: the conftest one (std 0.02) repeats a single
+    token forever under greedy decoding, which would make equality tests vacuous."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_target(tmp_path_factory.mktemp("lively"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported_run(lively_target, tmp_path_factory) -> RunDir:
+    run = RunDir(tmp_path_factory.mktemp("evalrun") / "run").ensure()
+    write_drafter_checkpoint(run.path / "train" / "final", str(lively_target), aux_layers=AUX, draft_vocab_size=96)
+    run_export(run, load_config(None, [f"target={lively_target}"]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def loaded(lively_target, exported_run):
+    target = load_target(str(lively_target), dtype="float32")
+    drafter, info = load_exported(exported_run.path / "export", target_info=target.info,
+                                  embed_weight=target.embed_weight(), dtype=target.dtype)
+    return target, drafter, info
+
+
+def decoder(loaded, K, temperature=0.0):
+    target, drafter, info = loaded
+    return SpecDecoder(target.model, drafter, info["aux_layers"], K, temperature, eos_ids(target.model, target.tokenizer))
+
+
+def encode(loaded, text):
+    return loaded[0].tokenizer(text).input_ids
+
+
+# --- greedy: identical output ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_greedy_equals_plain_decoding(loaded, K):
+    dec = decoder(loaded, K)
+    for text in PROMPTS:
+        ids = encode(loaded, text)
+        spec, plain = dec.generate(ids, 40), dec.plain(ids, 40)
+        assert spec.tokens == plain.tokens
+        assert spec.finish_reason == plain.finish_reason
+        assert len(set(plain.tokens)) > 5, "target output too repetitive for a meaningful test"
+        assert spec.num_drafts > 0 and spec.num_draft_tokens == K * spec.num_drafts
+    dec.capture.remove()
+
+
+def _oracle_decoder(loaded, K, plan):
+    """A decoder whose drafts come from the target's own greedy continuation, wrong from the
+    position plan() returns (K = all right). Returns (decoder, accepted counts it produced)."""
+    dec = decoder(loaded, K)
+    dec.eos_ids = set()  # the oracle only knows the continuation up to max_tokens + K
+    expected: list[int] = []
+    state = {}
+    real = dec._draft
+
+    def draft(tokens, pend_ids, pend_aux, pos0, cache, gen):
+        real(tokens, pend_ids, pend_aux, pos0, cache, gen)  # keeps the drafter cache as in real use
+        n_out = len(tokens) - state["n_prompt"]
+        right = state["oracle"][n_out: n_out + K]
+        j = plan()
+        drafts = right[:j] + [(t + 1) % dec.vocab_size for t in right[j:]]
+        expected.append(j)
+        return drafts, None
+
+    dec._draft = draft
+    return dec, expected, state
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_acceptance_accounting_and_cache_rollback(loaded, K):
+    rng = random.Random(K)
+    plans = {"perfect": lambda: K, "useless": lambda: 0, "mixed": lambda: rng.randint(0, K)}
+    for name, plan in plans.items():
+        dec, expected, state = _oracle_decoder(loaded, K, plan)
+        for text in PROMPTS[:2]:
+            ids = encode(loaded, text)
+            expected.clear()
+            state["n_prompt"] = len(ids)
+            state["oracle"] = dec.plain(ids, 30 + K + 1).tokens
+            spec = dec.generate(ids, 30)
+            # every accepted count and every cache crop in between still reproduces greedy
+            assert spec.tokens == state["oracle"][:30], name
+            assert spec.num_drafts == len(expected)
+            assert spec.num_accepted == sum(expected)
+            assert spec.accepted_per_pos == [sum(1 for a in expected if a > j) for j in range(K)]
+            tau = 1 + spec.num_accepted / spec.num_drafts
+            if name == "perfect":
+                assert tau == K + 1 and spec.accepted_per_pos == [spec.num_drafts] * K
+            if name == "useless":
+                assert tau == 1 and spec.accepted_per_pos == [0] * K
+        dec.capture.remove()
+
+
+def test_drafter_reads_vllm_eagle3_inputs(loaded):
+    """Every first drafting call of a round must compute what ttt_forward (training) computes at
+    the same positions of the final sequence: token i+1 with the target's aux states at i, keys of
+    earlier positions from the drafter cache, which rejections must have rolled back."""
+    target, drafter, info = loaded
+    K = 3
+    dec = decoder(loaded, K)
+    calls = []
+    inner = drafter.forward
+
+    def spy(input_ids, hidden, position_ids, cache=None):
+        logits, h = inner(input_ids, hidden, position_ids, cache)
+        if hidden.shape[-1] == 3 * drafter.config.hidden_size:
+            calls.append((position_ids[0].tolist(), logits[0]))
+        return logits, h
+
+    drafter.forward = spy
+    try:
+        ids = encode(loaded, PROMPTS[2])
+        spec = dec.generate(ids, 30)
+    finally:
+        del drafter.forward
+        dec.capture.remove()
+    seq = torch.tensor([ids + spec.tokens])
+    with torch.no_grad():
+        hs = target.model(seq, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[k] for k in AUX], dim=-1)  # hidden_states[k] = the input of layer k
+        ref = drafter.ttt_forward(seq, aux, steps=1)[0][0]  # [L, Dv]
+    covered = []
+    for positions, logits in calls:
+        covered += positions
+        torch.testing.assert_close(logits, ref[positions], atol=2e-4, rtol=1e-4)
+    # the rounds' verified chunks tile the sequence without gaps or overlaps
+    assert covered == list(range(len(covered)))
+    assert len(calls) == spec.num_drafts
+
+
+# --- sampling: the target's distribution ---------------------------------------------------------
+
+
+def test_speculative_sampling_keeps_target_distribution():
+    """First and second emitted tokens follow the target's p, not the drafter's q (tiny vocab,
+    fixed seeds, 20k trials: a 4-sigma-plus bound)."""
+    g = torch.Generator().manual_seed(0)
+    V, K, N = 6, 2, 20000
+    p_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
+                             [0.0, 1.5, -0.5, 1.0, 0.2, -2.0],
+                             [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # [K+1, V]
+    p = torch.softmax(p_logits, dim=-1)
+    q = torch.softmax(torch.tensor([[0.0, 2.0, 1.0, 0.5, 0.5, -1.0],
+                                    [1.0, 0.0, 1.0, -1.0, 0.5, 0.0]]), dim=-1)  # [K, V], far from p
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    first_accepted = 0
+    for _ in range(N):
+        drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(K)]
+        a, nxt = speculative_verify(p_logits, drafts, q, 1.0, g)
+        out = drafts[:a] + [nxt]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+        first_accepted += a >= 1
+    assert (first / N - p[0]).abs().max() < 0.015, (first / N, p[0])
+    assert (second / second.sum() - p[1]).abs().max() < 0.02, (second / second.sum(), p[1])
+    # the first draft is accepted with probability sum(min(p, q)) (Leviathan et al.)
+    assert abs(first_accepted / N - torch.minimum(p[0], q[0]).sum().item()) < 0.015
+    # sampling from q without verification would fail this test
+    assert (q[0] - p[0]).abs().max() > 0.1
+
+
+def test_speculative_sampling_temperature_and_greedy_limits():
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    assert speculative_verify(logits, [0], None, 0.0) == (1, 1)
+    assert speculative_verify(logits, [2], None, 0.0) == (0, 0)
+    # a draft that q proposes with certainty and p never takes is always rejected
+    g = torch.Generator().manual_seed(0)
+    q = torch.tensor([[0.0, 0.0, 1.0]])
+    p_logits = torch.tensor([[0.0, 0.0, -1e9], [0.0, 0.0, 0.0]])
+    for _ in range(50):
+        a, nxt = speculative_verify(p_logits, [2], q, 1.0, g)
+        assert a == 0 and nxt in (0, 1)
+
+
+def test_sampling_decoding_is_seeded_and_consistent(loaded):
+    dec = decoder(loaded, 3, temperature=0.8)
+    ids = encode(loaded, PROMPTS[0])
+    a = dec.generate(ids, 30, torch.Generator().manual_seed(5))
+    b = dec.generate(ids, 30, torch.Generator().manual_seed(5))
+    dec.capture.remove()
+    assert a.tokens == b.tokens and len(a.tokens) <= 30
+    assert all(0 <= t < loaded[2]["config"].vocab_size for t in a.tokens)
+    assert a.num_accepted <= 3 * a.num_drafts
+    assert a.accepted_per_pos == sorted(a.accepted_per_pos, reverse=True)
+
+
+# --- the stage -------------------------------------------------------------------------------------
+
+
+def _prompts_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                         for i, t in enumerate(PROMPTS)))
+    return p
+
+
+def _cfg(target, prompts, *sets):
+    return load_config(None, [f"target={target}", "dtype=float32", f"eval.prompts={prompts}",
+                              "eval.max_tokens=12", "eval.num_speculative_tokens=2", *sets])
+
+
+def test_run_eval_report_and_resume(exported_run, lively_target, tmp_path, monkeypatch):
+    run = exported_run
+    prompts = _prompts_file(tmp_path)
+    metrics = run.path / "train" / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10, "acc": [0.1 * s, 0.05 * s, 0.02 * s]}) + "\n"
+                               for s in range(1, 6)))
+    decoded = []
+    local = ENGINES["local"]
+
+    def counting(ctx):
+        decoded.extend(p.id for _, p in ctx.todo)
+        yield from local(ctx)
+
+    monkeypatch.setitem(ENGINES, "local", counting)
+    m = run_eval(run, _cfg(lively_target, prompts), warmup=False)
+    d = run.path / "eval"
+    report = json.loads((d / "report.json").read_text())
+    for key in ("engine", "num_speculative_tokens", "temperature", "prompts", "acceptance_length",
+                "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s", "speedup"):
+        assert key in report, key
+    assert report["engine"] == "local" and report["num_speculative_tokens"] == 2 and report["temperature"] == 0.0
+    assert report["prompts"] == 4 and report["max_tokens"] == 12
+    assert len(report["acceptance_per_position"]) == 2
+    assert report["acceptance_length"] == pytest.approx(1 + report["num_accepted_tokens"] / report["num_drafts"])
+    assert report["acceptance_per_position"][0] == pytest.approx(report["num_accepted_tokens_per_pos"][0] / report["num_drafts"])
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert report["greedy_same_as_baseline"] == [4, 4]
+    lines = (d / "answers.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["p0", "p1", "p2", "p3"]
+    rec = json.loads(lines[0])
+    assert rec["baseline"]["same_tokens"] is True and rec["output_tokens"] == len(rec["token_ids"]) <= 12
+    assert (d / "report.md").read_text().startswith("# draftsmith eval")
+    assert (d / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert m["counts"]["done"] == 4 and (d / "manifest.json").is_file()
+    assert decoded == ["p0", "p1", "p2", "p3"]
+
+    # a crash after the first answer, with the second cut mid-line: only the rest is decoded
+    (d / "answers.jsonl").write_text(lines[0] + "\n" + lines[1][:40])
+    run.invalidate("eval")
+    decoded.clear()
+    run_eval(run, _cfg(lively_target, prompts), warmup=False)
+    assert decoded == ["p1", "p2", "p3"]
+    lines2 = (d / "answers.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines2] == ["p0", "p1", "p2", "p3"]
+    assert json.loads((d / "report.json").read_text())["prompts"] == 4
+
+    # fewer prompts: nothing to decode, answers.jsonl holds exactly the selection
+    decoded.clear()
+    run_eval(run, _cfg(lively_target, prompts, "eval.limit=2"), warmup=False)
+    assert decoded == [] and len((d / "answers.jsonl").read_text().splitlines()) == 2
+    # other settings: everything again
+    run_eval(run, _cfg(lively_target, prompts, "eval.limit=2", "eval.num_speculative_tokens=1"), warmup=False)
+    assert decoded == ["p0", "p1"]
+    report = json.loads((d / "report.json").read_text())
+    assert report["num_speculative_tokens"] == 1 and len(report["acceptance_per_position"]) == 1
+
+
+def test_run_eval_sampling(exported_run, lively_target, tmp_path):
+    run = RunDir(tmp_path / "r2").ensure()
+    # reuse the export: copy the folder with its manifest
+    import shutil
+
+    shutil.copytree(exported_run.path / "export", run.path / "export")
+    report = json.loads(json.dumps(run_eval(run, _cfg(lively_target, _prompts_file(tmp_path),
+                                                        "eval.temperature=0.9", "eval.limit=2"), warmup=False)["report"]))
+    full = json.loads((run.path / "eval" / "report.json").read_text())
+    assert full["temperature"] == 0.9 and full["greedy_same_as_baseline"] is None
+    assert report["acceptance_length"] >= 1.0
+
+
+def test_eval_errors(exported_run, lively_target, tmp_path):
+    with pytest.raises(DraftsmithError, match="eval.engine=vllm: not available"):
+        run_eval(exported_run, _cfg(lively_target, _prompts_file(tmp_path), "eval.engine=vllm"))
+    empty = RunDir(tmp_path / "empty").ensure()
+    with pytest.raises(DraftsmithError, match="stage 'export' has not completed"):
+        run_eval(empty, _cfg(lively_target, _prompts_file(tmp_path)))
+    other = build_tiny_target(tmp_path / "other", num_layers=5)
+    with pytest.raises(DraftsmithError, match="exported for target"):
+        run_eval(exported_run, _cfg(other, _prompts_file(tmp_path)))
+
+
+def test_read_train_metrics(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "loss": 2.5, "acc_0": 0.1, "acc_1": 0.05}\n'
+                 '{"step": 2, "loss": 2.0, "acc": [0.2, 0.1]}\n'
+                 '{"event": "checkpoint"}\n{"step": 3, "lo')
+    rows = read_train_metrics(p)
+    assert rows == [{"step": 1, "loss": 2.5, "acc": [0.1, 0.05]}, {"step": 2, "loss": 2.0, "acc": [0.2, 0.1]}]
+
+
+def test_cli_eval(exported_run, lively_target, tmp_path, cli):
+    p = cli("eval", "--help")
+    assert p.returncode == 0 and "Examples" in p.stdout and "--num-speculative-tokens" in p.stdout
+    assert "vllm" not in p.stdout.split("--engine")[1].split("--prompts")[0]
+    run = tmp_path / "r3"
+    import shutil
+
+    shutil.copytree(exported_run.path / "export", run / "export")
+    p = cli("eval", "--run", str(run), "--prompts", str(_prompts_file(tmp_path)), "--limit", "1",
+            "--max-tokens", "4", "-k", "2", "--set", f"target={lively_target}", "--set", "dtype=float32")
+    assert p.returncode == 0, p.stderr
+    assert "acceptance length" in p.stdout
+    assert json.loads((run / "eval" / "report.json").read_text())["prompts"] == 1
+
+
+# --- the real target -------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_smollm2_greedy_equals_plain(smol_target, tmp_path):
+    run = RunDir(tmp_path / "run").ensure()
+    write_drafter_checkpoint(run.path / "train" / "final", smol_target, draft_vocab_size=2048)
+    cfg = load_config(None, [f"target={smol_target}", "dtype=float32", "eval.prompts=mt-bench", "eval.limit=2",
+                             "eval.max_tokens=16", "eval.num_speculative_tokens=3"])
+    run_export(run, cfg)
+    run_eval(run, cfg)
+    report = json.loads((run.path / "eval" / "report.json").read_text())
+    assert report["prompts"] == 2 and report["greedy_same_as_baseline"] == [2, 2]
+    assert report["num_drafts"] > 0 and report["acceptance_length"] >= 1.0
