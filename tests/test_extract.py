@@ -1,0 +1,367 @@
+"""The extract stage: states line up with a plain one-sample HF forward at any batch size; the
+store format; resume after a crash; --verify; refusal to mix stores; disk preflight; ranks."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith import extract as ex
+from draftsmith.config import load_config
+from draftsmith.extract import ExtractStore, plan_batches, run_extract
+from draftsmith.rundir import RunDir, file_sha256, fingerprint
+
+from conftest import REPO, build_tiny_target, run_cli
+
+LENGTHS = [23, 5, 64, 1, 40, 17, 33, 9, 50, 12]
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory) -> Path:
+    """A tiny random Llama with 8 layers, so the default aux layers [2, 4, 5] are valid."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
+
+
+def make_samples(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = [rng.randrange(3, vocab_size) for _ in range(n)]
+        mask = [int(j >= n // 3) for j in range(n)]
+        out.append({"id": f"s{i}", "input_ids": ids, "loss_mask": mask, "truncated": False})
+    return out
+
+
+def write_prepare(run: RunDir, target: str, samples: list[dict]) -> dict:
+    """What the prepare stage leaves behind: prepare/samples.jsonl and its manifest."""
+    from draftsmith.target import target_info
+
+    info = target_info(target)
+    d = run.ensure().stage_dir("prepare")
+    text = "".join(json.dumps(s) + "\n" for s in samples)
+    (d / "samples.jsonl").write_text(text)
+    n = len(samples)
+    return run.write_manifest(
+        "prepare", fingerprint=fingerprint(text), settings={"max_length": 2048},
+        inputs={"target": info.name, "target_fingerprint": info.fingerprint},
+        counts={"done": n, "total": n, "unit": "samples"}, started=time.time(), outputs=["samples.jsonl"])
+
+
+def make_run(tmp_path: Path, target, samples=None, name: str = "run") -> RunDir:
+    run = RunDir(tmp_path / name)
+    write_prepare(run, str(target), samples if samples is not None else make_samples(vocab(target)))
+    return run
+
+
+def vocab(target) -> int:
+    from draftsmith.target import target_info
+
+    return target_info(str(target)).vocab_size
+
+
+def cfg_for(target, *sets: str):
+    return load_config(None, [f"target={target}", *sets])
+
+
+def all_files(run: RunDir) -> dict[str, bytes]:
+    d = run.path / "extract"
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.safetensors"))}
+
+
+def reference_states(target: str, samples: list[dict], layers: list[int], model=None):
+    """A plain Hugging Face forward of each sample alone, output_hidden_states=True, bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import target_info
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(target_info(target).path, dtype=torch.bfloat16).eval()
+    out = []
+    with torch.inference_mode():
+        for s in samples:
+            hs = model(torch.tensor([s["input_ids"]]), output_hidden_states=True, use_cache=False).hidden_states
+            out.append((torch.stack([hs[k][0] for k in layers], dim=1), hs[-1][0]))
+    return out
+
+
+def token_rel_err(a, b):
+    """Per-token relative error ||a - b|| / ||b|| over the last dim, max over tokens (and layers)."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
+def check_against_reference(run: RunDir, samples: list[dict], refs, tol: float):
+    store = ExtractStore(run)
+    for i, (s, (aux_ref, last_ref)) in enumerate(zip(samples, refs)):
+        got = store[i]
+        assert got["input_ids"].tolist() == s["input_ids"]
+        assert got["aux_hidden"].shape == aux_ref.shape and got["last_hidden"].shape == last_ref.shape
+        assert token_rel_err(got["aux_hidden"], aux_ref) < tol, (i, token_rel_err(got["aux_hidden"], aux_ref))
+        assert token_rel_err(got["last_hidden"], last_ref) < tol, i
+        if len(s["input_ids"]) > 2:
+            # The comparison can fail: states shifted by one token are far off.
+            assert token_rel_err(got["aux_hidden"][1:], aux_ref[:-1]) > 10 * tol
+            assert token_rel_err(got["last_hidden"][1:], last_ref[:-1]) > 10 * tol
+
+
+# -------------------------------------------------------------------------------------------------
+# Alignment with a plain forward, at batch size 1 and > 1
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 100_000])
+def test_states_match_one_sample_hf_forward(tmp_path, tiny8, monkeypatch, batch_tokens):
+    samples = make_samples(vocab(tiny8))
+    run = make_run(tmp_path, tiny8, samples)
+    shapes = []
+    real_make_batch = ex.make_batch
+    monkeypatch.setattr(ex, "make_batch", lambda rows: (shapes.append([len(r["input_ids"]) for r in rows]), real_make_batch(rows))[1])
+    m = run_extract(run, cfg_for(tiny8, f"extract.batch_tokens={batch_tokens}", "extract.shard_size=4"))
+    assert m["counts"]["done"] == len(samples)
+    if batch_tokens == 1:
+        assert all(len(b) == 1 for b in shapes) and len(shapes) == len(samples)
+    else:
+        assert any(len(set(b)) > 1 for b in shapes)  # batches mixing lengths: right padding in play
+    check_against_reference(run, samples, reference_states(str(tiny8), samples, [2, 4, 5]), tol=0.02)
+
+
+@pytest.mark.integration
+def test_states_match_hf_forward_smollm2(tmp_path, smol_target):
+    from draftsmith.target import load_target
+
+    target = load_target(smol_target)
+    texts = ["Hi!", "Explain speculative decoding in two sentences, please.",
+             "Write a Python function that reverses a linked list, then explain its complexity step by step. " * 2]
+    samples = []
+    for i, t in enumerate(texts):
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}], tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        samples.append({"id": f"s{i}", "input_ids": ids, "loss_mask": [1] * len(ids), "truncated": False})
+    assert len({len(s["input_ids"]) for s in samples}) == 3
+    layers = target.info.default_aux_layers()
+    refs = reference_states(smol_target, samples, layers, model=target.model)
+    for bt in (1, 4096):  # one sample per batch; all three (right-padded) in one batch
+        run = make_run(tmp_path, smol_target, samples, name=f"run{bt}")
+        run_extract(run, cfg_for(smol_target, f"extract.batch_tokens={bt}"), target=target)
+        check_against_reference(run, samples, refs, tol=0.02)
+
+
+# -------------------------------------------------------------------------------------------------
+# Format and reader
+
+
+def test_store_format_and_reader(tmp_path, tiny8):
+    import torch
+
+    samples = make_samples(vocab(tiny8))
+    run = make_run(tmp_path, tiny8, samples)
+    m = run_extract(run, cfg_for(tiny8, "extract.shard_size=4"))
+    d = run.path / "extract"
+    assert sorted(p.name for p in d.glob("rows_*")) == ["rows_0-4", "rows_4-8", "rows_8-10"]
+    assert sorted(p.name for p in (d / "rows_8-10").iterdir()) == ["8.safetensors", "9.safetensors", "shard.json"]
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["layers"] == [2, 4, 5] and meta["hidden_size"] == 64 and meta["num_samples"] == 10
+    assert meta["lengths"] == LENGTHS and meta["dtype"] == "bfloat16"
+    assert meta["prepare_fingerprint"] == run.read_manifest("prepare")["fingerprint"]
+    for shard in d.glob("rows_*"):
+        rec = json.loads((shard / "shard.json").read_text())
+        assert len(rec["files"]) == rec["end"] - rec["start"]
+        for f in rec["files"]:
+            assert file_sha256(shard / f["name"]) == f["sha256"] and (shard / f["name"]).stat().st_size == f["size"]
+    assert m["counts"]["tokens"] == sum(LENGTHS) and "rows_0-4/shard.json" in m["outputs"]
+
+    store = ExtractStore(run.path)
+    assert len(store) == 10 and store.lengths == LENGTHS and store.meta["layers"] == [2, 4, 5]
+    assert ExtractStore(d).lengths == LENGTHS  # the extract folder itself works too
+    x = store[-1]
+    assert set(x) == {"input_ids", "loss_mask", "aux_hidden", "last_hidden"}
+    assert x["input_ids"].dtype == torch.int32 and x["loss_mask"].dtype == torch.uint8
+    assert x["aux_hidden"].dtype == torch.bfloat16 and tuple(x["aux_hidden"].shape) == (12, 3, 64)
+    assert tuple(x["last_hidden"].shape) == (12, 64)
+    assert x["loss_mask"].tolist() == samples[9]["loss_mask"]
+    assert store.metadata(3) == {"id": "s3", "index": "3", "layers": "[2, 4, 5]"}
+    with pytest.raises(IndexError):
+        store[10]
+    # bytes per token close to the 4 x H x 2 + 5 the preflight assumes (plus a header per file)
+    per_token = m["counts"]["bytes"] / sum(LENGTHS)
+    assert ex.bytes_per_token(3, 64) <= per_token < ex.bytes_per_token(3, 64) + 1024 * 10 / sum(LENGTHS)
+
+
+def test_plan_batches_groups_by_length():
+    lengths = [10, 300, 50, 290, 5, 48, 1000, 7]
+    batches = plan_batches(list(range(8)), lengths, batch_tokens=600)
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 600
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    assert [1000] in [[lengths[i] for i in b] for b in batches]  # longer than batch_tokens: alone
+    assert [300, 290] in [[lengths[i] for i in b] for b in batches]
+
+
+# -------------------------------------------------------------------------------------------------
+# Resume, verify
+
+
+def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
+    run = make_run(tmp_path, tiny8)
+    cfg = cfg_for(tiny8, "extract.shard_size=4", "extract.batch_tokens=64")
+    real_write = ex.atomic_write_bytes
+    calls = []
+
+    def dying_write(path, data):
+        if len(calls) == 5:
+            raise OSError("disk went away")
+        calls.append(path)
+        real_write(path, data)
+
+    monkeypatch.setattr(ex, "atomic_write_bytes", dying_write)
+    with pytest.raises(OSError, match="disk went away"):
+        run_extract(run, cfg)
+    d = run.path / "extract"
+    first = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in d.rglob("*.safetensors")}
+    assert len(first) == 5 and run.read_manifest("extract") is None
+    assert not list(d.rglob(".*.tmp"))
+    (d / "rows_4-8" / ".6.safetensors.abc123.tmp").write_bytes(b"half a file")  # a crash's leftover
+    journal = [json.loads(line) for line in (d / "progress.jsonl").read_text().splitlines()]
+    assert journal[-1]["ev"] == "error" and "disk went away" in journal[-1]["error"]
+
+    monkeypatch.setattr(ex, "atomic_write_bytes", real_write)
+    m = run_extract(run, cfg)
+    assert m["counts"]["done"] == 10 and len(list(d.rglob("*.safetensors"))) == 10
+    for p, stamp in first.items():
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp  # not redone
+    assert not list(d.rglob(".*.tmp"))
+    start = json.loads((d / "progress.jsonl").read_text().splitlines()[0])
+    assert start["done"] == 5 and start["total"] == 10
+    for shard in d.glob("rows_*"):  # shard.json also covers files from the first attempt
+        for f in json.loads((shard / "shard.json").read_text())["files"]:
+            assert file_sha256(shard / f["name"]) == f["sha256"]
+
+
+def test_verify_redoes_corrupt_and_truncated_files(tmp_path, tiny8):
+    import torch
+    from safetensors.torch import load
+
+    samples = make_samples(vocab(tiny8))
+    run = make_run(tmp_path, tiny8, samples)
+    cfg = cfg_for(tiny8, "extract.shard_size=4")
+    run_extract(run, cfg)
+    good = all_files(run)
+    d = run.path / "extract"
+    flipped = d / "rows_0-4" / "2.safetensors"  # same size, one byte changed: only the checksum sees it
+    b = bytearray(flipped.read_bytes())
+    b[-3] ^= 0xFF
+    flipped.write_bytes(bytes(b))
+    cut = d / "rows_8-10" / "9.safetensors"  # truncated, in a shard whose shard.json is gone
+    cut.write_bytes(cut.read_bytes()[:-100])
+    (d / "rows_8-10" / "shard.json").unlink()
+
+    run_extract(run, cfg)  # without --verify, a present file counts as done
+    assert flipped.read_bytes() != good["rows_0-4/2.safetensors"]
+    m = run_extract(run, cfg, verify=True)
+    assert m is not None and (d / "rows_8-10" / "shard.json").is_file()
+    log = (d / "stage.log").read_text()
+    assert "rows_0-4/2.safetensors: checksum differs" in log and "rows_8-10/9.safetensors: unreadable" in log
+    store = ExtractStore(run)
+    for i in (2, 9):
+        orig = load(good[f"{'rows_0-4' if i == 2 else 'rows_8-10'}/{i}.safetensors"])
+        assert token_rel_err(store[i]["aux_hidden"], orig["aux_hidden"]) < 0.02
+        assert torch.equal(store[i]["input_ids"], orig["input_ids"])
+    for shard in d.glob("rows_*"):
+        for f in json.loads((shard / "shard.json").read_text())["files"]:
+            assert file_sha256(shard / f["name"]) == f["sha256"]
+    assert all_files(run).keys() == good.keys()
+
+
+def test_refuses_to_mix_layers_or_prepare_outputs(tmp_path, tiny8):
+    run = make_run(tmp_path, tiny8)
+    run_extract(run, cfg_for(tiny8, "extract.shard_size=4"))
+    with pytest.raises(DraftsmithError, match=r"layers.*extract.overwrite=true"):
+        run_extract(run, cfg_for(tiny8, "extract.shard_size=4", "extract.layers=[1, 3, 6]"))
+    assert json.loads((run.path / "extract" / "meta.json").read_text())["layers"] == [2, 4, 5]
+
+    write_prepare(run, str(tiny8), make_samples(vocab(tiny8), seed=1))  # prepare output changed
+    with pytest.raises(DraftsmithError, match=r"prepare_fingerprint changed.*new run dir"):
+        run_extract(run, cfg_for(tiny8, "extract.shard_size=4"))
+
+    m = run_extract(run, cfg_for(tiny8, "extract.shard_size=4", "extract.layers=[1, 3, 6]", "extract.overwrite=true"))
+    assert m["settings"]["layers"] == [1, 3, 6]
+    store = ExtractStore(run)
+    assert store.meta["layers"] == [1, 3, 6] and store.metadata(0)["layers"] == "[1, 3, 6]"
+    assert store[0]["input_ids"].tolist() == make_samples(vocab(tiny8), seed=1)[0]["input_ids"]
+
+
+def test_disk_preflight_refuses_unless_forced(tmp_path, tiny8, monkeypatch):
+    run = make_run(tmp_path, tiny8)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=40_000))
+    with pytest.raises(DraftsmithError, match="not enough disk space"):
+        run_extract(run, cfg_for(tiny8))
+    assert not list((run.path / "extract").glob("rows_*"))
+    m = run_extract(run, cfg_for(tiny8), force=True)
+    assert m["counts"]["done"] == 10
+    assert "--force: going on" in (run.path / "extract" / "stage.log").read_text()
+
+
+# -------------------------------------------------------------------------------------------------
+# Scale-out and CLI
+
+
+def test_ranks_in_process_last_one_writes_manifest(tmp_path, tiny8):
+    run = make_run(tmp_path, tiny8)
+    cfg = cfg_for(tiny8, "extract.shard_size=3")  # shards 0-3, 3-6, 6-9, 9-10
+    assert run_extract(run, cfg, rank=1, world_size=2) is None
+    d = run.path / "extract"
+    assert sorted(p.name for p in d.glob("rows_*/shard.json")) == ["shard.json"] * 2
+    assert (d / "rows_3-6" / "shard.json").is_file() and not (d / "rows_0-3").exists()
+    assert (d / "progress.rank1.jsonl").is_file() and run.read_manifest("extract") is None
+    m = run_extract(run, cfg, rank=0, world_size=2)
+    assert m is not None and m["counts"]["done"] == 10 and len(ExtractStore(run)) == 10
+
+
+def test_two_processes_make_the_same_files_as_one(tmp_path, tiny8):
+    single = make_run(tmp_path, tiny8, name="single")
+    multi = make_run(tmp_path, tiny8, name="multi")
+    sets = ["--set", f"target={tiny8}", "--set", "extract.shard_size=3", "--set", "extract.batch_tokens=128"]
+    run_cli("extract", "--run", str(single.path), *sets, check=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "draftsmith", "extract", "--run", str(multi.path), *sets,
+                               "--rank", str(r), "--world-size", "2"], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    a, b = all_files(single), all_files(multi)
+    assert len(a) == 10 and a.keys() == b.keys()
+    assert all(a[k] == b[k] for k in a)  # byte for byte
+    ma, mb = single.read_manifest("extract"), multi.read_manifest("extract")
+    assert mb is not None and ma["fingerprint"] == mb["fingerprint"]
+    assert {p.name for p in (multi.path / "extract").glob("progress*.jsonl")} >= {"progress.rank0.jsonl", "progress.rank1.jsonl"}
+
+
+def test_cli_errors_are_one_line(tmp_path, tiny8):
+    p = run_cli("extract", "--run", str(tmp_path / "empty"), "--set", f"target={tiny8}")
+    assert p.returncode == 2 and "prepare" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    run = make_run(tmp_path, tiny8)
+    p = run_cli("extract", "--run", str(run.path), "--set", f"target={tiny8}", "--set", "extract.layers=[2, 4, 8]")
+    assert p.returncode == 2 and "extract.layers" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("extract", "--run", str(run.path), "--set", f"target={tiny8}", "--rank", "2", "--world-size", "2")
+    assert p.returncode == 2 and "--rank" in p.stderr
+    h = run_cli("extract", "--help")
+    assert h.returncode == 0 and "Examples" in h.stdout and "--verify" in h.stdout and "--world-size" in h.stdout
+
+
+def test_refuses_prepare_built_for_another_target(tmp_path, tiny8):
+    other = build_tiny_target(tmp_path / "other", num_layers=6)
+    run = make_run(tmp_path, tiny8)
+    with pytest.raises(DraftsmithError, match="another target"):
+        run_extract(run, cfg_for(other, "extract.layers=[1, 2, 3]"))
+    assert not (run.path / "extract").exists()
