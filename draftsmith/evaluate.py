@@ -427,8 +427,19 @@ def aggregate(records: list[dict], K: int) -> dict:
 
 
 def read_train_metrics(path: Path) -> list[dict]:
-    """(step, loss, acc per position) from train/metrics.jsonl; lines without a step are skipped.
-    Accuracies are read from an `acc` list or dict, or `acc_{k}` / `acc{k}` keys."""
+    """[{step, loss: [per TTT step], acc: [per TTT step]}] from train/metrics.jsonl; lines without a
+    step are skipped. `loss` and `acc` may be numbers or lists (train writes lists), or `loss_{k}` /
+    `acc_{k}` keys."""
+    def per_step(rec: dict, name: str) -> list[float] | None:
+        v = rec.get(name)
+        if isinstance(v, (int, float)):
+            return [float(v)]
+        if isinstance(v, list):
+            return [float(x) if isinstance(x, (int, float)) else float("nan") for x in v]
+        found = sorted((int(m.group(1)), float(x)) for k, x in rec.items()
+                       if (m := re.fullmatch(rf"{name}_?(\d+)", k)) and isinstance(x, (int, float)))
+        return [x for _, x in found] or None
+
     rows = []
     if not path.is_file():
         return rows
@@ -439,14 +450,7 @@ def read_train_metrics(path: Path) -> list[dict]:
             continue
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
             continue
-        acc = rec.get("acc")
-        if isinstance(acc, dict):
-            acc = [acc[k] for k in sorted(acc, key=lambda s: int(re.sub(r"\D", "", str(s)) or 0))]
-        if not isinstance(acc, list):
-            found = sorted((int(m.group(1)), v) for k, v in rec.items()
-                           if (m := re.fullmatch(r"acc_?(\d+)", k)) and isinstance(v, (int, float)))
-            acc = [v for _, v in found] or None
-        rows.append({"step": rec["step"], "loss": rec.get("loss"), "acc": acc})
+        rows.append({"step": rec["step"], "loss": per_step(rec, "loss"), "acc": per_step(rec, "acc")})
     return rows
 
 
@@ -471,22 +475,16 @@ def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
     ax.set_title(f"{report['engine']}: K={report['num_speculative_tokens']}, T={report['temperature']}, "
                  f"tau={tau:.2f}" if tau else f"{report['engine']}: no drafts")
     if train_rows:
-        steps = [r["step"] for r in train_rows]
-        ax = axes[0][1]
-        ax.plot(steps, [r["loss"] for r in train_rows], color="tab:red")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_title("training loss")
-        ax = axes[0][2]
-        n = max((len(r["acc"]) for r in train_rows if r["acc"]), default=0)
-        for k in range(n):
-            pts = [(r["step"], r["acc"][k]) for r in train_rows if r["acc"] and len(r["acc"]) > k]
-            ax.plot([s for s, _ in pts], [a for _, a in pts], label=f"step {k}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("accuracy")
-        ax.set_title("training accuracy per TTT step")
-        if n:
-            ax.legend()
+        for ax, key, title in ((axes[0][1], "loss", "training loss per TTT step"),
+                               (axes[0][2], "acc", "training accuracy per TTT step")):
+            n = max((len(r[key]) for r in train_rows if r[key]), default=0)
+            for k in range(n):
+                pts = [(r["step"], r[key][k]) for r in train_rows if r[key] and len(r[key]) > k]
+                ax.plot([s for s, _ in pts], [v for _, v in pts], label=f"TTT step {k}")
+            ax.set_xlabel("optimizer step")
+            ax.set_title(title)
+            if n:
+                ax.legend()
     fig.tight_layout()
     try:
         with atomic_path(path) as tmp:
@@ -592,7 +590,9 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
     record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
     record_fp = stage_fingerprint({**record_settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
     old = run.read_manifest(STAGE)
-    if old is not None and old.get("fingerprint") != fp:
+    if old is not None and old.get("fingerprint") == fp and (run.path / STAGE / REPORT_JSON).is_file():
+        return old  # up to date: same export, target, prompts and settings (`run` skips it)
+    if old is not None:
         run.invalidate(STAGE)
     d = run.stage_dir(STAGE)
     write_stage_config(run, STAGE, cfg)

@@ -465,13 +465,15 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
     fp = stage_fingerprint({**settings, "inputs": inputs}, {})
     old = run.read_manifest(STAGE)
-    if old is not None and old.get("fingerprint") != fp:
+    dest = run.path / STAGE
+    if old is not None and old.get("fingerprint") == fp and all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)):
+        return old  # up to date: same checkpoint, target and settings (`run` skips it)
+    if old is not None:
         run.invalidate(STAGE)
     write_stage_config(run, STAGE, cfg)
 
     dtype_name = cfg.export.dtype
     out_dtype = getattr(torch, dtype_name)
-    dest = run.stage_dir(STAGE)
     for stale in run.path.glob(f".{STAGE}.*.tmp"):  # left by a crash mid-export
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -131,8 +131,9 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     save_file(sd, str(folder / "model.safetensors"))
-    meta = {**dataclasses.asdict(config), "aux_layers": list(aux_layers), "target": info.name,
-            "target_fingerprint": info.fingerprint, "ttt_steps": ttt_steps}
+    meta = {"format": "draftsmith-drafter", "config": dataclasses.asdict(config), "aux_layers": list(aux_layers),
+            "target": {"name": info.name, "fingerprint": info.fingerprint}, "draft_vocab_size": dv,
+            "ttt_steps": ttt_steps}
     (folder / "drafter.json").write_text(json.dumps(meta))
     (folder / "state.json").write_text(json.dumps({"step": step}))
     return folder

@@ -255,7 +255,7 @@ def test_run_eval_report_and_resume(exported_run, lively_target, tmp_path, monke
     run = exported_run
     prompts = _prompts_file(tmp_path)
     metrics = run.path / "train" / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10, "acc": [0.1 * s, 0.05 * s, 0.02 * s]}) + "\n"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": [3.0 - s / 10, 3.5 - s / 10], "acc": [0.1 * s, 0.05 * s]}) + "\n"
                                for s in range(1, 6)))
     decoded = []
     local = ENGINES["local"]
@@ -285,6 +285,9 @@ def test_run_eval_report_and_resume(exported_run, lively_target, tmp_path, monke
     assert (d / "report.md").read_text().startswith("# draftsmith eval")
     assert (d / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert m["counts"]["done"] == 4 and (d / "manifest.json").is_file()
+    assert decoded == ["p0", "p1", "p2", "p3"]
+    # nothing changed: up to date, the manifest is returned as it is (`run` skips the stage)
+    assert run_eval(run, _cfg(lively_target, prompts), warmup=False) == m
     assert decoded == ["p0", "p1", "p2", "p3"]
 
     # a crash after the first answer, with the second cut mid-line: only the rest is decoded
@@ -335,10 +338,12 @@ def test_eval_errors(exported_run, lively_target, tmp_path):
 def test_read_train_metrics(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1, "loss": 2.5, "acc_0": 0.1, "acc_1": 0.05}\n'
-                 '{"step": 2, "loss": 2.0, "acc": [0.2, 0.1]}\n'
+                 '{"step": 2, "loss": [2.0, 2.5], "acc": [0.2, NaN]}\n'
                  '{"event": "checkpoint"}\n{"step": 3, "lo')
     rows = read_train_metrics(p)
-    assert rows == [{"step": 1, "loss": 2.5, "acc": [0.1, 0.05]}, {"step": 2, "loss": 2.0, "acc": [0.2, 0.1]}]
+    assert rows[0] == {"step": 1, "loss": [2.5], "acc": [0.1, 0.05]}
+    assert rows[1]["loss"] == [2.0, 2.5] and rows[1]["acc"][0] == 0.2 and rows[1]["acc"][1] != rows[1]["acc"][1]
+    assert len(rows) == 2
 
 
 def test_cli_eval(exported_run, lively_target, tmp_path, cli):
@@ -350,7 +355,8 @@ def test_cli_eval(exported_run, lively_target, tmp_path, cli):
 
     shutil.copytree(exported_run.path / "export", run / "export")
     p = cli("eval", "--run", str(run), "--prompts", str(_prompts_file(tmp_path)), "--limit", "1",
-            "--max-tokens", "4", "-k", "2", "--set", f"target={lively_target}", "--set", "dtype=float32")
+            "--max-tokens", "4", "-k", "2", "--set", f"target={lively_target}", "--set", "dtype=float32",
+            env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert "acceptance length" in p.stdout
     assert json.loads((run / "eval" / "report.json").read_text())["prompts"] == 1
@@ -370,3 +376,75 @@ def test_smollm2_greedy_equals_plain(smol_target, tmp_path):
     report = json.loads((run.path / "eval" / "report.json").read_text())
     assert report["prompts"] == 2 and report["greedy_same_as_baseline"] == [2, 2]
     assert report["num_drafts"] > 0 and report["acceptance_length"] >= 1.0
+
+
+# --- agreement with vLLM's counting --------------------------------------------------------------
+
+DASH = 29  # SmolLM2 token "-": the target keeps repeating it after a prompt of 64 of them
+
+
+def _constant_drafter_run(tmp_path, smol_target) -> RunDir:
+    """An export whose drafter always proposes DASH: norm.weight = 0 makes every draft logit 0, so
+    the argmax is draft id 0, and d2t = 29 everywhere maps draft id i to target id i + 29."""
+    from safetensors.torch import load_file, save_file
+
+    run = RunDir(tmp_path / "const").ensure()
+    ck = write_drafter_checkpoint(run.path / "train" / "final", smol_target, draft_vocab_size=8192)
+    sd = load_file(str(ck / "model.safetensors"))
+    sd["norm.weight"] = torch.zeros_like(sd["norm.weight"])
+    sd["d2t"] = torch.full_like(sd["d2t"], DASH)
+    t2d = torch.zeros_like(sd["t2d"])
+    t2d[DASH: DASH + 8192] = True
+    sd["t2d"] = t2d
+    save_file(sd, str(ck / "model.safetensors"))
+    run_export(run, load_config(None, [f"target={smol_target}"]))
+    return run
+
+
+@pytest.mark.integration
+def test_counts_match_vllm_on_a_constant_drafter(smol_target, tmp_path):
+    """vLLM 0.32 (measured, /tmp/notes/vllm.md section 5): this drafter, prompt [29] * 64, greedy,
+    ignore_eos, 64 tokens -> num_drafts 16, accepted 48, per position 16/16/16. The local engine
+    must count the same, including the last step cut by max_tokens."""
+    run = _constant_drafter_run(tmp_path, smol_target)
+    target = load_target(smol_target, dtype="bfloat16")
+    drafter, info = load_exported(run.path / "export", target_info=target.info,
+                                  embed_weight=target.embed_weight(), dtype=target.dtype)
+    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, eos_ids=set())
+    res = dec.generate([DASH] * 64, 64)
+    dec.capture.remove()
+    assert res.tokens == [DASH] * 64
+    assert (res.num_drafts, res.num_accepted, res.accepted_per_pos) == (16, 48, [16, 16, 16])
+
+
+@pytest.mark.vllm
+def test_vllm_serves_export_and_counts_agree(smol_target, tmp_path):
+    """A real vLLM server loads the export as is (constant drafter) and reports the same counts as
+    the local engine for the same request."""
+    import httpx
+
+    from draftsmith.target import target_info
+    from draftsmith.vllm_server import VLLMServer, parse_metrics
+
+    run = _constant_drafter_run(tmp_path, smol_target)
+    spec = {"model": str(run.path / "export"), "method": "eagle3", "num_speculative_tokens": 3}
+    log = tmp_path / "vllm.log"
+    with VLLMServer(target_info(smol_target).path, log_path=log,
+                    extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)]) as srv:
+        r = httpx.post(srv.base_url + "/completions", timeout=300, json={
+            "model": srv.models()[0], "prompt": [DASH] * 64, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        r.raise_for_status()
+        m = parse_metrics(srv.metrics_text())
+    text = log.read_text(errors="replace")
+    assert "Using auxiliary layers from speculative config: (2, 15, 27)" in text
+    assert r.json()["choices"][0]["token_ids"] == [DASH] * 64
+
+    def metric(name):
+        return sum(v for k, v in m.items() if k.split("{")[0] == name)
+
+    drafts = metric("vllm:spec_decode_num_drafts_total")
+    accepted = metric("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+                   and f'position="{j}"' in k) for j in range(3)]
+    assert (drafts, accepted, per_pos) == (16, 48, [16, 16, 16])

@@ -85,6 +85,10 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
     assert {dtypes[k] for k in keys - {"d2t", "t2d"}} == {"BF16"}
 
     assert m["counts"]["done"] == 1 and sorted(m["outputs"]) == ["config.json", "model.safetensors"]
+    # unchanged checkpoint, target and settings: up to date, nothing rewritten (what `run` relies on)
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert run_export(run, cfg_for(tiny_target)) == m
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
     assert (out / "manifest.json").is_file() and (out / "config.yaml").is_file()
     assert not [p for p in run.path.iterdir() if p.name.startswith(".export")], "temporary folder left behind"
 
@@ -296,3 +300,19 @@ def test_vllm_reads_exported_config(exported):
     assert got["rope"]["rope_theta"] == 10000.0 and got["rope"].get("rope_type", "default") == "default"
     assert got["aux"] == AUX and got["dv"] == DV and got["layers"] == 1
     assert got["hidden"] == got["target_hidden"] == 64
+
+
+def test_flat_drafter_json_is_read_too(trained_run, tiny_target):
+    """drafter.json with the config fields at the top level and target_fingerprint beside them."""
+    meta_path = trained_run.path / "train" / "final" / "drafter.json"
+    meta = json.loads(meta_path.read_text())
+    flat = {**meta.pop("config"), "aux_layers": meta["aux_layers"], "target": meta["target"]["name"],
+            "target_fingerprint": "0" * 16, "ttt_steps": 2}
+    meta_path.write_text(json.dumps(flat))
+    with pytest.raises(DraftsmithError, match="trained for target"):
+        run_export(trained_run, cfg_for(tiny_target))
+    flat["target_fingerprint"] = target_info(str(tiny_target)).fingerprint
+    meta_path.write_text(json.dumps(flat))
+    run_export(trained_run, cfg_for(tiny_target))
+    _, info = load_exported(trained_run.path / "export")
+    assert info["num_speculative_tokens"] == 2 and info["config"].draft_vocab_size == DV
