@@ -1,0 +1,145 @@
+"""`draftsmith run` and `draftsmith demo`: the stages in order, each skipped when current.
+
+Every stage's `run_<stage>(run, cfg)` compares the fingerprint of its current inputs and settings
+with its manifest and returns at once when they match ("up to date"); a changed input changes
+that stage's fingerprint and, through it, every later one, so they all rerun. A killed `run`
+started again resumes: finished stages are skipped and the interrupted one resumes from its files.
+
+`RUN/pipeline.json` records the pid, the planned stages and the current one, so that `status`
+and `watch` can follow a whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import SetOpt, stage_config
+from draftsmith.progress import log
+from draftsmith.rundir import STAGES, RunDir, atomic_write_json
+
+DEMO_RECIPE = "demo.yaml"
+
+
+def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
+    """The stages `run` executes: all of them, less extract when training online."""
+    stages = [s for s in STAGES if not (s == "extract" and cfg.train.mode == "online")]
+    for name, flag in ((from_stage, "--from"), (until_stage, "--until")):
+        if name is not None and name not in stages:
+            raise DraftsmithError(f"{flag} {name}: not a stage of this run (stages: {', '.join(stages)})")
+    lo = stages.index(from_stage) if from_stage else 0
+    hi = stages.index(until_stage) + 1 if until_stage else len(stages)
+    if lo >= hi:
+        raise DraftsmithError(f"--from {from_stage} comes after --until {until_stage}")
+    return stages[lo:hi]
+
+
+def _stage_fn(stage: str):
+    import importlib
+
+    module = importlib.import_module(f"draftsmith.{'evaluate' if stage == 'eval' else stage}")
+    return getattr(module, f"run_{stage}")
+
+
+def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None) -> dict[str, dict]:
+    run.ensure()
+    stages = planned_stages(cfg, from_stage, until_stage)
+    before = [s for s in STAGES if s not in stages and STAGES.index(s) < STAGES.index(stages[0])
+              and not (s == "extract" and cfg.train.mode == "online")]
+    for s in before:
+        run.require_manifest(s, by=f"run --from {stages[0]}")
+    state = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "stages": stages,
+             "current": None, "finished": False, "error": None}
+    atomic_write_json(run.path / "pipeline.json", state)
+    manifests: dict[str, dict] = {}
+    t0 = time.time()
+    try:
+        for stage in stages:
+            state["current"] = stage
+            atomic_write_json(run.path / "pipeline.json", state)
+            ts = time.time()
+            log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
+            manifests[stage] = _stage_fn(stage)(run, cfg)
+            skipped = manifests[stage].get("finished", 0) < ts
+            log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
+    except BaseException as e:
+        state["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        atomic_write_json(run.path / "pipeline.json", state)
+        raise
+    state["current"], state["finished"] = None, True
+    atomic_write_json(run.path / "pipeline.json", state)
+    log(f"all stages done in {time.time() - t0:.0f}s", stage="run")
+    return manifests
+
+
+def demo_recipe_text() -> str:
+    return resources.files("draftsmith.recipes").joinpath(DEMO_RECIPE).read_text(encoding="utf-8")
+
+
+def summarize(run: RunDir) -> str:
+    import json
+
+    report = run.path / "eval" / "report.json"
+    if not report.is_file():
+        return f"run finished: {run.path}"
+    r = json.loads(report.read_text())
+    per_pos = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
+    return (f"acceptance length {r['acceptance_length']:.2f} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
+            f"speedup {r.get('speedup', float('nan')):.2f}x on {r['prompts']} prompts ({r['engine']} engine)\n"
+            f"drafter: {run.path / 'export'}\nreport:  {run.path / 'eval' / 'report.md'}")
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "run",
+        epilog="Examples:\n\n  draftsmith run configs/demo.yaml --run runs/demo\n\n"
+        "  draftsmith run configs/smollm2-cpu.yaml --run runs/cpu --set train.max_steps=2000\n\n"
+        "  draftsmith run my.yaml --run runs/x --from train   (generate..vocab/extract must be done)\n\n"
+        "  nohup draftsmith run my.yaml --run runs/x > runs/x.log 2>&1 &   then: draftsmith watch runs/x",
+    )
+    def run_cmd(
+        config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
+        run: Annotated[Path, typer.Option("--run", help="The run directory.")],
+        sets: SetOpt = None,
+        from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
+        until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
+    ):
+        """Run the stages in order; a stage whose inputs and settings are unchanged is skipped."""
+        cfg = stage_config(config, sets)
+        rd = RunDir(run)
+        run_pipeline(rd, cfg, from_stage, until_stage)
+        print(summarize(rd))
+
+    @app.command(
+        "demo",
+        epilog="Examples:\n\n  draftsmith demo\n\n  draftsmith demo --run runs/my-demo\n\n"
+        "  draftsmith demo --set eval.limit=10   (a quicker look)",
+    )
+    def demo_cmd(
+        run: Annotated[Path, typer.Option("--run", help="The run directory.")] = Path("runs/demo"),
+        sets: SetOpt = None,
+    ):
+        """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(demo_recipe_text())
+        try:
+            cfg = stage_config(Path(f.name), sets)
+        finally:
+            os.unlink(f.name)
+        rd = RunDir(run)
+        log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts}; run dir {rd.path}", stage="demo")
+        run_pipeline(rd, cfg)
+        print(summarize(rd))
