@@ -86,7 +86,8 @@ class TrainConfig(_Section):
     batch_tokens: int = Field(4096, ge=16, description="Tokens per micro-batch (samples packed into rows).")
     seq_len: int = Field(2048, ge=16, description="Length of a packed row.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast or plain float32.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="bf16 autocast or plain float32; `auto`: bf16 on CUDA and on CPUs with AMX, float32 on other CPUs (where bf16 matmuls run slower than float32).")
     checkpoint_every: int = Field(200, ge=1, description="Write a checkpoint every N optimizer steps.")
     keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
     log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")

@@ -168,6 +168,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+class TTTMask:
+    """The attention pattern of a training-time-test step, computed block-sparsely.
+
+    Keys are laid out [step0 (L) | step1 (L) | ... | stepk (L)]; query i sees the
+    step-0 keys allowed by `step0` ([B, 1, L, L]: j <= i, same document) and key i
+    of each later step. The dense [L, (k+1)L] mask is almost all False: a block of
+    queries [s, e) can only see step-0 keys [lo, e) (lo = the first key any of them
+    sees) and keys [s, e) of the later steps. `attend` runs one SDPA per query
+    block over just those keys with the same mask entries, so the softmax is the
+    dense one (the keys it leaves out are masked for these queries anyway) at a
+    fraction of the cost: about (1 + k*block/L)/(2(k+1)) of it for one document
+    per row, much less for short packed documents.
+    """
+
+    def __init__(self, step0: torch.Tensor, block: int) -> None:
+        self.step0, self.block = step0, block
+        L = step0.shape[-1]
+        first = step0[:, 0].to(torch.uint8).argmax(-1)  # [B, L] first visible key (argmax: first max)
+        # per query block b: (s, e, a) = its queries [s, e) and the first step-0 key
+        # block a it needs (keys are taken in whole blocks, so from a * block on)
+        self.spans = [(s, min(L, s + block), int(first[:, s:s + block].min()) // block)
+                      for s in range(0, L, block)]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, L, d]; keys, values [B, heads, (k+1)L, d] -> [B, heads, L, d]."""
+        B, L = q.shape[0], q.shape[2]
+        later = keys.shape[2] // L - 1  # k
+        # One split into per-step blocks: its backward is a single concatenation,
+        # where a slice per query block would allocate a full-size gradient each.
+        sizes = [min(self.block, L - s) for s in range(0, L, self.block)]
+        nb = len(sizes)
+        kb, vb = keys.split(sizes * (later + 1), dim=2), values.split(sizes * (later + 1), dim=2)
+        out = []
+        for b, (s, e, a) in enumerate(self.spans):
+            chunks = list(range(a, b + 1)) + [d * nb + b for d in range(1, later + 1)]
+            eye = torch.eye(e - s, dtype=torch.bool, device=q.device).expand(B, 1, e - s, e - s)
+            mask = torch.cat([self.step0[:, :, s:e, a * self.block:e]] + [eye] * later, dim=-1)
+            out.append(F.scaled_dot_product_attention(
+                q[:, :, s:e], torch.cat([kb[c] for c in chunks], dim=2),
+                torch.cat([vb[c] for c in chunks], dim=2), attn_mask=mask))
+        return torch.cat(out, dim=2)
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read a 2H-wide input ([emb | hidden])."""
 
@@ -187,12 +230,12 @@ class Eagle3Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: "torch.Tensor | TTTMask",
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B, T, 2H]; cos, sin [B, T, head_dim]; past: keys/values
         [B, kv_heads, P, head_dim] placed before the new ones; mask bool
-        [B or 1, 1, T, P+T], True = may attend.
+        [B or 1, 1, T, P+T], True = may attend, or a TTTMask.
 
         Returns the output [B, T, H] and this call's own (rotated) keys and
         values [B, kv_heads, T, head_dim], for the caller to keep.
@@ -215,7 +258,10 @@ class Eagle3Attention(nn.Module):
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if isinstance(mask, TTTMask):
+            y = mask.attend(q, keys, values)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y), (k, v)
 
@@ -251,7 +297,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: "torch.Tensor | TTTMask",
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """embeds, hidden [B, T, H] -> pre-norm output state [B, T, H] (what
@@ -376,6 +422,7 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
+        attn_block: int | None = 256,
     ) -> list[torch.Tensor]:
         """Training-time test: simulate `steps` steps of chain drafting at every
         position at once.
@@ -394,6 +441,9 @@ class Eagle3Drafter(nn.Module):
         return_hidden: return each step's pre-norm output state [B, L, H]
         instead of its logits (logits = lm_head(norm(state))), so that a caller
         can run the [H, Dv] head only at the positions it trains on.
+        attn_block: compute attention block-sparsely over query blocks of this
+        size (TTTMask: same result, much less work); None: one SDPA call per
+        step over the dense [L, (k+1)L] mask.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -407,15 +457,17 @@ class Eagle3Drafter(nn.Module):
         # Attention at step k for query i: step-0 keys j <= i of the same
         # document (the verified prefix) plus i's own chain at steps 1..k. Keys
         # are laid out [step0 (L) | step1 (L) | ... | stepk (L)], so the mask is
-        # a causal same-document block followed by k diagonal blocks.
-        # The diagonal blocks waste (k+1)x attention compute on masked-out
-        # scores; with one layer this is small next to lm_head and keeps a
-        # single SDPA call per step.
+        # a causal same-document block followed by k diagonal blocks. Dense,
+        # most of it is masked out (it would cost (k+1)L^2 per step, as much
+        # as all the matmuls at L=2048); TTTMask skips the masked-out keys.
         idx = torch.arange(L, device=device)
         causal = idx[None, :] <= idx[:, None]  # [L, L], [i, j] = j <= i
         same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, L, L]
         step0_mask = (causal & same_doc).unsqueeze(1)  # [B, 1, L, L]
-        diag = torch.eye(L, dtype=torch.bool, device=device).expand(B, 1, L, L)
+        if attn_block is None:
+            diag = torch.eye(L, dtype=torch.bool, device=device).expand(B, 1, L, L)
+        else:
+            blocked = TTTMask(step0_mask, attn_block)
 
         hidden = self.fuse(aux_hidden)  # [B, L, H]
         layer = self.layers[0]
@@ -427,7 +479,10 @@ class Eagle3Drafter(nn.Module):
             if k + 1 < L:
                 ids[:, : L - k - 1] = input_ids[:, k + 1:]
             cos, sin = rope_cos_sin(position_ids + k, self.config.head_dim, self.config.rope_theta)
-            mask = torch.cat([step0_mask] + [diag] * k, dim=-1)  # [B, 1, L, (k+1)L]
+            if attn_block is None:
+                mask = torch.cat([step0_mask] + [diag] * k, dim=-1)  # [B, 1, L, (k+1)L]
+            else:
+                mask = blocked
             hidden, (k_new, v_new) = layer(self.embed_tokens(ids), hidden, cos, sin, mask, past)
             past = (k_new, v_new) if past is None else (
                 torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))

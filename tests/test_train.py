@@ -233,6 +233,29 @@ def test_return_hidden_gives_the_states_behind_the_logits():
         torch.testing.assert_close(d.lm_head(d.norm(h)), lg)
 
 
+@pytest.mark.parametrize("block", [1, 7, 16, 64])
+def test_block_sparse_ttt_attention_equals_the_dense_mask(block):
+    d, _ = tiny_drafter(seed=1)
+    g = torch.Generator().manual_seed(0)
+    B, L = 2, 40
+    ids = torch.randint(0, 20, (B, L), generator=g)
+    aux = torch.randn(B, L, 48, generator=g)
+    # row 0: packed documents and padding; row 1: a document that comes back after another
+    doc = torch.tensor([[0] * 9 + [1] * 17 + [2] * 10 + [-1] * 4, [0] * 12 + [1] * 8 + [0] * 20])
+    pos = torch.cat([torch.arange(9), torch.arange(17), torch.arange(10), torch.zeros(4, dtype=torch.long)]).expand(B, L)
+    outs = {}
+    for name, blk in (("dense", None), ("blocked", block)):
+        d.zero_grad()
+        states = d.ttt_forward(ids, aux, 3, position_ids=pos, doc_ids=doc, return_hidden=True, attn_block=blk)
+        sum((st * torch.randn(st.shape, generator=torch.Generator().manual_seed(k))).sum() for k, st in enumerate(states)).backward()
+        outs[name] = ([st.detach() for st in states], {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    for a, b in zip(outs["dense"][0], outs["blocked"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert outs["dense"][1].keys() == outs["blocked"][1].keys() and "fc.weight" in outs["dense"][1]
+    for n in outs["dense"][1]:
+        torch.testing.assert_close(outs["dense"][1][n], outs["blocked"][1][n], rtol=1e-4, atol=1e-5)
+
+
 def test_acceptance_length_and_schedule():
     assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert acceptance_length([1.0, 0.0, 1.0]) == 2.0
@@ -360,14 +383,15 @@ def test_refuses_mismatched_or_missing_upstream(synth_run, tiny8, tmp_path):
 
 def test_changed_settings_restart_and_cosmetic_ones_resume(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
-    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2))
+    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2, precision="bf16"))  # bf16 autocast runs too
     first = final_weights(run)
+    assert json.loads((run.path / "train/final/drafter.json").read_text())["precision"] == "bf16"
     # only cosmetic settings changed: same fingerprint, nothing to do
     assert {"log_every_s", "checkpoint_every"} <= set(NOT_FINGERPRINTED)
-    m = run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=3, log_every_s=5))
+    m = run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=3, log_every_s=5, precision="bf16"))
     assert m["counts"]["done"] == 4
     # another learning rate: the old checkpoints move to train/previous and training starts over
-    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2, lr=1e-3))
+    run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2, lr=1e-3, precision="bf16"))
     d = run.path / "train"
     assert (d / "previous" / "final").is_dir() and (d / "previous" / "checkpoints" / "step_4").is_dir()
     assert not torch.equal(first["fc.weight"], final_weights(run)["fc.weight"])
@@ -388,9 +412,9 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def test_resume_after_sigkill_ends_with_the_same_weights(synth_run, tiny8, tmp_path):
-    sets = dict(max_steps=200, checkpoint_every=10, keep_checkpoints=2, precision="fp32", log_every_s=0.2)
+    sets = dict(max_steps=100, checkpoint_every=10, keep_checkpoints=2, log_every_s=0.2)
     ref = copy_run(synth_run, tmp_path / "ref")
-    run_cli(*cli_args(ref, tiny8, **sets), env=THREADS, check=True)
+    run_train(ref, cfg_for(tiny8, **sets))  # uninterrupted, in-process (one thread, like the CLI runs below)
 
     run = copy_run(synth_run, tmp_path / "killed")
     env = {**os.environ, **THREADS}
@@ -399,14 +423,14 @@ def test_resume_after_sigkill_ends_with_the_same_weights(synth_run, tiny8, tmp_p
     ck = run.path / "train" / "checkpoints"
     deadline = time.time() + 120
     while time.time() < deadline and not (ck / "step_20" / "state.json").exists():
-        time.sleep(0.01)
-    time.sleep(0.05)  # land between checkpoints, mid-step
+        time.sleep(0.005)
+    time.sleep(0.03)  # land between checkpoints, mid-step
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL
     assert not (run.path / "train" / "final").exists(), "the run finished before it could be killed"
     killed_at = max(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_"))
-    assert 20 <= killed_at < 200
+    assert 20 <= killed_at < 100
 
     r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
     assert f"resumed from {ck / f'step_{killed_at}'}" in r.stdout
@@ -416,7 +440,7 @@ def test_resume_after_sigkill_ends_with_the_same_weights(synth_run, tiny8, tmp_p
         assert torch.equal(a[k], b[k]), k
     # metrics past the resumed checkpoint were dropped, so steps are increasing and unique
     steps = [x["step"] for x in metrics(run)]
-    assert steps == sorted(set(steps)) and steps[-1] == 200
+    assert steps == sorted(set(steps)) and steps[-1] == 100
 
 
 def torchrun(run: RunDir, target, nproc: int, **train) -> subprocess.CompletedProcess:
@@ -427,43 +451,33 @@ def torchrun(run: RunDir, target, nproc: int, **train) -> subprocess.CompletedPr
     return p
 
 
-def full_length_run(tiny8, path: Path) -> RunDir:
-    """Every sample exactly one row long, so batch 2b packs the same rows as two batches of b."""
+def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_path):
+    # every sample exactly one row long, so batch 2b packs the same rows as two batches of b
     samples = cycle_samples(target_info(str(tiny8)).vocab_size, 24, seed=5, lengths=(64, 64))
-    run = make_run(path, tiny8, samples)
-    synthesize_states(run, tiny8)
-    return run
+    base = make_run(tmp_path / "base", tiny8, samples)
+    synthesize_states(base, tiny8)
+    sets = dict(max_steps=4, precision="fp32", lr=1e-3, checkpoint_every=2)
 
-
-def test_ddp_two_ranks_match_one_rank_at_double_batch(tiny8, tmp_path):
-    base = full_length_run(tiny8, tmp_path / "base")
-    sets = dict(max_steps=4, precision="fp32", lr=1e-3)
-    two = copy_run(base, tmp_path / "two")
-    p = torchrun(two, tiny8, 2, batch_tokens=64, **sets)
+    one = copy_run(base, tmp_path / "one")  # 1 rank, batch 2b
+    run_train(one, cfg_for(tiny8, batch_tokens=128, **sets))
+    accum = copy_run(base, tmp_path / "accum")  # 1 rank, batch b, 2 micro-batches per step
+    run_train(accum, cfg_for(tiny8, batch_tokens=64, grad_accum=2, **sets))
+    ddp = copy_run(base, tmp_path / "ddp")  # 2 ranks, batch b
+    p = torchrun(ddp, tiny8, 2, batch_tokens=64, **sets)
     assert p.stdout.count("step 4/4 |") == 1  # rank 0 logs, rank 1 does not
-    assert sorted(x.name for x in (two.path / "train").glob("progress*.jsonl")) == ["progress.rank0.jsonl", "progress.rank1.jsonl"]
-    one = copy_run(base, tmp_path / "one")
-    run_cli(*cli_args(one, tiny8, batch_tokens=128, **sets), env=THREADS, check=True)
-    accum = copy_run(base, tmp_path / "accum")
-    run_cli(*cli_args(accum, tiny8, batch_tokens=64, grad_accum=2, **sets), env=THREADS, check=True)
-    a, b, c = final_weights(two), final_weights(one), final_weights(accum)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(c[k], b[k], rtol=1e-4, atol=1e-6)
-    assert metrics(two)[-1]["tokens"] == metrics(one)[-1]["tokens"] == 4 * 2 * 64
-
-
-def test_fsdp_two_ranks_match_ddp(tiny8, tmp_path):
-    base = full_length_run(tiny8, tmp_path / "base")
-    sets = dict(max_steps=3, precision="fp32", lr=1e-3, batch_tokens=64, checkpoint_every=2)
-    ddp = copy_run(base, tmp_path / "ddp")
-    torchrun(ddp, tiny8, 2, **sets)
+    assert sorted(x.name for x in (ddp.path / "train").glob("progress*.jsonl")) == ["progress.rank0.jsonl", "progress.rank1.jsonl"]
     fsdp = copy_run(base, tmp_path / "fsdp")
-    torchrun(fsdp, tiny8, 2, fsdp="true", **sets)
-    a, b = final_weights(ddp), final_weights(fsdp)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    torchrun(fsdp, tiny8, 2, batch_tokens=64, fsdp="true", **sets)
+
+    ref = final_weights(one)
+    for other in (accum, ddp, fsdp):
+        w = final_weights(other)
+        assert w.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(w[k], ref[k], rtol=1e-4, atol=1e-6)
+    assert metrics(ddp)[-1]["tokens"] == metrics(one)[-1]["tokens"] == 4 * 2 * 64
+    # the sharded run checkpoints full tensors too
+    assert load_file(str(fsdp.path / "train/checkpoints/step_2/model.safetensors")).keys() == ref.keys()
 
 
 # -------------------------------------------------------------------------------------------------
