@@ -563,7 +563,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
     from draftsmith.export import CONFIG_FILE, _read_json
     from draftsmith.progress import Progress
     from draftsmith.prompts import load_prompts
-    from draftsmith.target import target_info
+    from draftsmith.target import pick_device, pick_dtype, target_info
 
     ec = cfg.eval
     if ec.engine not in ENGINES:
@@ -627,7 +627,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
             "engine": ec.engine, "num_speculative_tokens": ec.num_speculative_tokens, "temperature": ec.temperature,
             **agg,
             "max_tokens": ec.max_tokens, "prompts_source": ec.prompts, "offset": ec.offset, "limit": ec.limit,
-            "target": info.name, "target_fingerprint": info.fingerprint, "dtype": cfg.dtype, "device": cfg.device,
+            "target": info.name, "target_fingerprint": info.fingerprint,
+            # what "auto" resolved to on this machine
+            "dtype": str(pick_dtype(cfg.dtype, pick_device(cfg.device))).removeprefix("torch."),
+            "device": str(pick_device(cfg.device)),
             "drafter": str(export_dir), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
             "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
         }
