@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # `draftsmith status RUN | head`: the reader left; not an error worth a traceback.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -293,7 +293,25 @@ def run_status(path: str | os.PathLike) -> dict[str, Any]:
         raise DraftsmithError(f"{run.path}: not a draftsmith run directory (no run.json or stage folders)")
     now = time.time()
     host = socket.gethostname()
-    return {"run": str(run.path), "time": round(now, 3), "stages": [stage_status(run, s, now, host) for s in STAGES]}
+    out: dict[str, Any] = {"run": str(run.path), "time": round(now, 3),
+                           "stages": [stage_status(run, s, now, host) for s in STAGES]}
+    pipe = pipeline_status(run, host)
+    if pipe is not None:
+        out["pipeline"] = pipe
+    return out
+
+
+def pipeline_status(run: RunDir, host: str) -> dict[str, Any] | None:
+    """The `draftsmith run` driving this run, if any (RUN/pipeline.json): alive, which stage."""
+    try:
+        p = json.loads((run.path / "pipeline.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    alive = pid_alive(int(p["pid"])) if p.get("host") == host and p.get("pid") else None
+    state = "done" if p.get("finished") else "failed" if p.get("error") else (
+        "running" if alive else "dead" if alive is False else "unknown")
+    return {"state": state, "pid": p.get("pid"), "current": p.get("current"), "stages": p.get("stages"),
+            "error": p.get("error")}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -319,7 +337,7 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
         name, state, done or "-",
         f"{fmt_rate(r['rate_per_s'])}/s" if r["rate_per_s"] else "-",
         fmt_duration(r["eta_s"]) if r["eta_s"] is not None else "-",
-        f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None else "-",
+        f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending") else "-",
         str(r["pid"] or "-"),
         f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])})" if r["bytes_on_disk"] else str(r["on_disk"] or "-"),
     ]
@@ -340,7 +358,12 @@ def render_table(status: dict[str, Any]) -> str:
                 notes.append(f"{r['name']}: the journal says {r['done']} {r['unit'] or ''} done, "
                              f"the files on disk hold {r['on_disk']}")
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    lines = [f"run: {status['run']}", "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    head = f"run: {status['run']}"
+    pipe = status.get("pipeline")
+    if pipe:
+        head += f"  (draftsmith run: {pipe['state']}" + (f", at {pipe['current']}" if pipe["current"] and pipe["state"] == "running" else "") + \
+            (f", pid {pipe['pid']}" if pipe["state"] == "running" else "") + (f": {pipe['error']}" if pipe.get("error") else "") + ")"
+    lines = [head, "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines += notes
     return "\n".join(lines)
@@ -359,10 +382,10 @@ def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None)
             sys.stdout.write(f"--- {time.strftime('%H:%M:%S')}\n{text}\n")
         sys.stdout.flush()
         states = [s["state"] for s in st["stages"]]
-        started = [s for s in states if s != "pending"]
-        if started and all(s in ("done", "failed", "dead", "pending") for s in states) and "running" not in states:
-            if not any(s == "stalled" for s in states):
-                return
+        pipe = st.get("pipeline")
+        active = any(s in ("running", "stalled") for s in states) or (pipe is not None and pipe["state"] == "running")
+        if not active and any(s != "pending" for s in states):
+            return
         i += 1
         if max_iterations is not None and i >= max_iterations:
             return
