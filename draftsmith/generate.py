@@ -35,7 +35,7 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -418,8 +418,9 @@ class OpenAIClient:
 
     async def chat(self, model: str, messages: list[dict]) -> tuple[TurnResult, int]:
         g = self.gen
-        body = {"model": model, "messages": messages, "max_tokens": g.max_tokens,
-                "temperature": g.temperature, "top_p": g.top_p}
+        body = {"model": model, "messages": messages, "max_tokens": g.max_tokens, "temperature": g.temperature}
+        if g.top_p < 1.0:  # 1.0 is every server's default: leave it out
+            body["top_p"] = g.top_p
         attempts = 0
         while True:
             data, n = await self._request("POST", "/chat/completions", body)
@@ -461,7 +462,7 @@ async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnR
     return results
 
 
-async def _openai_run(pending, gen, servers, api_key, store: SampleStore, prog, on_done, on_fail) -> dict:
+async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail) -> dict:
     client = OpenAIClient(servers, gen, api_key)
     try:
         with prog.busy("asking the servers which model they serve"):
@@ -598,7 +599,6 @@ class _Tally:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    failure_examples: list[str] = field(default_factory=list)
 
 
 def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = False) -> dict:
@@ -681,7 +681,7 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                 if pending:
                     if gen.backend == "openai":
                         api_key = os.environ.get(gen.api_key_env) or None
-                        extra = asyncio.run(_openai_run(pending, gen, servers, api_key, store, prog, on_done, on_fail))
+                        extra = asyncio.run(_openai_run(pending, gen, servers, api_key, prog, on_done, on_fail))
                     else:
                         extra = _local_run(pending, cfg, prog, on_done, on_fail)
                 seconds = time.time() - t0
@@ -708,6 +708,8 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                     line += f" | reasoning captured for {reasoning_n}/{len(sel_done)} ({100 * reasoning_n / max(1, len(sel_done)):.0f}%)"
                 if extra.get("retried_requests"):
                     line += f" | {extra['retried_requests']} requests retried"
+                if len(extra.get("requests_per_server") or {}) > 1:
+                    line += " | requests per server: " + ", ".join(f"{s} {n}" for s, n in extra["requests_per_server"].items())
                 prog.log(line)
                 if sel_failed:
                     raise GenerateFailed(len(sel_failed), run)

@@ -79,6 +79,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc (empty where there is no /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):  # fields: state, ppid, pgrp, ...
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM when the parent dies (Linux only)."""
     with contextlib.suppress(Exception):
@@ -204,6 +217,11 @@ class VLLMServer:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+        # Orphaned engine processes are reaped by init a moment later: wait until they are gone,
+        # so that the memory and cores are free when stop() returns (the next server may start now).
+        deadline = time.time() + 10
+        while group_members(pgid) and time.time() < deadline:
+            time.sleep(0.1)
 
     def __enter__(self) -> "VLLMServer":
         try:

@@ -244,10 +244,14 @@ chat requests get faults. Change `rate` at any time (0 for a clean retry run); `
         self._ready.wait(10)
         return self
 
-    def __exit__(self, *exc) -> None:
-        def _stop():
-            self.server.close()
-            self.loop.stop()
+    async def _shutdown(self) -> None:
+        self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-        self.loop.call_soon_threadsafe(_stop)
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
