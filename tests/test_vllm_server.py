@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
