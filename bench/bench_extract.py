@@ -6,20 +6,21 @@ Target: SmolLM2-135M-Instruct (bf16). Data: the first --samples ShareGPT convers
 assistant turns as they are in the file), rendered with the target's chat template and cut to
 --max-length tokens, written as prepare/samples.jsonl in a temporary run.
 
-Measured, alternating, --repeats times each (best kept, the machine is shared):
-- baseline: `model(input_ids, position_ids, output_hidden_states=True)` over the batches extract
-  plans (same grouping, padding and dtype), under torch.inference_mode; nothing is written;
-- extract: `run_extract(run, cfg, target=...)` from scratch into a fresh store, wall clock of
-  the whole call: reading prepare output, the forwards, serialising, hashing, fsync'd writes,
-  shard.json, manifest (the model load is excluded from both).
-Tokens/s count real (unpadded) tokens in both, so the ratio is baseline time / extract time.
+Measured --repeats times (best kept: the machine is shared), each time:
+- A and B, alternating batch by batch over the batches extract plans (same grouping, padding,
+  dtype, torch.inference_mode): A = the bare `model(input_ids, position_ids,
+  output_hidden_states=True)`; B = extract's capture forward (base model + hooks), nothing written;
+- C = `run_extract(run, cfg, target=...)` from scratch into a fresh store: reading the prepare
+  output, the forwards, serialising, sha256, fsync'd atomic writes, shard.json, manifest.
+The model load is outside all three. Tokens/s count real (unpadded) tokens, so a ratio is a ratio
+of times. Wall and CPU seconds (process_time, all threads) are both printed: when other jobs share
+the cores, wall time swings with them and CPU time much less.
 """
 
 import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.extract import bytes_per_token, make_batch, plan_batches, run_extract, shard_ranges  # noqa: E402
+from draftsmith.extract import HiddenCapture, bytes_per_token, make_batch, plan_batches, run_extract, shard_ranges  # noqa: E402
 from draftsmith.prompts import iter_records, resolve_source  # noqa: E402
 from draftsmith.rundir import RunDir, file_sha256  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402
@@ -69,23 +70,49 @@ def write_prepare(run: RunDir, info, samples: list[dict]) -> None:
                        started=time.time(), outputs=["samples.jsonl"])
 
 
-def baseline(model, samples: list[dict], batches: list[list[int]], device) -> float:
-    t0 = time.perf_counter()
+class Clock:
+    """Wall and CPU seconds (process_time: all threads of this process, the writer's included).
+    CPU seconds hardly move when other jobs share the cores; wall seconds do."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self):
+        self._w, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall += time.perf_counter() - self._w
+        self.cpu += time.process_time() - self._c
+
+
+def forwards(model, capture, samples: list[dict], batches: list[list[int]], device) -> tuple[Clock, Clock]:
+    """Per batch, alternately: the bare HF forward (output_hidden_states=True, LM head) and the
+    capture forward extract uses (base model + hooks, no LM head), nothing written. Alternating
+    batch by batch keeps a changing machine load from favouring either."""
+    bare, cap = Clock(), Clock()
     with torch.inference_mode():
         for b in batches:
             ids, pos = make_batch([samples[i] for i in b])
-            out = model(input_ids=ids.to(device), position_ids=pos.to(device), output_hidden_states=True, use_cache=False)
-            del out
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+            ids, pos = ids.to(device), pos.to(device)
+            with bare:
+                out = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False)
+                del out
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            with cap:
+                aux, last = capture(ids, pos)
+                del aux, last
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+    return bare, cap
 
 
-def extract_once(run: RunDir, cfg, target) -> tuple[float, dict]:
+def extract_once(run: RunDir, cfg, target) -> tuple[Clock, dict]:
     shutil.rmtree(run.path / "extract", ignore_errors=True)
-    t0 = time.perf_counter()
-    manifest = run_extract(run, cfg, target=target)
-    return time.perf_counter() - t0, manifest
+    with Clock() as c:
+        manifest = run_extract(run, cfg, target=target)
+    return c, manifest
 
 
 def main() -> None:
@@ -98,6 +125,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="Scratch folder (default: a temporary one, removed after).")
     args = ap.parse_args()
 
+    load0 = os.getloadavg()[0]
     target = load_target(args.target, log=lambda m: None)
     info, model, device = target.info, target.model, target.device
     samples = sharegpt_samples(target.tokenizer, args.samples, args.max_length)
@@ -105,6 +133,7 @@ def main() -> None:
     tokens = sum(lengths)
     cfg = load_config(None, [f"target={args.target}", f"extract.batch_tokens={args.batch_tokens}"])
     # the batches extract plans: length-sorted within each shard
+    layers = cfg.extract.layers or info.default_aux_layers()
     batches = [b for s, e in shard_ranges(len(samples), cfg.extract.shard_size)
                for b in plan_batches(list(range(s, e)), lengths, args.batch_tokens)]
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
@@ -116,28 +145,40 @@ def main() -> None:
         ids, pos = make_batch([samples[i] for i in batches[-1]])
         model.model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
 
-    base_s, ext_s = [], []
+    bare, cap, ext = [], [], []
     manifest = None
     for _ in range(args.repeats):
-        base_s.append(baseline(model, samples, batches, device))
-        t, manifest = extract_once(run, cfg, target)
-        ext_s.append(t)
-    ratios = [b / e for b, e in zip(base_s, ext_s)]
+        capture = HiddenCapture(model, layers)
+        b, c = forwards(model, capture, samples, batches, device)
+        capture.remove()
+        bare.append(b)
+        cap.append(c)
+        e, manifest = extract_once(run, cfg, target)
+        ext.append(e)
     on_disk = sum(p.stat().st_size for p in (run.path / "extract").rglob("*.safetensors"))
+
+    def row(name: str, clocks: list[Clock]) -> None:
+        w, c = min(x.wall for x in clocks), min(x.cpu for x in clocks)
+        print(f"| {name} | {w:.1f} | {tokens / w:,.0f} | {c:.1f} | {tokens / c * torch.get_num_threads():,.0f} |")
 
     print()
     print(f"extract bench: {info.name}, {len(samples)} ShareGPT samples, {tokens:,} tokens "
           f"(mean {tokens / len(samples):.0f}, max {max(lengths)}), batch_tokens {args.batch_tokens}, "
           f"{len(batches)} batches, {100 * (1 - tokens / padded):.1f}% padding, {str(target.dtype).replace('torch.', '')}, "
-          f"{device.type}, {torch.get_num_threads()} threads, best of {args.repeats}")
+          f"{device.type}, {torch.get_num_threads()} threads, best of {args.repeats}; load average before/after "
+          f"{load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print()
-    print("| run | seconds | tokens/s |")
-    print("| --- | ---: | ---: |")
-    print(f"| bare forward, output_hidden_states=True (LM head, all {info.num_layers + 1} states) | {min(base_s):.2f} | {tokens / min(base_s):,.0f} |")
-    print(f"| draftsmith extract (hooks on {manifest['settings']['layers']}, no LM head), writing included | {min(ext_s):.2f} | {tokens / min(ext_s):,.0f} |")
-    print(f"| ratio extract / bare (best vs best) | | {min(base_s) / min(ext_s):.2f}x |")
-    print(f"| ratio per repeat (median) | | {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) |")
+    print("| run | wall s | tokens/s (wall) | CPU s | tokens/s (CPU, x threads) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    row(f"A. bare forward, output_hidden_states=True (LM head, all {info.num_layers + 1} states)", bare)
+    row(f"B. capture forward only (hooks on {layers}, no LM head), nothing written", cap)
+    row("C. draftsmith extract end to end (run_extract: read, forward, serialise, sha256, fsync'd writes)", ext)
+    best = lambda xs, k: min(getattr(x, k) for x in xs)  # noqa: E731
     print()
+    print(f"extract (C) vs bare forward (A): {best(bare, 'wall') / best(ext, 'wall'):.2f}x wall, "
+          f"{best(bare, 'cpu') / best(ext, 'cpu'):.2f}x CPU time")
+    print(f"capture (B) vs bare forward (A), interleaved batch by batch: {best(bare, 'wall') / best(cap, 'wall'):.2f}x wall, "
+          f"{best(bare, 'cpu') / best(cap, 'cpu'):.2f}x CPU time")
     ref = 4 * info.hidden_size * 2
     print(f"bytes per token on disk: {on_disk / tokens:,.0f} (format: {bytes_per_token(3, info.hidden_size):,} = "
           f"(3 aux + 1 last) x {info.hidden_size} x 2 + 4 id + 1 mask, plus a header per file); "

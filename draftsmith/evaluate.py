@@ -6,7 +6,10 @@ come (so `status` counts them and a rerun resumes), then aggregates them into
 RUN/eval/report.json, report.md and acceptance.png.
 
 Engines are functions `engine(ctx: EngineContext) -> Iterator[dict]` registered in ENGINES; each
-record carries at least RECORD_KEYS. The `local` engine is draftsmith's own loop:
+record carries at least RECORD_KEYS. The `vllm` engine sends the prompts to a vLLM server that
+serves the target with the exported drafter, one at a time, and takes each prompt's counts from
+the server's /metrics before and after it (see vllm_engine). The `local` engine is draftsmith's
+own loop:
 
 - the transformers target with an HF DynamicCache (cropped after rejections) and the drafter with
   a DrafterCache (cropped back to the verified prefix before every drafting round);
@@ -27,6 +30,7 @@ j+1 tokens were accepted) / drafts, as vLLM computes from /metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -301,6 +305,8 @@ class EngineContext:
     todo: list[tuple[int, Any]]  # (index in the prompt list, Prompt) still to decode
     prog: Any  # draftsmith.progress.Progress
     warmup: bool = True
+    fingerprint: str = ""  # the records' fingerprint (an engine's own resumable files carry it too)
+    info: dict | None = None  # set by an engine: what the report should say about it (server, version)
 
 
 def render_prompt(tokenizer, prompt) -> list[int]:
@@ -386,7 +392,291 @@ def local_engine(ctx: EngineContext) -> Iterator[dict]:
         dec.capture.remove()
 
 
-ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine}
+# -- the vLLM engine -------------------------------------------------------------------------------
+#
+# vLLM counts in the API server process: after every engine step the output handler pushes the
+# step's tokens to the request queues and then records the step's SpecDecodingStats in the
+# Prometheus counters, with no await in between (vllm/v1/engine/async_llm.py, output_handler), so
+# by the time a response arrives /metrics already holds its last step. With one request in
+# flight at a time, the counter deltas around a request are exactly that request's counts.
+
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+BASELINE_FILE = "vllm_baseline.jsonl"  # plain-decoding results of the baseline server, per prompt
+SERVER_LOG, BASELINE_LOG = "vllm.log", "vllm_baseline.log"
+VLLM_ONLY = ("server", "vllm_args")  # eval settings only the vllm engine reads
+ENGINE_INFO = "engine.json"  # what the engine reports about itself (server args, versions)
+
+
+@dataclass
+class SpecCounters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_pos: dict[int, float] = field(default_factory=dict)  # position j -> accepted at j
+    present: bool = False  # the server reports speculative decoding at all
+
+
+def spec_counters(metrics_text: str) -> SpecCounters:
+    """vLLM's speculative-decoding counters from Prometheus text, summed over engines/models."""
+    from draftsmith.vllm_server import parse_metrics
+
+    c = SpecCounters()
+    for key, value in parse_metrics(metrics_text).items():
+        name = key.split("{", 1)[0]
+        if name == SPEC_DRAFTS:
+            c.drafts += value
+            c.present = True
+        elif name == SPEC_DRAFT_TOKENS:
+            c.draft_tokens += value
+        elif name == SPEC_ACCEPTED:
+            c.accepted += value
+        elif name == SPEC_PER_POS:
+            m = re.search(r'position="(\d+)"', key)
+            if m:
+                j = int(m.group(1))
+                c.per_pos[j] = c.per_pos.get(j, 0.0) + value
+    return c
+
+
+def counter_delta(before: SpecCounters, after: SpecCounters, K: int) -> dict:
+    """One request's counts from the counters around it (record keys, ints)."""
+    return {
+        "num_drafts": int(round(after.drafts - before.drafts)),
+        "num_draft_tokens": int(round(after.draft_tokens - before.draft_tokens)),
+        "num_accepted_tokens": int(round(after.accepted - before.accepted)),
+        "accepted_per_pos": [int(round(after.per_pos.get(j, 0.0) - before.per_pos.get(j, 0.0))) for j in range(K)],
+    }
+
+
+def counts_consistent(counts: dict, output_tokens: int, K: int) -> bool:
+    """Whether counter deltas can belong to one request of `output_tokens` tokens: the prefill
+    emits one token and each verification step a+1 (a accepted), the last step possibly cut by
+    stop/max_tokens by at most K tokens."""
+    emitted = 1 + counts["num_drafts"] + counts["num_accepted_tokens"]
+    return (emitted - K <= output_tokens <= emitted and counts["num_draft_tokens"] == K * counts["num_drafts"]
+            and counts["accepted_per_pos"][0] <= counts["num_drafts"])
+
+
+def chat_messages(prompt) -> list[dict]:
+    """The same conversation render_prompt() gives the local engine: system, first user turn."""
+    return ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+        {"role": "user", "content": prompt.turns[0]}]
+
+
+class OpenAIChat:
+    """Chat completions against one vLLM server, one request at a time."""
+
+    def __init__(self, url: str, timeout_s: float):
+        import httpx
+
+        self.url = url.rstrip("/").removesuffix("/v1")  # root: /metrics, /version, /health
+        self.client = httpx.Client(timeout=timeout_s)
+        self.model: str | None = None
+
+    def get(self, path: str):
+        r = self.client.get(self.url + path)
+        r.raise_for_status()
+        return r
+
+    def connect(self) -> "OpenAIChat":
+        import httpx
+
+        try:
+            models = [m["id"] for m in self.get("/v1/models").json().get("data", [])]
+        except (httpx.HTTPError, ValueError) as e:
+            raise DraftsmithError(f"eval.server={self.url}: not reachable as a vLLM server ({e})") from None
+        if not models:
+            raise DraftsmithError(f"eval.server={self.url}: serves no model (/v1/models is empty)")
+        self.model = models[0]
+        return self
+
+    def version(self) -> str | None:
+        import httpx
+
+        try:
+            return self.get("/version").json().get("version")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def counters(self) -> SpecCounters:
+        return spec_counters(self.get("/metrics").text)
+
+    def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int, what: str) -> tuple[dict, float]:
+        """-> (the response's first choice with `usage` added, wall seconds of the request)."""
+        import httpx
+
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed, "return_token_ids": True}
+        t0 = time.perf_counter()
+        try:
+            r = self.client.post(self.url + "/v1/chat/completions", json=body)
+        except httpx.HTTPError as e:
+            raise DraftsmithError(f"eval: {what}: request to {self.url} failed: {type(e).__name__}: {e}") from None
+        seconds = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise DraftsmithError(f"eval: {what}: {self.url} answered {r.status_code}: {r.text[:300]}")
+        data = r.json()
+        return {**data["choices"][0], "usage": data.get("usage") or {}}, seconds
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _answer_fields(choice: dict, seconds: float) -> dict:
+    """output_tokens, token_ids, text, finish_reason, seconds, tokens_per_s of one chat answer.
+    completion_tokens counts the EOS token like the local engine does (vLLM's token_ids end with it)."""
+    ids = choice.get("token_ids")
+    n = choice["usage"].get("completion_tokens", len(ids) if ids is not None else 0)
+    return {"output_tokens": n, "token_ids": ids, "text": (choice.get("message") or {}).get("content") or "",
+            "finish_reason": choice.get("finish_reason"), "seconds": round(seconds, 4),
+            "tokens_per_s": n / seconds if seconds > 0 else None}
+
+
+def vllm_server_args(cfg, spec: dict | None) -> list[str]:
+    """`vllm serve` arguments besides --model/--host/--port: dtype, eval.vllm_args, the drafter."""
+    args = ["--dtype", "bfloat16" if cfg.dtype == "auto" else cfg.dtype, *cfg.eval.vllm_args]
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    return args
+
+
+@contextlib.contextmanager
+def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, python, what: str):
+    """A VLLMServer started under a `busy` phase (the stage heartbeats while vLLM loads)."""
+    from draftsmith.vllm_server import VLLMServer
+
+    srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(STAGE) / log_name, python=python)
+    with ctx.prog.busy(f"starting vLLM ({what})"):
+        srv.start()
+    ctx.prog.log(f"vLLM ({what}) ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _warm_up(client: OpenAIChat, ctx: EngineContext) -> None:
+    # first requests pay one-time costs (kernels, allocator); keep them out of the timings
+    if ctx.warmup and ctx.todo:
+        client.chat(chat_messages(ctx.todo[0][1]), min(4, ctx.cfg.eval.max_tokens), ctx.cfg.eval.temperature, 0, "warm-up")
+
+
+def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
+    """Speculative decoding in a vLLM server (see the note above SPEC_DRAFTS).
+
+    Without eval.server it starts `vllm serve TARGET --speculative-config {model: RUN/export,
+    method: eagle3, num_speculative_tokens: K}` from the vLLM environment (installing it when
+    missing), and, for eval.baseline, first the same server without the drafter, whose per-prompt
+    results go to eval/vllm_baseline.jsonl (so a resumed run does not redo them). Prompts go one
+    at a time as chat completions; /metrics is read around each one."""
+    from draftsmith.target import target_info
+    from draftsmith.vllm_server import vllm_python
+
+    cfg, ec, prog, K = ctx.cfg, ctx.cfg.eval, ctx.prog, ctx.cfg.eval.num_speculative_tokens
+    d = ctx.run.stage_dir(STAGE)
+    timeout_s = 600.0 + ec.max_tokens  # a slow CPU decodes tens of tokens per second, a loaded one less
+    seeds = {index: ec.seed * 1_000_003 + index for index, _ in ctx.todo}  # as the local engine
+    info: dict[str, Any] = {"engine": "vllm", "concurrency": 1}
+    ctx.info = info
+
+    baseline: dict[str, dict] = {}
+    if ec.baseline and ec.server:
+        prog.log("eval.server is set: no baseline (the server's settings are unknown, so a plain server "
+                 "cannot be started to match); speedup is not reported")
+    elif ec.baseline:
+        baseline = _read_baseline(d / BASELINE_FILE, ctx.fingerprint)
+    spec_cfg = {"model": str(ctx.export_dir), "method": "eagle3", "num_speculative_tokens": K}
+    python = None
+    if not ec.server:
+        python = vllm_python(log=prog.log)
+        tdir = target_info(cfg.target, cfg.trust_remote_code).path
+        trained = (json.loads((ctx.export_dir / "config.json").read_text()).get("draftsmith") or {}).get("ttt_steps")
+        if trained and K > trained:
+            prog.log(f"note: K={K} exceeds the {trained} steps the drafter was trained to draft")
+
+    # 1. the baseline: the same server without drafting, the same requests
+    missing = [(i, p) for i, p in ctx.todo if p.id not in baseline]
+    if ec.baseline and not ec.server and missing:
+        args = vllm_server_args(cfg, None)
+        with _server(ctx, tdir, args, BASELINE_LOG, python, "baseline, no drafting") as srv:
+            client = OpenAIChat(srv.url, timeout_s).connect()
+            info["baseline_server"] = {"args": srv.command()[1:], "vllm_version": client.version(),
+                                       "startup_s": round(srv.startup_s, 1), "log": BASELINE_LOG}
+            try:
+                _warm_up(client, ctx)
+                for n, (index, prompt) in enumerate(missing):
+                    choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seeds[index],
+                                              f"prompt {prompt.id} (baseline)")
+                    b = {"id": prompt.id, **_answer_fields(choice, sec), "fingerprint": ctx.fingerprint}
+                    _append_line(d / BASELINE_FILE, b)
+                    baseline[prompt.id] = b
+                    prog.log(f"baseline {n + 1}/{len(missing)} {prompt.id}: {b['output_tokens']} tokens, "
+                             f"{_fmt(b['tokens_per_s'], '.1f')} tok/s")
+            finally:
+                client.close()
+
+    # 2. speculative decoding
+    if ec.server:
+        srv_ctx = contextlib.nullcontext(None)
+    else:
+        srv_ctx = _server(ctx, tdir, vllm_server_args(cfg, spec_cfg), SERVER_LOG, python, f"drafter, K={K}")
+    with srv_ctx as srv:
+        client = OpenAIChat(ec.server or srv.url, timeout_s).connect()
+        try:
+            first = client.counters()
+            if not first.present:
+                raise DraftsmithError(f"eval: the vLLM server at {client.url} reports no speculative decoding "
+                                      f"({SPEC_DRAFTS} missing from /metrics); start it with --speculative-config")
+            if first.per_pos and len(first.per_pos) != K:
+                raise DraftsmithError(f"eval.num_speculative_tokens={K}, but the server at {client.url} drafts "
+                                      f"{len(first.per_pos)} tokens per step")
+            info["server"] = {"url": ec.server, "model": client.model, "vllm_version": client.version(),
+                              "args": srv.command()[1:] if srv else None,
+                              "startup_s": round(srv.startup_s, 1) if srv else None,
+                              "log": SERVER_LOG if srv else None}
+            prog.log(f"vLLM {info['server']['vllm_version']} serving {client.model} with drafter "
+                     f"{ctx.export_dir if srv else '(the server’s)'}, K={K}, temperature {ec.temperature}, "
+                     f"max_tokens {ec.max_tokens}")
+            _warm_up(client, ctx)
+            for index, prompt in ctx.todo:
+                before = client.counters()
+                choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seeds[index],
+                                          f"prompt {prompt.id}")
+                ans = _answer_fields(choice, sec)
+                counts = counter_delta(before, client.counters(), K)
+                if not counts_consistent(counts, ans["output_tokens"], K):
+                    time.sleep(0.5)  # not expected (see above); give a late counter update a chance
+                    counts = counter_delta(before, client.counters(), K)
+                    if not counts_consistent(counts, ans["output_tokens"], K):
+                        prog.log(f"warning: {prompt.id}: counters moved by {counts} for {ans['output_tokens']} "
+                                 "tokens; is another client using the server?")
+                rec = {"id": prompt.id, "index": index, "prompt_tokens": choice["usage"].get("prompt_tokens"),
+                       **ans, **counts,
+                       "acceptance_length": (1 + counts["num_accepted_tokens"] / counts["num_drafts"])
+                       if counts["num_drafts"] else None,
+                       "baseline": None}
+                b = baseline.get(prompt.id)
+                if b is not None:
+                    rec["baseline"] = {k: b[k] for k in ("output_tokens", "seconds", "tokens_per_s", "finish_reason")}
+                    rec["baseline"]["same_tokens"] = (b["token_ids"] == ans["token_ids"]) if ec.temperature <= 0 else None
+                yield rec
+        finally:
+            client.close()
+
+
+def _read_baseline(path: Path, fingerprint: str) -> dict[str, dict]:
+    """Baseline results of this fingerprint by prompt id; a cut last line or lines of another
+    fingerprint are dropped from the file (so that the next append starts a clean line)."""
+    out, dirty = _read_answers(path, fingerprint)
+    if dirty:
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out.values()))
+    return out
+
+
+ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine, "vllm": vllm_engine}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -519,6 +809,13 @@ def report_markdown(report: dict) -> str:
     ]
     if same:
         lines.append(f"| greedy output identical to plain decoding | {same[0]} of {same[1]} prompts |")
+    for key, what in (("server", "Server"), ("baseline_server", "Baseline server (no drafting)")):
+        srv = report.get(key)
+        if srv:
+            where = f"`{srv['url']}`" if srv.get("url") else "started by draftsmith"
+            args = f", arguments `{' '.join(srv['args'])}`" if srv.get("args") else ""
+            log = f", log `{srv['log']}`" if srv.get("log") else ""
+            lines += ["", f"{what}: vLLM {srv.get('vllm_version')}, {where}{args}{log}; one request at a time."]
     lines += ["", f"Plot: `{PLOT}`. Per-prompt results: `{ANSWERS}`.", ""]
     return "\n".join(lines)
 
@@ -547,6 +844,14 @@ def _read_answers(path: Path, fingerprint: str) -> tuple[dict[str, dict], bool]:
     return done, dirty
 
 
+def _read_engine_info(path: Path, fingerprint: str) -> dict:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return info if isinstance(info, dict) and info.get("fingerprint") == fingerprint else {}
+
+
 def _append_line(path: Path, rec: dict) -> None:
     data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -567,7 +872,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
 
     ec = cfg.eval
     if ec.engine not in ENGINES:
-        raise DraftsmithError(f"eval.engine={ec.engine}: not available in this build; use eval.engine=local")
+        raise DraftsmithError(f"eval.engine={ec.engine}: not available in this build; use one of {', '.join(ENGINES)}")
     run.ensure()
     started = time.time()
     export_manifest = run.require_manifest("export", by="draftsmith eval")
@@ -584,6 +889,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
         raise DraftsmithError(f"eval.prompts: no prompts in {ec.prompts} (offset {ec.offset}, limit {ec.limit})")
 
     settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
+    if ec.engine == "local":  # the server settings do not change what the local engine computes
+        settings["eval"] = {k: v for k, v in settings["eval"].items() if k not in VLLM_ONLY}
     fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
     # a per-prompt record stays valid when only the selection of prompts changes (a larger
     # limit reuses the answers already written)
@@ -609,7 +916,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
         if done:
             prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {answers}")
         if todo:
-            ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup)
+            ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup,
+                                fingerprint=record_fp)
             for rec in ENGINES[ec.engine](ctx):
                 missing = [k for k in RECORD_KEYS if k not in rec]
                 if missing:
@@ -621,6 +929,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
                          f"{_fmt(rec.get('tokens_per_s'), '.1f')} tok/s"
                          + (f" (plain {_fmt(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
                 prog.advance(1)
+            if ctx.info is not None:
+                atomic_write_json(d / ENGINE_INFO, {**ctx.info, "fingerprint": record_fp})
+        # what the engine said about itself, also when this rerun had nothing left to decode
+        engine_info = _read_engine_info(d / ENGINE_INFO, record_fp)
         records = [done[p.id] for p in prompts]
         agg = aggregate(records, ec.num_speculative_tokens)
         report = {
@@ -634,6 +946,12 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
             "drafter": str(export_dir), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
             "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
         }
+        if ec.engine == "vllm":
+            # what the server ran with; dtype is what it was asked for (None: a server of eval.server)
+            report.update({"dtype": None if ec.server else vllm_server_args(cfg, None)[1], "device": "vllm",
+                           "concurrency": 1, "server": engine_info.get("server"),
+                           "baseline_server": engine_info.get("baseline_server"),
+                           "vllm_version": (engine_info.get("server") or {}).get("vllm_version")})
         atomic_write_json(d / REPORT_JSON, report)
         atomic_write_text(d / REPORT_MD, report_markdown(report))
         write_plot(d / PLOT, report, read_train_metrics(run.path / "train" / "metrics.jsonl"))
@@ -645,7 +963,9 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
         STAGE, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
                                        "prompts": ec.prompts},
         settings=settings, counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
-        started=started, outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT],
+        started=started, outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT] + (
+            [n for n in (ENGINE_INFO, SERVER_LOG, BASELINE_LOG, BASELINE_FILE) if (d / n).is_file()]
+            if ec.engine == "vllm" else []),
         extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
                                                  "baseline_tokens_per_s", "speedup")}},
     )
@@ -655,10 +975,14 @@ def register(app) -> None:
     @app.command("eval", epilog="Examples:\n\n"
                  "  draftsmith eval --run runs/r1\n\n"
                  "  draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128\n\n"
-                 "  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl")
+                 "  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl\n\n"
+                 "  draftsmith eval --run runs/r1 --engine vllm   (starts vLLM with the export, and one without it for the baseline)\n\n"
+                 "  draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server with the drafter)\n\n"
+                 "  draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)")
     def eval_(
         run: RunOpt,
-        engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target.")] = None,
+        engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM server, counts from its /metrics.")] = None,
+        server: Annotated[Optional[str], typer.Option("--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of starting one (eval.server).")] = None,
         prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
         offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
@@ -670,7 +994,7 @@ def register(app) -> None:
     ):
         """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
         cfg = stage_config(config, sets, **{
-            "eval.engine": engine, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
+            "eval.engine": engine, "eval.server": server, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
             "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
             "eval.max_tokens": max_tokens})
         m = run_eval(RunDir(run), cfg)

@@ -566,7 +566,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     `target`: an already loaded `draftsmith.target.Target` to reuse (else loaded here).
     """
     from draftsmith.prepare import check_upstream_target
-    from draftsmith.progress import Progress
+    from draftsmith.progress import Progress, log
     from draftsmith.target import pick_dtype, pick_device, target_info
 
     ec = cfg.extract
@@ -585,14 +585,17 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     samples_path = run.path / "prepare" / "samples.jsonl"
     if not samples_path.is_file():
         raise DraftsmithError(f"{samples_path}: missing although prepare/manifest.json exists; rerun prepare")
-    prepared = index_prepared(samples_path, info.vocab_size)
     compute_dtype = str(target.dtype if target is not None else pick_dtype(cfg.dtype, pick_device(cfg.device))).replace("torch.", "")
-
     settings = {"target": cfg.target, "layers": layers, "shard_size": ec.shard_size, "backend": ec.backend,
                 "compute_dtype": compute_dtype}
     inputs = {"prepare": prep_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
               "samples": str(samples_path)}
     fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, {"prepare": prep_manifest})
+    current = run.read_manifest(STAGE)
+    if current is not None and current.get("fingerprint") == fp and not verify:
+        log(f"up to date ({current['counts']['done']} samples; --verify re-checks the files)", stage=STAGE)
+        return current
+    prepared = index_prepared(samples_path, info.vocab_size)
     meta = {
         "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
         "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,

@@ -643,12 +643,11 @@ def run_train(run, cfg, **opts) -> dict:
 
     from draftsmith.model import Eagle3Config, Eagle3Drafter
     from draftsmith.progress import Progress, env_rank, fmt_duration, log
-    from draftsmith.rundir import fingerprint as fingerprint_of
     from draftsmith.rundir import stage_fingerprint, write_stage_config
-    from draftsmith.target import load_target, pick_device, pick_dtype, target_info
+    from draftsmith.target import load_target, pick_device, target_info
     from draftsmith.vocab import load_vocab
 
-    started = time.time()
+    started, cpu0 = time.time(), time.process_time()
     tc = cfg.train
     rank, world = env_rank()
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (console on rank 0, and stage.log)
@@ -712,7 +711,6 @@ def run_train(run, cfg, **opts) -> dict:
 
         # -- data ---------------------------------------------------------------------------------
         act_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        target = None
         if tc.mode == "offline":
             source = OfflineSource(store)
         else:
@@ -959,7 +957,7 @@ def run_train(run, cfg, **opts) -> dict:
                             "step": step, "total_steps": total_steps, "epoch": position[0], "loss": loss_k, "acc": acc_k,
                             "acceptance_length": tau, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                             "tokens_per_s": tps, "tokens": tokens_seen, "samples": samples_seen,
-                            "elapsed_s": time.time() - started,
+                            "elapsed_s": time.time() - started, "cpu_s": time.process_time() - cpu0,
                             "step_time_s": {k: v / max(1, win_steps) for k, v in times.items()},
                         }
                         if rank == 0:
@@ -1003,8 +1001,7 @@ def run_train(run, cfg, **opts) -> dict:
                 outputs = sorted(str(p.relative_to(d)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
                 manifest = run.write_manifest(STAGE, fingerprint=fp, inputs=inputs, settings=settings, counts=counts,
                                               started=started, outputs=outputs,
-                                              extra={"aux_layers": layers, "final": str(final_dir),
-                                                     "world_size": world, "settings_print": fingerprint_of(settings)})
+                                              extra={"aux_layers": layers, "final": str(final_dir), "world_size": world})
             prog.end(steps=step, tokens=tokens_seen)
         if world > 1:
             dist.barrier()

@@ -177,6 +177,9 @@ def test_store_format_and_reader(tmp_path, tiny8):
         for f in rec["files"]:
             assert file_sha256(shard / f["name"]) == f["sha256"] and (shard / f["name"]).stat().st_size == f["size"]
     assert m["counts"]["tokens"] == sum(LENGTHS) and "rows_0-4/shard.json" in m["outputs"]
+    journal = (d / "progress.jsonl").read_bytes()
+    assert run_extract(run, cfg_for(tiny8, "extract.shard_size=4")) == m  # up to date: nothing redone
+    assert (d / "progress.jsonl").read_bytes() == journal
 
     store = ExtractStore(run.path)
     assert len(store) == 10 and store.lengths == LENGTHS and store.meta["layers"] == [2, 4, 5]
