@@ -121,7 +121,7 @@ class Config(_Section):
     target: str = Field("smollm2-135m", description="Model folder, .gguf file, or `smollm2-135m`.")
     device: str = Field("auto", description="`auto` (cuda when available), `cpu`, `cuda`, `cuda:1`...")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto", description="Target dtype; `auto` = bfloat16 (fast on this CPU and on GPUs).")
+        "auto", description="Target dtype; `auto` = bfloat16 where it is fast (GPUs, CPUs with AMX), else float32.")
     trust_remote_code: bool = Field(False, description="Allow model code from the target folder (logged when on).")
     stall_after_s: float = Field(300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig)

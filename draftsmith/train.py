@@ -435,14 +435,11 @@ def resolve_precision(spec: str, device) -> str:
     Without AMX (e.g. AVX-512-BF16 only) oneDNN's bf16 GEMMs run slower than float32 ones, and
     autocast adds casts on top: measured 1.7x slower per training step on such a CPU.
     """
-    import torch
+    from draftsmith.target import bf16_is_fast
 
     if spec != "auto":
         return spec
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return "bf16" if amx is not None and amx() else "fp32"
+    return "bf16" if bf16_is_fast(device) else "fp32"
 
 
 def acceptance_length(acc: list[float]) -> float:

@@ -30,12 +30,16 @@ def test_layer_checks(tiny_target):
         info.check_layers([3, 2, 1])
 
 
-def test_load_tiny_target_picks_bf16_on_cpu(tiny_target):
+def test_load_tiny_target_picks_the_fast_dtype_on_cpu(tiny_target):
     import torch
 
+    from draftsmith.target import bf16_is_fast
+
     t = load_target(str(tiny_target))
-    assert t.device.type == "cpu" and t.dtype == torch.bfloat16
-    assert next(t.model.parameters()).dtype == torch.bfloat16
+    expected = torch.bfloat16 if bf16_is_fast(torch.device("cpu")) else torch.float32
+    assert t.device.type == "cpu" and t.dtype == expected
+    assert next(t.model.parameters()).dtype == expected
+    assert load_target(str(tiny_target), dtype="bfloat16").dtype == torch.bfloat16
     assert not any(p.requires_grad for p in t.model.parameters())
     assert pick_dtype("float32") == torch.float32
 
