@@ -389,16 +389,9 @@ def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None
             f"target {info.name} ({info.fingerprint}); use the same `target` for every stage of a run")
 
 
-def _human(n: float) -> str:
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(int(n))
-
-
 def run_prepare(run: RunDir, cfg, **opts) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
-    from draftsmith.progress import Progress, log
+    from draftsmith.progress import Progress, fmt_count, log
     from draftsmith.target import load_tokenizer, target_info
 
     started = time.time()
@@ -503,7 +496,7 @@ def run_prepare(run: RunDir, cfg, **opts) -> dict:
         if tally.samples == 0:
             raise DraftsmithError(f"{gen_path}: no sample kept ({dropped} dropped: {', '.join(dropped_examples)})")
         share = tally.masked_tokens / max(1, tally.tokens)
-        prog.log(f"prepared {tally.samples} samples: {_human(tally.tokens)} tokens, {_human(tally.masked_tokens)} "
+        prog.log(f"prepared {tally.samples} samples: {fmt_count(tally.tokens)} tokens, {fmt_count(tally.masked_tokens)} "
                  f"loss-masked ({share:.1%}); truncated {tally.truncated}; dropped {counts['dropped_too_long']} too long, "
                  f"{counts['dropped_empty_mask']} with no assistant tokens")
         if dropped_examples:

@@ -58,6 +58,14 @@ def fmt_rate(r: float | None) -> str:
     return f"{r:.3g}" if r < 100 else f"{r:,.0f}"
 
 
+def fmt_count(n: float) -> str:
+    """1234567 -> '1.2M': counts in log lines."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(int(n))
+
+
 def env_rank() -> tuple[int, int]:
     """(rank, world_size) from torchrun's environment, (0, 1) otherwise."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -94,19 +94,12 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     return counts, samples
 
 
-def _human(n: float) -> str:
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(int(n))
-
-
 def run_vocab(run: RunDir, cfg, **opts) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""
     from safetensors.numpy import save_file
 
     from draftsmith.prepare import check_upstream_target
-    from draftsmith.progress import Progress, log
+    from draftsmith.progress import Progress, fmt_count, log
     from draftsmith.target import target_info
 
     started = time.time()
@@ -148,7 +141,7 @@ def run_vocab(run: RunDir, cfg, **opts) -> dict:
         covered = int(counts[t2d].sum())
         coverage = covered / total
         filled = max(0, size - distinct)
-        prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {_human(total)} loss-masked tokens "
+        prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {fmt_count(total)} loss-masked tokens "
                  f"({distinct} distinct tokens seen" + (f"; {filled} unseen ids fill the rest" if filled else "") + ")")
 
         vocab_info = {
