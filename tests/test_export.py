@@ -273,11 +273,7 @@ def test_cli_export(trained_run, tiny_target, cli):
     assert p.returncode == 2 and "no such checkpoint" in p.stderr and "Traceback" not in p.stderr
 
 
-VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm")
 def test_vllm_reads_exported_config(exported):
     """vLLM's own speculators parser turns the export into the eagle3 draft config we mean."""
     code = (
@@ -290,7 +286,9 @@ def test_vllm_reads_exported_config(exported):
         " 'rope': c.rope_parameters, 'aux': c.eagle_aux_hidden_state_layer_ids, 'dv': c.draft_vocab_size,"
         " 'layers': c.num_hidden_layers, 'hidden': c.hidden_size, 'target_hidden': c.target_hidden_size}))\n"
     )
-    p = subprocess.run([str(VLLM_PY), "-c", code, str(exported)], capture_output=True, text=True, timeout=300,
+    from draftsmith.vllm_server import vllm_python
+
+    p = subprocess.run([str(vllm_python()), "-c", code, str(exported)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
