@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, write_drafter_checkpoint
+from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.export import EXPORT_KEYS, find_checkpoint, load_exported, run_export
