@@ -579,7 +579,9 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     d = ctx.run.stage_dir(STAGE)
     timeout_s = 600.0 + ec.max_tokens  # a slow CPU decodes tens of tokens per second, a loaded one less
     seeds = {index: ec.seed * 1_000_003 + index for index, _ in ctx.todo}  # as the local engine
-    info: dict[str, Any] = {"engine": "vllm", "concurrency": 1}
+    # what an interrupted attempt learnt (its baseline server, when the baseline is complete now)
+    info: dict[str, Any] = {**_read_engine_info(d / ENGINE_INFO, ctx.fingerprint), "engine": "vllm", "concurrency": 1}
+    info.pop("fingerprint", None)
     ctx.info = info
 
     baseline: dict[str, dict] = {}
@@ -637,9 +639,9 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
                               "args": srv.command()[1:] if srv else None,
                               "startup_s": round(srv.startup_s, 1) if srv else None,
                               "log": SERVER_LOG if srv else None}
-            prog.log(f"vLLM {info['server']['vllm_version']} serving {client.model} with drafter "
-                     f"{ctx.export_dir if srv else '(the server’s)'}, K={K}, temperature {ec.temperature}, "
-                     f"max_tokens {ec.max_tokens}")
+            drafter = ctx.export_dir if srv else "(whatever the server was started with)"
+            prog.log(f"vLLM {info['server']['vllm_version']} serving {client.model} with drafter {drafter}, "
+                     f"K={K}, temperature {ec.temperature}, max_tokens {ec.max_tokens}")
             _warm_up(client, ctx)
             for index, prompt in ctx.todo:
                 before = client.counters()
@@ -661,7 +663,8 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
                 b = baseline.get(prompt.id)
                 if b is not None:
                     rec["baseline"] = {k: b[k] for k in ("output_tokens", "seconds", "tokens_per_s", "finish_reason")}
-                    rec["baseline"]["same_tokens"] = (b["token_ids"] == ans["token_ids"]) if ec.temperature <= 0 else None
+                    rec["baseline"]["same_tokens"] = (b["token_ids"] == ans["token_ids"]) if (
+                        ec.temperature <= 0 and ans["token_ids"] is not None) else None
                 yield rec
         finally:
             client.close()
