@@ -415,17 +415,13 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
 def _swap_into_place(built: Path, dest: Path) -> None:
     """Replace `dest` by the folder `built` (same parent): the stage's bookkeeping files move over
     first, then two renames; `dest` is never a mix of old and new exported files."""
+    from draftsmith.rundir import replace_dir
+
     if dest.is_dir():
         for name in BOOKKEEPING:
             if (dest / name).exists():
                 os.replace(dest / name, built / name)
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(built, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(built, dest)
+    replace_dir(built, dest)
 
 
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:

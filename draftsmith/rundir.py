@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -69,6 +70,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def replace_dir(built: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Put the complete folder `built` (same parent) at `dest`, replacing an older one.
+
+    Two renames with the old folder parked under a dot-name in between, so `dest` is never a
+    mix of old and new files; the parked copy is removed afterwards (a crash may leave it,
+    under a name readers skip)."""
+    built, dest = Path(built), Path(dest)
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(built, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(built, dest)
 
 
 def is_temp_name(name: str) -> bool:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.rundir import replace_dir
 
 STAGE = "train"
 TRAIN_VERSION = 1
@@ -541,14 +542,7 @@ def write_checkpoint(dest: Path, model_sd: dict, meta: dict, optim: dict, rng: d
         save_file(rng, str(tmp / CKPT_RNG))
         (tmp / CKPT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
         _fsync_tree(tmp)
-        if dest.exists():  # final/ being rewritten: swap, then drop the old one
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        replace_dir(tmp, dest)  # final/ may be rewritten: swapped whole, never mixed
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

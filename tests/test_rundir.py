@@ -77,3 +77,19 @@ def test_run_dir_that_is_a_file(tmp_path):
     f.write_text("")
     with pytest.raises(DraftsmithError, match="not a folder"):
         RunDir(f).ensure()
+
+
+def test_replace_dir_swaps_whole_folders(tmp_path):
+    from draftsmith.rundir import replace_dir
+
+    dest = tmp_path / "final"
+    for version in ("old", "new"):
+        built = tmp_path / f".final.tmp-{version}"
+        built.mkdir()
+        (built / "model.safetensors").write_text(version)
+        if version == "old":
+            (built / "stale.json").write_text("only in the old folder")
+        replace_dir(built, dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]  # nothing of the old mixed in
+    assert (dest / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
