@@ -1,17 +1,22 @@
 """Benchmark the extract stage against a bare Hugging Face forward on the same batches.
 
-    .venv/bin/python bench/bench_extract.py [--samples 64] [--batch-tokens 8192] [--repeats 2]
+    .venv/bin/python bench/bench_extract.py [--samples 64] [--batch-tokens 8192] [--repeats 2] [--dtype auto]
 
-Target: SmolLM2-135M-Instruct (bf16). Data: the first --samples ShareGPT conversations (user and
-assistant turns as they are in the file), rendered with the target's chat template and cut to
---max-length tokens, written as prepare/samples.jsonl in a temporary run.
+Target: SmolLM2-135M-Instruct in --dtype (default `auto`, as extract uses it). Data: the first
+--samples ShareGPT conversations (user and assistant turns as they are in the file), rendered
+with the target's chat template and cut to --max-length tokens, written as prepare/samples.jsonl
+in a temporary run.
 
-Measured --repeats times (best kept: the machine is shared), each time:
-- A and B, alternating batch by batch over the batches extract plans (same grouping, padding,
-  dtype, torch.inference_mode): A = the bare `model(input_ids, position_ids,
-  output_hidden_states=True)`; B = extract's capture forward (base model + hooks), nothing written;
-- C = `run_extract(run, cfg, target=...)` from scratch into a fresh store: reading the prepare
-  output, the forwards, serialising, sha256, fsync'd atomic writes, shard.json, manifest.
+Measured --repeats times (best kept: the machine is shared). The samples are cut into --chunks
+shards; for each shard in turn, over the batches extract plans for it (same grouping, padding,
+dtype, torch.inference_mode):
+- A = the bare `model(input_ids, position_ids, output_hidden_states=True)`, and
+- B = extract's capture forward (base model + hooks, no LM head), nothing written,
+  alternating batch by batch; then
+- C = `run_extract(run, cfg, rank=shard, world_size=chunks, target=...)`, the whole stage for that
+  shard: reading the prepare output, the forwards, serialising, sha256, fsync'd atomic writes,
+  shard.json (and the manifest after the last shard).
+So A, B and C run minutes apart at most and see the same machine load.
 The model load is outside all three. Tokens/s count real (unpadded) tokens, so a ratio is a ratio
 of times. Wall and CPU seconds (process_time, all threads) are both printed: when other jobs share
 the cores, wall time swings with them and CPU time much less.
@@ -86,33 +91,29 @@ class Clock:
         self.cpu += time.process_time() - self._c
 
 
-def forwards(model, capture, samples: list[dict], batches: list[list[int]], device) -> tuple[Clock, Clock]:
-    """Per batch, alternately: the bare HF forward (output_hidden_states=True, LM head) and the
-    capture forward extract uses (base model + hooks, no LM head), nothing written. Alternating
-    batch by batch keeps a changing machine load from favouring either."""
-    bare, cap = Clock(), Clock()
+def forwards(model, capture, samples: list[dict], batches: list[list[int]], device, bare: Clock, cap: Clock) -> None:
+    """Per batch: the bare HF forward (output_hidden_states=True, LM head) and the capture
+    forward extract uses (base model + hooks, no LM head), nothing written; which goes first
+    alternates, so neither always inherits the other's freed memory or a load change."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
-        for b in batches:
+        for j, b in enumerate(batches):
             ids, pos = make_batch([samples[i] for i in b])
             ids, pos = ids.to(device), pos.to(device)
-            with bare:
-                out = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False)
-                del out
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            with cap:
-                aux, last = capture(ids, pos)
-                del aux, last
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-    return bare, cap
-
-
-def extract_once(run: RunDir, cfg, target) -> tuple[Clock, dict]:
-    shutil.rmtree(run.path / "extract", ignore_errors=True)
-    with Clock() as c:
-        manifest = run_extract(run, cfg, target=target)
-    return c, manifest
+            for which in ((0, 1) if j % 2 == 0 else (1, 0)):
+                if which == 0:
+                    with bare:
+                        out = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False)
+                        del out
+                        sync()
+                else:
+                    with cap:
+                        aux, last = capture(ids, pos)
+                        del aux, last
+                        sync()
 
 
 def main() -> None:
@@ -122,20 +123,27 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=8, help="Interleave A, B and C over this many shards.")
+    ap.add_argument("--dtype", default="auto", help="Target dtype for both (config `dtype`; auto = bf16 on GPUs/AMX CPUs, else float32).")
     ap.add_argument("--dir", default=None, help="Scratch folder (default: a temporary one, removed after).")
     args = ap.parse_args()
 
     load0 = os.getloadavg()[0]
-    target = load_target(args.target, log=lambda m: None)
+    target = load_target(args.target, dtype=args.dtype, log=lambda m: None)
     info, model, device = target.info, target.model, target.device
     samples = sharegpt_samples(target.tokenizer, args.samples, args.max_length)
     lengths = [len(s["input_ids"]) for s in samples]
     tokens = sum(lengths)
-    cfg = load_config(None, [f"target={args.target}", f"extract.batch_tokens={args.batch_tokens}"])
-    # the batches extract plans: length-sorted within each shard
+    # C runs as `chunks` ranks one after the other (shard r = rank r), each right after A and B
+    # over the same shard's batches: the three are measured under the same machine load.
+    chunks = max(1, min(args.chunks, len(samples)))
+    shard_size = -(-len(samples) // chunks)
+    cfg = load_config(None, [f"target={args.target}", f"extract.batch_tokens={args.batch_tokens}",
+                             f"extract.shard_size={shard_size}", f"dtype={args.dtype}"])
     layers = cfg.extract.layers or info.default_aux_layers()
-    batches = [b for s, e in shard_ranges(len(samples), cfg.extract.shard_size)
-               for b in plan_batches(list(range(s, e)), lengths, args.batch_tokens)]
+    shards = shard_ranges(len(samples), shard_size)
+    shard_batches = [plan_batches(list(range(s, e)), lengths, args.batch_tokens) for s, e in shards]
+    batches = [b for sb in shard_batches for b in sb]
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
 
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-extract-"))
@@ -148,13 +156,18 @@ def main() -> None:
     bare, cap, ext = [], [], []
     manifest = None
     for _ in range(args.repeats):
-        capture = HiddenCapture(model, layers)
-        b, c = forwards(model, capture, samples, batches, device)
-        capture.remove()
+        shutil.rmtree(run.path / "extract", ignore_errors=True)
+        b, c, e = Clock(), Clock(), Clock()
+        for r, sb in enumerate(shard_batches):
+            capture = HiddenCapture(model, layers)
+            forwards(model, capture, samples, sb, device, b, c)
+            capture.remove()
+            with e:
+                manifest = run_extract(run, cfg, rank=r, world_size=len(shards), target=target)
         bare.append(b)
         cap.append(c)
-        e, manifest = extract_once(run, cfg, target)
         ext.append(e)
+    assert manifest is not None and manifest["counts"]["done"] == len(samples)
     on_disk = sum(p.stat().st_size for p in (run.path / "extract").rglob("*.safetensors"))
 
     def row(name: str, clocks: list[Clock]) -> None:
@@ -164,7 +177,7 @@ def main() -> None:
     print()
     print(f"extract bench: {info.name}, {len(samples)} ShareGPT samples, {tokens:,} tokens "
           f"(mean {tokens / len(samples):.0f}, max {max(lengths)}), batch_tokens {args.batch_tokens}, "
-          f"{len(batches)} batches, {100 * (1 - tokens / padded):.1f}% padding, {str(target.dtype).replace('torch.', '')}, "
+          f"{len(batches)} batches in {len(shards)} shards, {100 * (1 - tokens / padded):.1f}% padding, {str(target.dtype).replace('torch.', '')}, "
           f"{device.type}, {torch.get_num_threads()} threads, best of {args.repeats}; load average before/after "
           f"{load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print()
@@ -172,12 +185,12 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     row(f"A. bare forward, output_hidden_states=True (LM head, all {info.num_layers + 1} states)", bare)
     row(f"B. capture forward only (hooks on {layers}, no LM head), nothing written", cap)
-    row("C. draftsmith extract end to end (run_extract: read, forward, serialise, sha256, fsync'd writes)", ext)
+    row("C. draftsmith extract end to end (run_extract per shard: read, forward, serialise, sha256, fsync'd writes)", ext)
     best = lambda xs, k: min(getattr(x, k) for x in xs)  # noqa: E731
     print()
     print(f"extract (C) vs bare forward (A): {best(bare, 'wall') / best(ext, 'wall'):.2f}x wall, "
           f"{best(bare, 'cpu') / best(ext, 'cpu'):.2f}x CPU time")
-    print(f"capture (B) vs bare forward (A), interleaved batch by batch: {best(bare, 'wall') / best(cap, 'wall'):.2f}x wall, "
+    print(f"capture (B) vs bare forward (A): {best(bare, 'wall') / best(cap, 'wall'):.2f}x wall, "
           f"{best(bare, 'cpu') / best(cap, 'cpu'):.2f}x CPU time")
     ref = 4 * info.hidden_size * 2
     print(f"bytes per token on disk: {on_disk / tokens:,.0f} (format: {bytes_per_token(3, info.hidden_size):,} = "

@@ -95,7 +95,6 @@ class Prepared:
     path: Path
     offsets: list[int]  # byte offset of each line
     lengths: list[int]  # tokens per sample
-    ids: list[str]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -111,7 +110,7 @@ class Prepared:
 
 def index_prepared(path: Path, vocab_size: int) -> Prepared:
     """Scan prepare/samples.jsonl once: offsets, lengths and ids; validate every record."""
-    offsets, lengths, ids = [], [], []
+    offsets, lengths = [], []
     seen: set[str] = set()
     pos = 0
     with open(path, "rb") as f:
@@ -124,14 +123,14 @@ def index_prepared(path: Path, vocab_size: int) -> Prepared:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DraftsmithError(f"{where}: invalid JSON ({e.msg}); rerun `draftsmith prepare`") from None
-            ids_ = rec.get("input_ids") if isinstance(rec, dict) else None
+            tokens = rec.get("input_ids") if isinstance(rec, dict) else None
             mask = rec.get("loss_mask") if isinstance(rec, dict) else None
-            if not isinstance(ids_, list) or not isinstance(mask, list) or "id" not in rec:
+            if not isinstance(tokens, list) or not isinstance(mask, list) or "id" not in rec:
                 raise DraftsmithError(f"{where}: expected {{\"id\", \"input_ids\", \"loss_mask\"}}")
-            if not ids_ or len(ids_) != len(mask):
-                raise DraftsmithError(f"{where}: input_ids ({len(ids_)}) and loss_mask ({len(mask)}) must be non-empty and equally long")
-            if min(ids_) < 0 or max(ids_) >= vocab_size:
-                bad = max(ids_) if max(ids_) >= vocab_size else min(ids_)
+            if not tokens or len(tokens) != len(mask):
+                raise DraftsmithError(f"{where}: input_ids ({len(tokens)}) and loss_mask ({len(mask)}) must be non-empty and equally long")
+            if min(tokens) < 0 or max(tokens) >= vocab_size:
+                bad = max(tokens) if max(tokens) >= vocab_size else min(tokens)
                 raise DraftsmithError(f"{where}: token id {bad} is outside the target's vocabulary (size {vocab_size}); "
                                       "was prepare run with another tokenizer?")
             sid = str(rec["id"])
@@ -139,9 +138,8 @@ def index_prepared(path: Path, vocab_size: int) -> Prepared:
                 raise DraftsmithError(f"{where}: duplicate sample id {sid!r}")
             seen.add(sid)
             offsets.append(start)
-            lengths.append(len(ids_))
-            ids.append(sid)
-    return Prepared(path=path, offsets=offsets, lengths=lengths, ids=ids)
+            lengths.append(len(tokens))
+    return Prepared(path=path, offsets=offsets, lengths=lengths)
 
 
 def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -75,15 +75,15 @@ def all_files(run: RunDir) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.safetensors"))}
 
 
-def reference_states(target: str, samples: list[dict], layers: list[int], model=None):
-    """A plain Hugging Face forward of each sample alone, output_hidden_states=True, bf16."""
+def reference_states(target: str, samples: list[dict], layers: list[int], model=None, dtype: str = "bfloat16"):
+    """A plain Hugging Face forward of each sample alone, output_hidden_states=True."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from draftsmith.target import target_info
 
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(target_info(target).path, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(target_info(target).path, dtype=getattr(torch, dtype)).eval()
     out = []
     with torch.inference_mode():
         for s in samples:
@@ -116,20 +116,21 @@ def check_against_reference(run: RunDir, samples: list[dict], refs, tol: float):
 # Alignment with a plain forward, at batch size 1 and > 1
 
 
-@pytest.mark.parametrize("batch_tokens", [1, 100_000])
-def test_states_match_one_sample_hf_forward(tmp_path, tiny8, monkeypatch, batch_tokens):
+@pytest.mark.parametrize("batch_tokens,dtype", [(1, "bfloat16"), (100_000, "bfloat16"), (100_000, "float32")])
+def test_states_match_one_sample_hf_forward(tmp_path, tiny8, monkeypatch, batch_tokens, dtype):
     samples = make_samples(vocab(tiny8))
     run = make_run(tmp_path, tiny8, samples)
     shapes = []
     real_make_batch = ex.make_batch
     monkeypatch.setattr(ex, "make_batch", lambda rows: (shapes.append([len(r["input_ids"]) for r in rows]), real_make_batch(rows))[1])
-    m = run_extract(run, cfg_for(tiny8, f"extract.batch_tokens={batch_tokens}", "extract.shard_size=4"))
-    assert m["counts"]["done"] == len(samples)
+    m = run_extract(run, cfg_for(tiny8, f"extract.batch_tokens={batch_tokens}", "extract.shard_size=4", f"dtype={dtype}"))
+    assert m["counts"]["done"] == len(samples) and ExtractStore(run).meta["compute_dtype"] == dtype
     if batch_tokens == 1:
         assert all(len(b) == 1 for b in shapes) and len(shapes) == len(samples)
     else:
         assert any(len(set(b)) > 1 for b in shapes)  # batches mixing lengths: right padding in play
-    check_against_reference(run, samples, reference_states(str(tiny8), samples, [2, 4, 5]), tol=0.02)
+    refs = reference_states(str(tiny8), samples, [2, 4, 5], dtype=dtype)
+    check_against_reference(run, samples, refs, tol=0.02)
 
 
 @pytest.mark.integration
@@ -368,3 +369,16 @@ def test_refuses_prepare_built_for_another_target(tmp_path, tiny8):
     with pytest.raises(DraftsmithError, match="another target"):
         run_extract(run, cfg_for(other, "extract.layers=[1, 2, 3]"))
     assert not (run.path / "extract").exists()
+
+
+def test_bad_prepared_sample_is_named(tmp_path, tiny8):
+    samples = make_samples(vocab(tiny8))
+    samples[2]["input_ids"][0] = vocab(tiny8) + 5
+    run = make_run(tmp_path, tiny8, samples)
+    with pytest.raises(DraftsmithError, match=r"samples.jsonl:3: token id \d+ is outside"):
+        run_extract(run, cfg_for(tiny8))
+    samples = make_samples(vocab(tiny8))
+    samples[1]["loss_mask"] = samples[1]["loss_mask"][:-1]
+    write_prepare(run, str(tiny8), samples)
+    with pytest.raises(DraftsmithError, match=r"samples.jsonl:2: input_ids \(5\) and loss_mask \(4\)"):
+        run_extract(run, cfg_for(tiny8))
