@@ -37,31 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
 from draftsmith.extract import HiddenCapture, bytes_per_token, make_batch, plan_batches, run_extract, shard_ranges  # noqa: E402
-from draftsmith.prompts import iter_records, resolve_source  # noqa: E402
 from draftsmith.rundir import RunDir, file_sha256  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant"}
+from _sharegpt import sharegpt_conversations  # noqa: E402
 
 
 def sharegpt_samples(tokenizer, n: int, max_length: int) -> list[dict]:
     """The first n ShareGPT conversations with at least one user and one assistant turn."""
-    path, _ = resolve_source("sharegpt")
     out = []
-    for _, rec in iter_records(path, tolerate_cut_tail=True):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        if not isinstance(conv, list):
-            continue
-        msgs = [{"role": ROLES[t.get("from")], "content": t.get("value")} for t in conv
-                if isinstance(t, dict) and t.get("from") in ROLES and isinstance(t.get("value"), str) and t["value"].strip()]
-        if len({m["role"] for m in msgs}) < 2 or msgs[0]["role"] != "user":
-            continue
+    for sid, msgs in sharegpt_conversations(n):
         ids = tokenizer.apply_chat_template(msgs, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_length]
-        out.append({"id": str(rec.get("id", len(out))), "input_ids": ids, "loss_mask": [1] * len(ids),
-                    "truncated": len(ids) == max_length})
-        if len(out) == n:
-            break
+        out.append({"id": sid, "input_ids": ids, "loss_mask": [1] * len(ids), "truncated": len(ids) == max_length})
     return out
 
 

@@ -48,13 +48,13 @@ from draftsmith.config import load_config  # noqa: E402
 from draftsmith.extract import run_extract  # noqa: E402
 from draftsmith.model import Eagle3Drafter  # noqa: E402
 from draftsmith.prepare import run_prepare  # noqa: E402
-from draftsmith.prompts import iter_records, resolve_source  # noqa: E402
 from draftsmith.rundir import RunDir, fingerprint  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402
 from draftsmith.train import run_train  # noqa: E402
 from draftsmith.vocab import run_vocab  # noqa: E402
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant"}
+from _sharegpt import sharegpt_conversations  # noqa: E402
+
 PEER_TOKENS_PER_S = 600  # speculators 0.9.0 on this CPU (FACTS.md)
 CONFIGS = {
     "offline-fp32": dict(mode="offline", precision="fp32"),
@@ -67,20 +67,8 @@ CONFIGS = {
 
 def sharegpt_generate(run: RunDir, n: int) -> None:
     """The first n ShareGPT conversations with a user and an assistant turn, as generate output."""
-    path, _ = resolve_source("sharegpt")
-    records = []
-    for _, rec in iter_records(path, tolerate_cut_tail=True):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        if not isinstance(conv, list):
-            continue
-        msgs = [{"role": ROLES[t.get("from")], "content": t.get("value")} for t in conv
-                if isinstance(t, dict) and t.get("from") in ROLES and isinstance(t.get("value"), str) and t["value"].strip()]
-        if len({m["role"] for m in msgs}) < 2 or msgs[0]["role"] != "user":
-            continue
-        records.append({"id": str(rec.get("id", len(records))), "messages": msgs,
-                        "finish_reasons": ["stop"] * sum(m["role"] == "assistant" for m in msgs)})
-        if len(records) == n:
-            break
+    records = [{"id": sid, "messages": msgs, "finish_reasons": ["stop"] * sum(m["role"] == "assistant" for m in msgs)}
+               for sid, msgs in sharegpt_conversations(n)]
     text = "".join(json.dumps(r) + "\n" for r in records)
     (run.stage_dir("generate") / "samples.jsonl").write_text(text)
     info = target_info("smollm2-135m")

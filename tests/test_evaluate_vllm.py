@@ -320,18 +320,6 @@ AGREE_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Batch-1 decoding of a 135M model runs several times faster on one thread when the two cores
-    are shared (measured under load: 120 vs 27 tokens/s in float32); vLLM pins its own threads."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def trained_run(smol_target, tmp_path_factory, one_thread) -> RunDir:
     from draftsmith.extract import run_extract
     from draftsmith.generate import run_generate
