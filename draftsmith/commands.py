@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 
 # CLI order: the pipeline's order, then the whole-pipeline commands.
-COMMAND_MODULES = ("generate", "prepare", "vocab", "extract", "train", "export", "evaluate", "pipeline")
+COMMAND_MODULES = ("generate", "prepare", "vocab", "extract", "train", "export", "evaluate", "pipeline", "estimate")
 
 
 def register_all(app) -> None:

@@ -627,18 +627,22 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         servers = [normalize_server(s) for s in gen.servers]
 
     with _stage_lock(d):
+        source = _prompt_source(gen)
+        info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+        section = cfg.section(STAGE)
+        section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in OPERATIONAL_KEYS}
+        stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source}, {})
+        old = run.read_manifest(STAGE)
+        if old is not None and old.get("fingerprint") == stage_fp and (d / SAMPLES).is_file() and not retry_failed:
+            say(f"up to date ({old['counts']['done']} samples); nothing to do")
+            return old
+
         run.invalidate(STAGE)  # from here until the end the stage counts as not done
         write_stage_config(run, STAGE, cfg)
         stats = LoadStats()
         prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, skip_invalid=gen.skip_invalid,
                                first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
                                stats=stats)
-        source = _prompt_source(gen)
-        info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-
-        section = cfg.section(STAGE)
-        section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in OPERATIONAL_KEYS}
-        stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source}, {})
         # What each sample's content depends on. Samples made under other values are moved aside;
         # selection settings (limit, seed, filters) only pick samples, so they stay reusable.
         sample_settings = {"target_fingerprint": info.fingerprint, "prompts_sha256": source["sha256"],

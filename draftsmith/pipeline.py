@@ -66,7 +66,14 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             atomic_write_json(run.path / "pipeline.json", state)
             ts = time.time()
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
-            manifests[stage] = _stage_fn(stage)(run, cfg)
+            stage_cfg = cfg
+            if stage == "extract" and not cfg.extract.overwrite:
+                # `run` promises that a changed input reruns every later stage; a store built from
+                # other prepared samples or settings is useless to them, so it is replaced (a
+                # store of the same build is resumed, never cleared).
+                stage_cfg = cfg.model_copy(deep=True)
+                stage_cfg.extract.overwrite = True
+            manifests[stage] = _stage_fn(stage)(run, stage_cfg)
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
     except BaseException as e:
@@ -90,9 +97,11 @@ def summarize(run: RunDir) -> str:
     if not report.is_file():
         return f"run finished: {run.path}"
     r = json.loads(report.read_text())
-    per_pos = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
-    return (f"acceptance length {r['acceptance_length']:.2f} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
-            f"speedup {r.get('speedup', float('nan')):.2f}x on {r['prompts']} prompts ({r['engine']} engine)\n"
+    tau = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") is not None else "n/a (no drafts)"
+    per_pos = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
+    speedup = f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None else "no speedup measured (eval.baseline off)"
+    return (f"acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
+            f"{speedup} on {r['prompts']} prompts ({r['engine']} engine)\n"
             f"drafter: {run.path / 'export'}\nreport:  {run.path / 'eval' / 'report.md'}")
 
 

@@ -157,3 +157,22 @@ def drafter_checkpoint():
     """`drafter_checkpoint(folder, target, aux_layers=..., draft_vocab_size=...)` writes a
     checkpoint folder like train's (see write_drafter_checkpoint)."""
     return write_drafter_checkpoint
+
+
+@pytest.fixture(scope="session")
+def lively_target(tmp_path_factory) -> Path:
+    """The tiny target with larger random weights (std 0.2): the default one repeats a single token
+    (often a newline) forever under greedy decoding, which leaves prepare nothing to learn from and
+    makes equality tests vacuous."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_target(tmp_path_factory.mktemp("lively"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return path

@@ -31,23 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def lively_target(tmp_path_factory) -> Path:
-    """The tiny target with larger random weights: the conftest one (std 0.02) repeats a single
-    token forever under greedy decoding, which would make equality tests vacuous."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_target(tmp_path_factory.mktemp("lively"))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def exported_run(lively_target, tmp_path_factory) -> RunDir:
     run = RunDir(tmp_path_factory.mktemp("evalrun") / "run").ensure()
     write_drafter_checkpoint(run.path / "train" / "final", str(lively_target), aux_layers=AUX, draft_vocab_size=96)

@@ -1,0 +1,310 @@
+"""`draftsmith estimate`: disk, memory and time of each stage of a run, before starting it.
+
+The figures come from the target's config.json (no weights are read), the run's config and a
+hardware profile. They are first-order models, stated with their assumptions:
+
+- parameters are counted from the config (dense Llama-like layers, Mixtral/Qwen-style and
+  DeepSeek-V3-style MoE, multi-head latent attention);
+- prefill (extract, the target's half of online training) is compute-bound:
+  tokens/s = FLOP/s x MFU / (2 x active parameters);
+- decoding (generate, eval) is memory-bound: a step reads the weights the batch touches (for an
+  MoE, the experts any of the batch's tokens is routed to) at the profile's bandwidth, plus a fixed
+  per-step overhead; tokens/s = concurrency / step time;
+- training is compute-bound on the drafter (6 FLOP per parameter per token, per TTT step), and
+  offline it also cannot read the stored states faster than the disk delivers them;
+- disk: the extract store holds (3 auxiliary + 1 last) x hidden x 2 bytes + id and mask per token.
+
+The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
+runs, docs/benchmarks.md); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
+efficiencies typical of vLLM and PyTorch training. Expect the right order of magnitude, not the
+minute: `draftsmith status` gives the real ETA once a stage runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import SetOpt, stage_config
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # peak dense bf16 FLOP/s per device
+    mem_bw: float  # memory bandwidth per device, bytes/s
+    mem: float  # memory per device, bytes
+    disk_bw: float  # sequential read/write of the run directory's disk, bytes/s
+    mfu_prefill: float  # share of peak a prefill forward reaches
+    mfu_train: float  # share of peak drafter training reaches
+    bw_eff: float  # share of bandwidth a decode step reaches
+    mfu_decode: float  # share of peak the small matmuls of a decode step reach
+    step_overhead_s: float  # fixed cost per decode step in vLLM (scheduling, sampling)
+    hf_step_overhead_s: float  # the same in a transformers decode loop (local generate and eval)
+
+
+# cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
+# (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
+# (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
+# ~1,000 tokens/s.
+HARDWARE = {
+    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.45, 0.5, 0.10, 0.04, 0.02),
+    "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
+    "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
+    "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
+}
+
+
+# -------------------------------------------------------------------------------------------------
+# The target, from its config.json
+
+
+@dataclass
+class TargetShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    total_params: float
+    active_params: float  # per token (an MoE routes each token to a few experts)
+    expert_params: float  # all routed experts together (0 for a dense model)
+    experts: int  # routed experts per MoE layer
+    experts_per_token: int
+    weight_bytes_per_param: float  # as served (fp8 checkpoints: 1)
+    intermediate_size: int  # the dense MLP width (the drafter's layer copies it)
+    kv_dim: int  # key/value width of a Llama-style attention (heads x head_dim)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.total_params * self.weight_bytes_per_param
+
+
+def _attention_params(c: dict, h: int) -> float:
+    heads = c.get("num_attention_heads", h // 64)
+    if c.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3, Kimi K2)
+        qk_head = c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)
+        v_head = c.get("v_head_dim", 128)
+        q_rank, kv_rank = c.get("q_lora_rank") or 0, c["kv_lora_rank"]
+        q = h * q_rank + q_rank * heads * qk_head if q_rank else h * heads * qk_head
+        kv = h * (kv_rank + c.get("qk_rope_head_dim", 64)) + kv_rank * heads * (c.get("qk_nope_head_dim", 128) + v_head)
+        return q + kv + heads * v_head * h
+    head_dim = c.get("head_dim") or h // heads
+    kv_heads = c.get("num_key_value_heads") or heads
+    return h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o + k, v
+
+
+def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
+    """Parameter counts of a transformers model from its config.json."""
+    try:
+        c = json.loads(config_json.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"{config_json}: cannot read the model config ({e})") from None
+    c = c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
+    try:
+        h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    except KeyError as e:
+        raise DraftsmithError(f"{config_json}: no {e.args[0]} in the model config") from None
+    inter = c.get("intermediate_size", 4 * h)
+    attn = _attention_params(c, h)
+    dense_mlp = 3 * h * inter  # gate, up, down
+    experts = c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
+    per_tok = c.get("num_experts_per_tok", 0) if experts else 0
+    expert_mlp = 3 * h * (c.get("moe_intermediate_size") or inter)
+    shared = 3 * h * (c.get("shared_expert_intermediate_size")
+                      or (c.get("n_shared_experts") or 0) * (c.get("moe_intermediate_size") or inter))
+    dense_layers = min(n, c.get("first_k_dense_replace", 0)) if experts else n
+    moe_layers = n - dense_layers
+    embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
+    routed = moe_layers * experts * expert_mlp
+    common = n * attn + dense_layers * dense_mlp + moe_layers * (shared + h * experts) + embed
+    qc = c.get("quantization_config") or {}
+    bits = {"fp8": 1, "int8": 1, "int4": 0.5, "awq": 0.5, "gptq": 0.5}.get(str(qc.get("quant_method", "")).lower())
+    if bits is None and "fp8" in str(qc.get("fmt", "")).lower():
+        bits = 1
+    dtype_bytes = {"float32": 4}.get(str(c.get("torch_dtype", c.get("dtype", "bfloat16"))), 2)
+    return TargetShape(
+        name=name or c.get("_name_or_path") or config_json.parent.name,
+        num_layers=n, hidden_size=h, vocab_size=v,
+        total_params=common + routed, active_params=common + moe_layers * per_tok * expert_mlp,
+        expert_params=routed, experts=experts, experts_per_token=per_tok,
+        weight_bytes_per_param=bits or dtype_bytes, intermediate_size=inter,
+        kv_dim=(c.get("num_key_value_heads") or c.get("num_attention_heads", h // 64)) * (c.get("head_dim") or h // c.get("num_attention_heads", h // 64)))
+
+
+# -------------------------------------------------------------------------------------------------
+# The estimate
+
+
+def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: int, engine: str) -> float:
+    """Batched decoding: each step reads the weights the batch needs, once per step."""
+    if t.experts:  # expected share of experts that at least one of the batch's tokens uses
+        touched = 1 - (1 - t.experts_per_token / t.experts) ** concurrency
+        step_bytes = (t.total_params - t.expert_params + touched * t.expert_params) * t.weight_bytes_per_param
+    else:
+        step_bytes = t.weight_bytes
+    mem_s = step_bytes / (hw.mem_bw * hw.bw_eff * gpus)
+    compute_s = concurrency * 2 * t.active_params / (hw.flops * hw.mfu_decode * gpus)
+    overhead = hw.step_overhead_s if engine == "vllm" else hw.hf_step_overhead_s
+    return concurrency / (max(mem_s, compute_s) + overhead)
+
+
+def _drafter_params(t: TargetShape, draft_vocab: int) -> tuple[float, float]:
+    """(trainable parameters, parameters used per token per TTT step) of the one-layer drafter:
+    the fc over 3 fused layers, one Llama decoder layer at the target's widths whose q/k/v read
+    [embedding; hidden] (2h), and the draft LM head."""
+    h = t.hidden_size
+    layer = 2 * h * (h + 2 * t.kv_dim) + h * h + 3 * h * t.intermediate_size
+    fc, head = 3 * h * h, h * draft_vocab
+    return fc + layer + head, layer + head
+
+
+def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int) -> dict[str, Any]:
+    """Per-stage tokens, disk bytes, peak memory per device and seconds."""
+    g, tr = cfg.generate, cfg.train
+    samples = g.limit
+    if samples is None:
+        raise DraftsmithError("generate.limit: set it (the number of prompts) for an estimate")
+    answer = min(answer_tokens, g.max_tokens)
+    tokens = samples * min(prompt_tokens + answer, cfg.prepare.max_length)
+    completion = samples * answer
+    weights_per_dev = t.weight_bytes / gpus
+    stages: dict[str, dict[str, float]] = {}
+
+    served = g.backend == "openai"
+    decode = _decode_tokens_per_s(t, hw, gpus, g.concurrency if served else g.batch_size, "vllm" if served else "hf")
+    stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
+                          "memory": weights_per_dev, "seconds": completion / decode}
+    stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
+    stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
+
+    from draftsmith.extract import bytes_per_token as store_bytes
+
+    bytes_per_token = store_bytes(3, t.hidden_size)  # 3 auxiliary layers + the last, bf16, + id and mask
+    prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
+    if tr.mode == "offline":
+        stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
+                             "seconds": tokens / min(prefill, hw.disk_bw / bytes_per_token)}
+
+    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size)
+    flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)
+    train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
+    if tr.mode == "offline":
+        train_tps = min(train_tps, hw.disk_bw / bytes_per_token)
+    else:  # the target's forward runs beside the drafter on every batch
+        train_tps = 1 / (1 / train_tps + 1 / prefill)
+    epochs = tr.epochs if tr.max_steps is None else tr.max_steps * tr.batch_tokens * tr.grad_accum * gpus / max(tokens, 1)
+    # fp32 master weights, gradients and two Adam moments (16 B/parameter) + the frozen embedding
+    # + activations: per token and TTT step, draft-vocabulary logits/probabilities kept for backward
+    act = tr.batch_tokens * tr.ttt_steps * (cfg.vocab.draft_vocab_size * 4 * 3 + t.hidden_size * 4 * 40)
+    train_mem = 16 * trainable + t.vocab_size * t.hidden_size * 2 + act
+    if tr.mode == "online":
+        train_mem += weights_per_dev
+    ckpt = 16 * trainable
+    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1), "memory": train_mem,
+                       "seconds": tokens * epochs / train_tps}
+    stages["export"] = {"tokens": 0, "disk": 2 * trainable + t.vocab_size, "memory": ckpt, "seconds": 10}
+    ev_prompts = cfg.eval.limit or 80
+    ev_tokens = ev_prompts * cfg.eval.max_tokens
+    single = _decode_tokens_per_s(t, hw, gpus, 1, cfg.eval.engine if cfg.eval.engine == "vllm" else "hf")
+    # with drafting, and the plain baseline; drafting roughly halves the steps but adds a draft pass
+    stages["eval"] = {"tokens": ev_tokens * 2, "disk": ev_tokens * 8, "memory": weights_per_dev,
+                      "seconds": ev_tokens / single * (1 + (0.8 if cfg.eval.baseline else 0))}
+    return {
+        "target": t.name, "hardware": hw.name, "devices": gpus,
+        "target_params": t.total_params, "target_active_params": t.active_params, "target_weight_bytes": t.weight_bytes,
+        "drafter_params": trainable, "samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_token,
+        "tokens_per_s": {"generate": decode, "extract_prefill": prefill, "train": train_tps},
+        "stages": stages,
+        "total": {"disk": sum(s["disk"] for s in stages.values()), "seconds": sum(s["seconds"] for s in stages.values()),
+                  "memory_per_device": max(s["memory"] for s in stages.values())},
+        "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def _seconds(s: float) -> str:
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def render(e: dict) -> str:
+    tps = e["tokens_per_s"]
+    lines = [
+        f"target {e['target']}: {_count(e['target_params'])} parameters ({_count(e['target_active_params'])} active per token), "
+        f"{_bytes(e['target_weight_bytes'])} of weights; drafter {_count(e['drafter_params'])} trainable",
+        f"hardware: {e['devices']} x {e['hardware']}; {e['samples']:,} samples, {_count(e['tokens'])} tokens "
+        f"(~{e['assumptions']['prompt_tokens']} prompt + {e['assumptions']['answer_tokens']} answer each)",
+        f"assumed rates: generate {tps['generate']:,.0f} tok/s, target prefill {tps['extract_prefill']:,.0f} tok/s, "
+        f"train {tps['train']:,.0f} tok/s; extract store {e['bytes_per_token']:,} B/token",
+        "",
+        f"{'stage':<9} {'tokens':>8} {'disk':>10} {'memory/dev':>11} {'time':>8}",
+    ]
+    for name, s in e["stages"].items():
+        lines.append(f"{name:<9} {_count(s['tokens']):>8} {_bytes(s['disk']):>10} {_bytes(s['memory']):>11} {_seconds(s['seconds']):>8}")
+    t = e["total"]
+    lines.append(f"{'total':<9} {'':>8} {_bytes(t['disk']):>10} {_bytes(t['memory_per_device']):>11} {_seconds(t['seconds']):>8}")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "estimate",
+        epilog="Examples:\n\n  draftsmith estimate configs/demo.yaml\n\n"
+        "  draftsmith estimate configs/llama-8b-1gpu.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b.json\n\n"
+        "  draftsmith estimate configs/kimi-k2-8gpu.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2.json --json",
+    )
+    def estimate_cmd(
+        config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
+        sets: SetOpt = None,
+        hardware: Annotated[str, typer.Option(help=f"Hardware profile: {', '.join(HARDWARE)}.")] = "cpu",
+        devices: Annotated[int, typer.Option(help="Devices (GPUs) the target and training use.")] = 1,
+        target_config: Annotated[Optional[Path], typer.Option(
+            help="The target's config.json, when the target is not on this machine (else read from `target`).")] = None,
+        prompt_tokens: Annotated[int, typer.Option(help="Average prompt tokens per sample, chat template included.")] = 100,
+        answer_tokens: Annotated[Optional[int], typer.Option(
+            help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on ShareGPT).")] = None,
+        json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ):
+        """Estimate disk, memory per device and time of each stage, before running it."""
+        if hardware not in HARDWARE:
+            raise DraftsmithError(f"--hardware {hardware}: unknown profile (one of {', '.join(HARDWARE)})")
+        if devices < 1:
+            raise DraftsmithError("--devices must be at least 1")
+        cfg = stage_config(config, sets)
+        if target_config is None:
+            from draftsmith.target import resolve_target
+
+            folder, name = resolve_target(cfg.target, log=lambda *a, **k: None)
+            shape = target_shape(folder / "config.json", name)
+        else:
+            shape = target_shape(target_config)
+        answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
+        e = estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer)
+        print(json.dumps(e) if json_out else render(e))

@@ -1,0 +1,81 @@
+"""`draftsmith estimate`: parameter counts from a config.json equal the real model's, and the
+printed disk figure for the extract store is what extract writes per token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draftsmith.config import load_config
+from draftsmith.estimate import HARDWARE, estimate, target_shape
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _save(cfg, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(cfg.to_json_string())
+    return path
+
+
+def test_dense_llama_count_equals_the_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for tied in (True, False):
+        cfg = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+        shape = target_shape(_save(cfg, tmp_path, f"llama{tied}"))
+        # norms (a few hundred parameters) are the only thing not counted
+        assert abs(shape.total_params - _count(LlamaForCausalLM(cfg))) <= 64 * (2 * 3 + 1)
+        assert shape.active_params == shape.total_params and shape.experts == 0
+
+
+def test_moe_counts_equal_the_models(tmp_path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    mix = MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)
+    model = MixtralForCausalLM(mix)
+    shape = target_shape(_save(mix, tmp_path, "mixtral"))
+    assert abs(shape.total_params - _count(model)) <= 64 * 5
+    expert = 3 * 64 * 96
+    assert shape.total_params - shape.active_params == 2 * (6 - 2) * expert
+
+    ds = DeepseekV3Config(vocab_size=500, hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                          num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                          num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1)
+    model = DeepseekV3ForCausalLM(ds)
+    shape = target_shape(_save(ds, tmp_path, "deepseek"))
+    # norms and the router's bias are left out: a few hundred parameters
+    assert abs(shape.total_params - _count(model)) <= 600, (shape.total_params, _count(model))
+
+
+def test_kimi_recipe_estimate_matches_the_case_we_learn_from():
+    """10,000 samples of ~2,100 tokens (21 M tokens): the store is ~1.2 TB with 4 layers of 7168
+    (the case wrote 828 GB for 3), and generation takes hours, not minutes or days."""
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    assert 0.95e12 < shape.total_params < 1.1e12 and 28e9 < shape.active_params < 36e9
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
+    e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    from draftsmith.extract import bytes_per_token
+
+    assert e["stages"]["extract"]["disk"] == e["tokens"] * bytes_per_token(3, 7168)
+    assert 1.0e12 < e["stages"]["extract"]["disk"] < 1.4e12
+    assert 2 * 3600 < e["stages"]["generate"]["seconds"] < 10 * 3600
+    assert e["stages"]["generate"]["memory"] < HARDWARE["h200"].mem  # the fp8 weights fit across 8 GPUs
+
+
+def test_cli_prints_estimate_and_rejects_unknown_hardware(cli):
+    p = cli("estimate", "configs/demo.yaml", "--json", check=True)
+    e = json.loads(p.stdout)
+    assert e["target"] == "SmolLM2-135M-Instruct" and set(e["stages"]) >= {"generate", "extract", "train", "eval"}
+    assert all(s["seconds"] > 0 for s in e["stages"].values())
+    p = cli("estimate", "configs/demo.yaml", "--hardware", "tpu")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--hardware tpu" in p.stderr

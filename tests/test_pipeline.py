@@ -1,0 +1,110 @@
+"""`draftsmith run`: stages in order, skipped when their inputs and settings are unchanged, rerun
+(with every later stage) when one changes; --from/--until; the demo recipe is the one shipped.
+
+A tiny random target keeps each whole-pipeline run to seconds; killing a `run` and starting it
+again is tested in test_kill_anywhere.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith import DraftsmithError
+from draftsmith.config import load_config
+from draftsmith.pipeline import demo_recipe_text, planned_stages, run_pipeline
+from draftsmith.rundir import STAGES, RunDir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "How can I help you today?",
+    "def add(a, b): what does it return?",
+    "Count from one to ten.",
+    "Name three colours of the sky.",
+]
+
+
+@pytest.fixture()
+def recipe(lively_target, tmp_path) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                               for i, t in enumerate(PROMPTS)))
+    cfg = {
+        "target": str(lively_target), "dtype": "float32",
+        "generate": {"backend": "local", "prompts": str(prompts), "max_tokens": 12, "batch_size": 3},
+        "prepare": {"max_length": 64},
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"max_steps": 3, "batch_tokens": 128, "seq_len": 64, "warmup_steps": 1, "checkpoint_every": 2},
+        "eval": {"prompts": str(prompts), "limit": 2, "max_tokens": 8, "num_speculative_tokens": 2, "baseline": False},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def finished(run: RunDir) -> dict[str, float]:
+    """When each stage's manifest was written (a rerun rewrites it; a skip leaves it)."""
+    return {s: m["finished"] for s in STAGES if (m := run.read_manifest(s)) is not None}
+
+
+def test_run_skips_current_stages_and_reruns_changed_ones(recipe, tmp_path, cli):
+    run = RunDir(tmp_path / "run")
+    run_pipeline(run, load_config(recipe))
+    first = finished(run)
+    assert list(first) == list(STAGES), "every stage completed"
+    assert json.loads((run.path / "pipeline.json").read_text())["finished"] is True
+
+    # unchanged: every stage skipped, nothing rewritten (through the CLI, as a user sees it)
+    p = cli("run", str(recipe), "--run", str(run.path), check=True)
+    assert p.stdout.count("up to date, skipped") == len(STAGES), p.stdout
+    assert finished(run) == first
+
+    # a training setting: train and everything after it rerun, the data stages are kept
+    run_pipeline(run, load_config(recipe, ["train.lr=0.003"]))
+    second = finished(run)
+    for s in ("generate", "prepare", "vocab", "extract"):
+        assert second[s] == first[s], s
+    for s in ("train", "export", "eval"):
+        assert second[s] > first[s], s
+
+    # an evaluation setting: only eval reruns
+    run_pipeline(run, load_config(recipe, ["train.lr=0.003", "eval.max_tokens=6"]))
+    third = finished(run)
+    assert {s for s in STAGES if third[s] != second[s]} == {"eval"}
+
+    # a changed input file: generate reads the prompts again, and every later stage reruns
+    prompts = Path(load_config(recipe).generate.prompts)
+    prompts.write_text(prompts.read_text().replace("three colours", "four colours"))
+    run_pipeline(run, load_config(recipe, ["train.lr=0.003", "eval.max_tokens=6"]))
+    fourth = finished(run)
+    assert all(fourth[s] > third[s] for s in STAGES), (third, fourth)
+    sample = [json.loads(line) for line in (run.path / "generate" / "samples.jsonl").read_text().splitlines()]
+    assert any("four colours" in r["messages"][0]["content"] for r in sample)
+
+
+def test_run_from_until(recipe, tmp_path):
+    cfg = load_config(recipe)
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(DraftsmithError, match="generate"):  # train needs the data stages first
+        run_pipeline(run, cfg, from_stage="train")
+    run_pipeline(run, cfg, until_stage="vocab")
+    assert set(finished(run)) == {"generate", "prepare", "vocab"}
+    assert json.loads((run.path / "pipeline.json").read_text())["stages"] == ["generate", "prepare", "vocab"]
+    run_pipeline(run, cfg, from_stage="extract", until_stage="train")
+    assert set(finished(run)) == {"generate", "prepare", "vocab", "extract", "train"}
+    with pytest.raises(DraftsmithError, match="--from eval comes after --until train"):
+        planned_stages(cfg, "eval", "train")
+    with pytest.raises(DraftsmithError, match="--from extract: not a stage of this run"):
+        planned_stages(load_config(recipe, ["train.mode=online"]), "extract")
+
+
+def test_demo_recipe_is_configs_demo_yaml():
+    """`draftsmith demo` runs the packaged recipe; configs/demo.yaml is the same file for `run`."""
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    assert demo_recipe_text() == shipped.read_text()
+    cfg = load_config(shipped)
+    assert cfg.target == "smollm2-135m" and cfg.generate.backend == "local" and cfg.eval.prompts == "mt-bench"
