@@ -8,3 +8,9 @@ class DraftsmithError(Exception):
 
     The message should name the file, line or config field at fault.
     """
+
+
+def one_line(text: str) -> str:
+    """A message on one line: the lines of `text` joined by spaces (library errors quoted in a
+    DraftsmithError can span several)."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, one_line
 
 app = typer.Typer(
     name="draftsmith",
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         _register_stage_commands()
         app(args=args, standalone_mode=False, prog_name="draftsmith")
     except DraftsmithError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)

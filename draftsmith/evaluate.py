@@ -43,6 +43,7 @@ import typer
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import (RunDir, atomic_path, atomic_write_json, atomic_write_text, stage_fingerprint,
                                write_stage_config)
 
@@ -865,6 +866,7 @@ def _append_line(path: Path, rec: dict) -> None:
         os.close(fd)
 
 
+@journal_failures(STAGE)
 def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
     Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest."""

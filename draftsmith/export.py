@@ -39,6 +39,7 @@ import typer
 
 from draftsmith import DraftsmithError, __version__
 from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import RunDir, file_sha256, stage_fingerprint, write_stage_config
 
 STAGE = "export"
@@ -424,6 +425,7 @@ def _swap_into_place(built: Path, dest: Path) -> None:
     replace_dir(built, dest)
 
 
+@journal_failures(STAGE)
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
     to RUN/export/. Returns the manifest."""

@@ -41,6 +41,7 @@ from typing import Annotated, Any, Iterator, Optional
 import typer
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import (
     RunDir,
     atomic_write_bytes,
@@ -555,6 +556,7 @@ def _try_finish(run: RunDir, cfg, meta: dict, fingerprint: str, settings: dict, 
         )
 
 
+@journal_failures(STAGE)
 def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, rank: int | None = None,
                 world_size: int | None = None, target=None) -> dict | None:
     """Extract hidden states for every prepared sample of this rank's shards.

@@ -42,6 +42,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, stage_fingerprint, write_stage_config
 
 STAGE = "generate"
@@ -601,6 +602,7 @@ class _Tally:
     completion_tokens: int = 0
 
 
+@journal_failures(STAGE)
 def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = False) -> dict:
     """Regenerate the assistant turns of the configured prompts; return the manifest.
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import RunDir, atomic_write_json, file_sha256, stage_fingerprint, write_stage_config
 
 STAGE = "prepare"
@@ -389,6 +390,7 @@ def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None
             f"target {info.name} ({info.fingerprint}); use the same `target` for every stage of a run")
 
 
+@journal_failures(STAGE)
 def run_prepare(run: RunDir, cfg, **opts) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
     from draftsmith.progress import Progress, fmt_count, log

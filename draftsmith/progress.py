@@ -19,11 +19,17 @@ it tolerates a last line cut by a crash.
 Log lines reach the console at once (the CLI makes stdout line-buffered) and are appended to
 `RUN/<stage>/stage.log`. On a terminal a progress bar is drawn; otherwise one plain line per
 interval (default 10 s, and at least every 1 % of the work) with done/total, rate and ETA.
+
+Errors raised outside the `with Progress` block (a bad upstream file found before the work
+starts, a manifest that cannot be written after it) are journaled too: each `run_<stage>`
+function carries `@journal_failures(STAGE)`, so `status` shows such a stage `failed` with the
+error rather than `pending` or `done`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -33,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, one_line
 from draftsmith.rundir import RunDir
 
 
@@ -177,11 +183,8 @@ class Progress:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
             self.end()
-        elif isinstance(exc, KeyboardInterrupt):
-            self.fail("interrupted (Ctrl-C)")
         else:
-            msg = str(exc) if isinstance(exc, DraftsmithError) else f"{type(exc).__name__}: {exc}"
-            self.fail(msg)
+            self.fail(error_line(exc))
 
     def _close(self, ev: dict[str, Any]) -> None:
         if self.closed:
@@ -237,7 +240,7 @@ class Progress:
             log(msg, stage=self.stage, console=self.console)
 
     def fail(self, msg: str) -> None:
-        first_line = msg.strip().splitlines()[0] if msg.strip() else "error"
+        first_line = _first_line(msg)
         log(f"FAILED: {first_line}", stage=self.stage, console=False)
         self._close(self._event("error", error=first_line))
 
@@ -290,3 +293,101 @@ class Progress:
         )
         self._bar.start()
         self._bar_task = self._bar.add_task(self.stage, total=self.total, completed=self.done)
+
+
+# -------------------------------------------------------------------------------------------------
+# Failures outside a Progress block
+
+
+def _first_line(msg: str) -> str:
+    return msg.strip().splitlines()[0] if msg.strip() else "error"
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a journal records for an exception (a user error's own message)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(exc, DraftsmithError):
+        return one_line(exc) or "error"  # the line the CLI prints
+    return _first_line(f"{type(exc).__name__}: {exc}")
+
+
+def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
+                   rank: int | None = None, world_size: int | None = None) -> None:
+    """Journal an error that escaped `run_<stage>` outside its Progress block.
+
+    - The journal was opened by this very call (its start line has this pid and a time after
+      `since`): the error came after Progress closed it (e.g. writing the manifest), so an
+      `error` line is appended unless Progress already wrote one.
+    - Another live process is writing the journal (a second `generate` refused by the stage
+      lock): it is left alone.
+    - Otherwise the stage failed before it started: a fresh journal (the previous one kept as
+      progress.prev.jsonl, as Progress does) holds a start line and the error; `done` is null
+      because the attempt did no counted work.
+    A run folder that does not exist is not created (a mistyped --run has no stage to mark)."""
+    from draftsmith.status import journal_state, read_journal
+
+    if not run.is_run():
+        return
+    if rank is None or world_size is None or not 0 <= rank < world_size:
+        rank, world_size = env_rank()
+    path = run.path / stage / journal_name(rank, world_size)
+    msg = error_line(exc)
+    now = time.time()
+    start, events = read_journal(path)
+    # (journals store times rounded to the millisecond; rounding keeps the order)
+    if start is not None and start.get("pid") == os.getpid() and float(start.get("t", 0)) >= round(since, 3):
+        last = events[-1] if events else start
+        if last.get("ev") != "error":
+            _append_line(path, {"ev": "error", "t": round(now, 3), "done": last.get("done"),
+                                "pt": last.get("pt", round(now, 3)), "error": msg})
+            _log_line(path.parent / "stage.log", stage, f"FAILED: {msg}")
+        return
+    if start is not None:
+        row = journal_state(path, now, socket.gethostname())
+        if row is not None and row["state"] in ("running", "stalled"):
+            return
+    run.stage_dir(stage)
+    if path.exists():
+        os.replace(path, path.with_suffix(".prev.jsonl"))
+    log_path = path.parent / "stage.log"
+    t = round(now, 3)
+    _append_line(path, {"ev": "start", "t": round(since, 3), "pid": os.getpid(), "host": socket.gethostname(),
+                        "stage": stage, "rank": rank, "world_size": world_size, "total": None, "unit": None,
+                        "done": None, "log": str(log_path), "argv": sys.argv[1:3]})
+    _append_line(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg})
+    _log_line(log_path, stage, f"FAILED before the stage started: {msg}")
+
+
+def _log_line(path: Path, stage: str, msg: str) -> None:
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} [{stage}] {msg}\n")
+
+
+def _append_line(path: Path, ev: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(ev, separators=(",", ":")) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def journal_failures(stage: str):
+    """Decorator for `run_<stage>(run, cfg, ...)`: an exception it raises is recorded in the
+    stage's journal (see record_failure) and re-raised unchanged."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(run, *args, **kwargs):
+            since = time.time()
+            try:
+                return fn(run, *args, **kwargs)
+            except (Exception, KeyboardInterrupt) as e:
+                with contextlib.suppress(Exception):  # journaling must never hide the error itself
+                    rd = run if isinstance(run, RunDir) else RunDir(run)
+                    record_failure(rd, stage, e, since=since, rank=kwargs.get("rank"), world_size=kwargs.get("world_size"))
+                raise
+
+        return inner
+
+    return wrap

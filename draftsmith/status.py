@@ -259,7 +259,9 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         if manifest_done and all(r["state"] in ("done", "dead") for r in ranks):
             row["state"] = "done"  # crashed after writing its manifest: the work is complete
         totals = [r["total"] for r in ranks]
-        row["done"] = sum(r["done"] or 0 for r in ranks)
+        # done is null in a journal of an attempt that failed before it started (no counted work)
+        dones = [r["done"] for r in ranks if r["done"] is not None]
+        row["done"] = sum(dones) if dones else None
         row["total"] = sum(totals) if all(t is not None for t in totals) else None
         row["unit"] = ranks[0]["unit"]
         rates = [r["rate_per_s"] for r in ranks if r["rate_per_s"]]

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import replace_dir
 
 STAGE = "train"
@@ -620,6 +621,7 @@ def _open_upstream(run, cfg, info, say):
 # The stage
 
 
+@journal_failures(STAGE)
 def run_train(run, cfg, **opts) -> dict:
     """Train the drafter (train.mode offline or online); returns the train manifest.
 

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import journal_failures
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json, stage_fingerprint, write_stage_config
 
 STAGE = "vocab"
@@ -94,6 +95,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     return counts, samples
 
 
+@journal_failures(STAGE)
 def run_vocab(run: RunDir, cfg, **opts) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""
     from safetensors.numpy import save_file

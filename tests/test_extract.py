@@ -368,7 +368,8 @@ def test_refuses_prepare_built_for_another_target(tmp_path, tiny8):
     run = make_run(tmp_path, tiny8)
     with pytest.raises(DraftsmithError, match="another target"):
         run_extract(run, cfg_for(other, "extract.layers=[1, 2, 3]"))
-    assert not (run.path / "extract").exists()
+    # nothing written but the journal of the failure (status shows it failed)
+    assert sorted(p.name for p in (run.path / "extract").iterdir()) == ["progress.jsonl", "stage.log"]
 
 
 def test_bad_prepared_sample_is_named(tmp_path, tiny8):

@@ -179,3 +179,58 @@ def test_watch_snapshots_when_piped_and_stops_when_done(tmp_path, cli):
     p = cli("watch", str(tmp_path), "--interval", "0.1", timeout=30)
     assert p.returncode == 0
     assert p.stdout.startswith("--- ") and "generate  done" in p.stdout
+
+
+def test_errors_outside_progress_are_journaled(tmp_path):
+    """`@journal_failures`: an error before the stage's Progress opened, or after it closed, shows
+    as `failed` with its message; a journal another live process is writing is left alone; a
+    run folder that does not exist is not created."""
+    from draftsmith import DraftsmithError
+    from draftsmith.progress import journal_failures
+
+    run = RunDir(tmp_path / "run").ensure()
+
+    @journal_failures("vocab")
+    def before_start(r):
+        raise DraftsmithError("vocab.draft_vocab_size: 99999 is larger than the vocabulary")
+
+    @journal_failures("vocab")
+    def after_end(r):
+        with Progress(r, "vocab", total=3, unit="samples", console=False) as prog:
+            prog.advance(3)
+        raise OSError(28, "No space left on device")  # e.g. the manifest write, after the journal closed
+
+    with pytest.raises(OSError):
+        after_end(run)
+    row = stage_row(run.path, "vocab")
+    assert row["state"] == "failed" and row["error"] == "OSError: [Errno 28] No space left on device"
+    assert row["done"] == 3  # the work done before the error still counts
+
+    with pytest.raises(DraftsmithError):
+        before_start(run)
+    row = stage_row(run.path, "vocab")
+    assert row["state"] == "failed" and row["error"] == "vocab.draft_vocab_size: 99999 is larger than the vocabulary"
+    assert row["done"] is None and row["pid"] == os.getpid()  # no counted work in this attempt
+    assert (run.path / "vocab" / "progress.prev.jsonl").is_file()  # the earlier attempt's journal is kept
+    assert "FAILED before the stage started: vocab.draft_vocab_size" in (run.path / "vocab" / "stage.log").read_text()
+    assert "vocab: vocab.draft_vocab_size: 99999" in render_table(run_status(run.path))
+
+    @journal_failures("extract")
+    def refused(r):
+        raise DraftsmithError("another process is running this stage")
+
+    # A second process refused while the stage runs (e.g. by generate's lock) must not mark it failed.
+    p = start(run.path, "extract", 200, 0.05)
+    try:
+        wait_for(lambda: stage_row(run.path, "extract")["done"])
+        with pytest.raises(DraftsmithError):
+            refused(run)
+        assert stage_row(run.path, "extract")["state"] == "running"
+    finally:
+        p.kill()
+        p.wait()
+
+    missing = tmp_path / "typo"
+    with pytest.raises(DraftsmithError):
+        before_start(missing)
+    assert not missing.exists()
