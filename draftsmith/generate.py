@@ -631,6 +631,8 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
     with _stage_lock(d):
         source = _prompt_source(gen)
         info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+        if gen.backend == "local" and not info.has_chat_template:  # before loading the weights, or any file is written
+            raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
         section = cfg.section(STAGE)
         section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in OPERATIONAL_KEYS}
         stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source}, {})

@@ -108,6 +108,14 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def quiet_transformers() -> None:
+    """No transformers progress bars ("Loading weights" on stderr): the stage's busy phase and
+    journal report the load, and stderr stays free for the one line a failure prints."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
     """Dequantise a GGUF file into a bf16 safetensors folder at `dest` (once; safe to race)."""
     if (dest / "config.json").is_file():
@@ -123,6 +131,7 @@ def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        quiet_transformers()
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -297,6 +306,7 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
     if trust_remote_code:
         log("trust_remote_code is ON: code from the target folder will run")
     info = target_info(spec, trust_remote_code, log=log)
+    quiet_transformers()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     try:
