@@ -28,7 +28,8 @@ class GenerateConfig(_Section):
     model: str | None = Field(
         None, description="Model name sent to the server; default: the first one the server lists.")
     api_key_env: str = Field(
-        "OPENAI_API_KEY", description="Environment variable holding the API key (never logged or stored).")
+        "OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of the environment variable holding the API key (the key itself is never logged or stored).")
     prompts: str = Field(
         "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
     limit: int | None = Field(None, ge=1, description="How many prompts (after filtering); all when unset.")
@@ -163,6 +164,10 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         inp = err.get("input")
+        if err["loc"][-1:] == ("api_key_env",):
+            # a key pasted here by mistake must not reach the terminal or a log
+            msg = "must be the name of an environment variable (letters, digits, _), not the key itself"
+            inp = {}
         shown = "" if err["type"] == "extra_forbidden" or isinstance(inp, dict) else f" (got {inp!r})"
         parts.append(f"{loc}: {msg}{shown}")
     more = f" (+{len(e.errors()) - 3} more)" if len(e.errors()) > 3 else ""

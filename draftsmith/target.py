@@ -235,14 +235,24 @@ def _folder_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+_remote_code_logged: set[str] = set()  # folders whose trust_remote_code warning this process has logged
+
+
 def target_info(spec: str, trust_remote_code: bool = False, log=print) -> TargetInfo:
     """Describe a target without loading its weights."""
     from transformers import AutoConfig
 
     folder, name = resolve_target(spec, log=log)
+    if trust_remote_code and str(folder) not in _remote_code_logged:
+        # every path to the target's code goes through here first (config, tokenizer, model)
+        _remote_code_logged.add(str(folder))
+        log(f"trust_remote_code is ON: Python code from {folder} may run")
     try:
         cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except Exception as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise DraftsmithError(f"{folder / 'config.json'}: the model needs Python code from its own folder (auto_map); "
+                                  "set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     has_template = False
@@ -303,8 +313,6 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
     import torch
     from transformers import AutoModelForCausalLM
 
-    if trust_remote_code:
-        log("trust_remote_code is ON: code from the target folder will run")
     info = target_info(spec, trust_remote_code, log=log)
     quiet_transformers()
     dev = pick_device(device)

@@ -1,0 +1,219 @@
+"""Security (docs/reliability.md, "Security"): no pickle, `torch.load` only with weights_only=True,
+trust_remote_code off unless asked (and logged when on), API keys never in a file, log or
+message."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, build_tiny_target, run_cli
+from draftsmith.config import Config
+from draftsmith.rundir import RunDir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from openai_fakes import FakeOpenAIServer  # noqa: E402
+
+SOURCES = sorted((REPO / "draftsmith").rglob("*.py"))
+
+
+# -------------------------------------------------------------------------------------------------
+# (a) a static scan of draftsmith's own sources
+
+
+def _calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else "?"
+
+
+def _kw(call: ast.Call, name: str) -> ast.AST | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def test_no_pickle_and_torch_load_only_with_weights_only():
+    torch_loads, problems = 0, []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = lambda n: f"{path.relative_to(REPO)}:{n.lineno}"  # noqa: E731
+        for node in ast.walk(tree):
+            # modules that unpickle (or run) arbitrary data
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                bad = {n.split(".")[0] for n in names} & {"pickle", "cPickle", "dill", "joblib", "marshal", "shelve"}
+                if bad:
+                    problems.append(f"{where(node)}: imports {', '.join(sorted(bad))}")
+                if isinstance(node, ast.ImportFrom) and node.module == "torch" and "load" in [a.name for a in node.names]:
+                    problems.append(f"{where(node)}: `from torch import load` hides torch.load from this check")
+        for call in _calls(tree):
+            name = _dotted(call.func)
+            if name == "torch.load":
+                torch_loads += 1
+                wo = _kw(call, "weights_only")
+                if not (isinstance(wo, ast.Constant) and wo.value is True):
+                    problems.append(f"{where(call)}: torch.load without weights_only=True")
+            elif name in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"):
+                problems.append(f"{where(call)}: {name} (use yaml.safe_load)")
+            elif name.endswith(".load") and isinstance(_kw(call, "allow_pickle"), ast.Constant) and _kw(call, "allow_pickle").value:
+                problems.append(f"{where(call)}: {name}(allow_pickle=True)")
+            elif name in ("eval", "exec"):
+                problems.append(f"{where(call)}: {name}()")
+    assert not problems, "\n".join(problems)
+    assert torch_loads >= 1  # the scan sees the calls it checks (train's optimizer state on resume)
+
+
+def test_trust_remote_code_only_from_the_config():
+    assert Config().trust_remote_code is False
+    passed, problems = 0, []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                value = _kw(node, "trust_remote_code")
+                if value is None:
+                    continue
+                passed += 1
+                # a variable that comes down from cfg.trust_remote_code, never a literal True
+                if isinstance(value, ast.Constant) and value.value is not False:
+                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: trust_remote_code={value.value!r}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
+                for a, d in zip(args, defaults):
+                    if a.arg == "trust_remote_code" and not (isinstance(d, ast.Constant) and d.value is False):
+                        problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.name}(trust_remote_code) must default to False")
+    assert not problems, "\n".join(problems)
+    assert passed >= 4
+
+
+# -------------------------------------------------------------------------------------------------
+# (b) trust_remote_code: off by default (the folder's code does not run), logged when on
+
+
+REMOTE_CONFIG = '''
+import os, pathlib
+pathlib.Path(os.environ["DS_REMOTE_MARKER"]).write_text("the target folder's code ran")
+from transformers import LlamaConfig
+
+class RemoteConfig(LlamaConfig):
+    model_type = "draftsmith-remote-test"
+'''
+
+
+@pytest.fixture(scope="module")
+def remote_code_target(tmp_path_factory) -> Path:
+    """A tiny target whose config class lives in the folder itself (auto_map), and writes a
+    marker file when Python imports it."""
+    path = build_tiny_target(tmp_path_factory.mktemp("remote") / "remote-target", num_layers=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "draftsmith-remote-test"
+    cfg["auto_map"] = {"AutoConfig": "configuration_remote.RemoteConfig"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    return path
+
+
+def test_remote_code_runs_only_when_asked_and_is_logged(remote_code_target, tmp_path):
+    run = RunDir(tmp_path / "run").ensure()
+    d = run.stage_dir("generate")
+    conv = {"id": "s0", "messages": [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi there."}]}
+    (d / "samples.jsonl").write_text(json.dumps(conv) + "\n")
+    # (no target fingerprint: computing one here would run the folder's code in this process)
+    run.write_manifest("generate", fingerprint="g", inputs={}, settings={}, counts={"done": 1, "total": 1, "unit": "samples"},
+                       started=time.time())
+    marker = tmp_path / "marker"
+    args = ["prepare", "--run", str(run.path), "--set", f"target={remote_code_target}"]
+
+    off = run_cli(*args, env={"DS_REMOTE_MARKER": str(marker)})
+    assert off.returncode == 2 and not marker.exists()
+    assert off.stderr.count("\n") == 1 and "Traceback" not in off.stderr
+    assert "remote-target/config.json: the model needs Python code from its own folder" in off.stderr
+    assert "set trust_remote_code=true" in off.stderr
+
+    on = run_cli(*args, "--set", "trust_remote_code=true", env={"DS_REMOTE_MARKER": str(marker)})
+    assert on.returncode == 0, on.stderr
+    assert marker.exists()
+    assert on.stdout.count(f"trust_remote_code is ON: Python code from {remote_code_target} may run") == 1
+    assert "trust_remote_code: true" in (run.path / "prepare" / "config.yaml").read_text()
+
+
+# -------------------------------------------------------------------------------------------------
+# (c) API keys
+
+
+class EchoingServer(FakeOpenAIServer):
+    """Also answers prompts with [echo-500] with a 500 that quotes the request headers (retried,
+    then recorded as a failure and logged)."""
+
+    def answer(self, body: dict, headers: dict):
+        if "[echo-500]" in body["messages"][-1]["content"]:
+            return 500, {"error": {"message": f"internal error; request headers were {headers}"}}
+        return super().answer(body, headers)
+
+
+def _prompts(path: Path, extra: list[str]) -> Path:
+    texts = [f"question {i}" for i in range(4)] + extra
+    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                            for i, t in enumerate(texts)))
+    return path
+
+
+def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
+    secret = "sk-test-" + secrets.token_hex(16)
+    wrong = "sk-wrong-" + secrets.token_hex(8)
+    run = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please"])
+    base = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+            "--backend", "openai", "--set", "generate.retries=1", "--set", "generate.backoff_s=0.01"]
+    outputs = []
+
+    # The key pasted where the variable's name belongs: refused without repeating it; nothing written.
+    p = run_cli(*base, "--server", "http://127.0.0.1:9/v1", "--set", f"generate.api_key_env={secret}")
+    outputs.append(p)
+    assert p.returncode == 2 and "generate.api_key_env: must be the name of an environment variable" in p.stderr
+    assert not run.exists()
+
+    base += ["--set", "generate.api_key_env=DS_SECRET_KEY"]
+    with EchoingServer(api_key=secret) as srv:
+        base += ["--server", srv.base_url]
+        # Two samples fail with server errors that quote the Authorization header.
+        p = run_cli(*base, env={"DS_SECRET_KEY": secret})
+        outputs.append(p)
+        assert p.returncode == 2 and "2 samples failed" in p.stderr
+        errors = {f["id"]: f["error"] for f in map(json.loads, (run / "generate" / "failures.jsonl").read_text().splitlines())}
+        assert set(errors) == {"p4", "p5"} and all("Bearer ***" in e for e in errors.values())
+        # A wrong key: one line naming the variable, not the key.
+        p = run_cli(*base, "--retry-failed", env={"DS_SECRET_KEY": wrong})
+        outputs.append(p)
+        assert p.returncode == 2 and "HTTP 401" in p.stderr and "$DS_SECRET_KEY" in p.stderr
+        # Without the bad prompts the stage completes.
+        _prompts(prompts, [])
+        p = run_cli(*base, env={"DS_SECRET_KEY": secret})
+        outputs.append(p)
+        assert p.returncode == 0, p.stderr
+        assert all(r["headers"].get("Authorization") == f"Bearer {secret}" for r in srv.requests if r["body"])  # it was used
+    outputs.append(run_cli("status", str(run)))
+
+    assert (run / "generate" / "manifest.json").is_file()
+    assert "api_key_env: DS_SECRET_KEY" in (run / "generate" / "config.yaml").read_text()  # the name only
+    files = [f for f in run.rglob("*") if f.is_file()]
+    assert {"config.yaml", "manifest.json", "stage.log", "progress.jsonl", "samples.jsonl"} <= {f.name for f in files}
+    for f in files:
+        data = f.read_bytes()
+        assert secret.encode() not in data and wrong.encode() not in data, f"API key leaked into {f}"
+    for p in outputs:
+        assert secret not in p.stdout + p.stderr and wrong not in p.stdout + p.stderr
+    assert os.environ.get("DS_SECRET_KEY") is None  # the tests passed the key to the child processes only
