@@ -63,7 +63,6 @@ def base_cfg(target: Path, *sets: str):
 
 @dataclass
 class Ctx:
-    tmp: Path
     target: Path  # tiny random Llama, 8 layers, ChatML template
     no_template: Path
     other: Path  # another tiny target (6 layers)
@@ -96,7 +95,7 @@ def ctx(tiny_target, tmp_path_factory) -> Ctx:
     run_extract(base, cfg)
     write_drafter_checkpoint(base.path / "train" / "final", str(tiny_target), draft_vocab_size=32)
     run_export(base, cfg)
-    return Ctx(tmp=tmp, target=tiny_target, no_template=no_template, other=other, base=base)
+    return Ctx(target=tiny_target, no_template=no_template, other=other, base=base)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -163,6 +162,14 @@ def edit_json(path: Path, fn) -> None:
     obj = json.loads(path.read_text())
     fn(obj)
     path.write_text(json.dumps(obj))
+
+
+def drop_tensor(path: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path))
+    del sd[name]
+    save_file(sd, str(path))
 
 
 def reprepare_shorter(c: Ctx, run: RunDir) -> None:
@@ -259,7 +266,7 @@ CASES = [
                     edit=lambda c, r: edit_json(r.path / "export/config.json", lambda j: j.__setitem__("draft_vocab_size", 16))),
          r"/export/model\.safetensors: tensor 'lm_head\.weight' has shape \[32, 64\], expected \[16, 64\]"),
     Case("checkpoint-missing-tensor", "export",
-         stage_case("export", ("train",), edit=lambda c, r: _drop_tensor(r.path / "train/final/model.safetensors", "fc.weight")),
+         stage_case("export", ("train",), edit=lambda c, r: drop_tensor(r.path / "train/final/model.safetensors", "fc.weight")),
          r"/train/final/model\.safetensors: missing tensor 'fc\.weight'"),
     # -- configs --
     Case("config-unknown-key", None, config_case(None, "--set", "generate.limt=3"), r"^--set: generate\.limt: unknown key$"),
@@ -268,14 +275,6 @@ CASES = [
     Case("config-wrong-type", None, config_case("train:\n  lr: fast\n"), r"/c\.yaml: train\.lr: .*number.*\(got 'fast'\)"),
     Case("config-invalid-yaml", None, config_case("generate:\n  limit: 3\n  servers: [a, b\n"), r"/c\.yaml:\d+: invalid YAML"),
 ]
-
-
-def _drop_tensor(path: Path, name: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(path))
-    del sd[name]
-    save_file(sd, str(path))
 
 
 # -------------------------------------------------------------------------------------------------
