@@ -678,7 +678,7 @@ def _extract_shards(run: RunDir, cfg, target, layers, prepared: Prepared, shards
     from draftsmith.target import load_target
 
     d = run.stage_dir(STAGE)
-    stats = {"samples": 0, "tokens": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0}
+    stats = {"samples": 0, "tokens": 0, "computed": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0}
     if any(todo[s] for s in shards) and target is None:
         with prog.busy("loading target"):
             target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
@@ -688,14 +688,25 @@ def _extract_shards(run: RunDir, cfg, target, layers, prepared: Prepared, shards
     try:
         with torch.inference_mode():
             for s in shards:
-                for batch in plan_batches(todo[s], prepared.lengths, cfg.extract.batch_tokens):
+                missing = set(todo[s])
+                # Batches are planned over the whole shard, not over what is missing: a resumed
+                # attempt then computes each sample in the batch it had in an uninterrupted run
+                # (same padded length, same kernels), so its file is the same bytes. Finished
+                # members of a batch are computed again but not rewritten.
+                for batch in plan_batches(list(range(*s)), prepared.lengths, cfg.extract.batch_tokens):
+                    keep = [b for b, i in enumerate(batch) if i in missing]
+                    if not keep:
+                        continue
                     samples = prepared.read(batch)
                     rows = [samples[i] for i in batch]
                     ids, pos = make_batch(rows)
                     aux, last = capture(ids.to(target.device), pos.to(target.device))
-                    writer.write_batch(s, batch, rows, aux, last)
-                    stats["samples"] += len(batch)
-                    stats["tokens"] += sum(len(r["input_ids"]) for r in rows)
+                    if len(keep) < len(batch):
+                        aux, last = aux[keep], last[keep]
+                    writer.write_batch(s, [batch[b] for b in keep], [rows[b] for b in keep], aux, last)
+                    stats["samples"] += len(keep)
+                    stats["tokens"] += sum(len(rows[b]["input_ids"]) for b in keep)
+                    stats["computed"] += sum(len(r["input_ids"]) for r in rows)
                     stats["padded"] += ids.numel()
                 writer.finish_shard(s)
         writer.close()
@@ -707,7 +718,7 @@ def _extract_shards(run: RunDir, cfg, target, layers, prepared: Prepared, shards
             capture.remove()
     stats["seconds"] = time.time() - t0
     stats["bytes"] = writer.bytes_written
-    stats["padding"] = 1 - stats["tokens"] / stats["padded"] if stats["padded"] else 0.0
+    stats["padding"] = 1 - stats["computed"] / stats["padded"] if stats["padded"] else 0.0
     return stats
 
 
