@@ -74,9 +74,11 @@ class ExtractConfig(_Section):
 
 
 class TrainConfig(_Section):
-    mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: target in-process, nothing on disk.")
+    mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM server(s) with extract.backend=vllm).")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")
     gamma: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step k's loss is gamma**k.")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")

@@ -308,6 +308,7 @@ class EngineContext:
     warmup: bool = True
     fingerprint: str = ""  # the records' fingerprint (an engine's own resumable files carry it too)
     info: dict | None = None  # set by an engine: what the report should say about it (server, version)
+    folder: str = "eval"  # the stage folder under the run (the demo's second engine writes eval-vllm/)
 
 
 def render_prompt(tokenizer, prompt) -> list[int]:
@@ -549,7 +550,7 @@ def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, 
     """A VLLMServer started under a `busy` phase (the stage heartbeats while vLLM loads)."""
     from draftsmith.vllm_server import VLLMServer
 
-    srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(STAGE) / log_name, python=python)
+    srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(ctx.folder) / log_name, python=python)
     with ctx.prog.busy(f"starting vLLM ({what})"):
         srv.start()
     ctx.prog.log(f"vLLM ({what}) ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
@@ -577,7 +578,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     from draftsmith.vllm_server import vllm_python
 
     cfg, ec, prog, K = ctx.cfg, ctx.cfg.eval, ctx.prog, ctx.cfg.eval.num_speculative_tokens
-    d = ctx.run.stage_dir(STAGE)
+    d = ctx.run.stage_dir(ctx.folder)
     timeout_s = 600.0 + ec.max_tokens  # a slow CPU decodes tens of tokens per second, a loaded one less
     seeds = {index: ec.seed * 1_000_003 + index for index, _ in ctx.todo}  # as the local engine
     # what an interrupted attempt learnt (its baseline server, when the baseline is complete now)
@@ -867,9 +868,10 @@ def _append_line(path: Path, rec: dict) -> None:
 
 
 @journal_failures(STAGE)
-def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
+def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
-    Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest."""
+    Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
+    `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
     from draftsmith.export import CONFIG_FILE, _read_json
     from draftsmith.progress import Progress
     from draftsmith.prompts import load_prompts
@@ -901,13 +903,13 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
     # limit reuses the answers already written)
     record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
     record_fp = stage_fingerprint({**record_settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
-    old = run.read_manifest(STAGE)
-    if old is not None and old.get("fingerprint") == fp and (run.path / STAGE / REPORT_JSON).is_file():
+    old = run.read_manifest(folder)
+    if old is not None and old.get("fingerprint") == fp and (run.path / folder / REPORT_JSON).is_file():
         return old  # up to date: same export, target, prompts and settings (`run` skips it)
     if old is not None:
-        run.invalidate(STAGE)
-    d = run.stage_dir(STAGE)
-    write_stage_config(run, STAGE, cfg)
+        run.invalidate(folder)
+    d = run.stage_dir(folder)
+    write_stage_config(run, folder, cfg)
     answers = d / ANSWERS
     done, dirty = _read_answers(answers, record_fp)
     ids = {p.id for p in prompts}
@@ -917,12 +919,12 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
         atomic_write_text(answers, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()))
     todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
 
-    with Progress(run, STAGE, total=len(prompts), unit="prompts", done=len(done), stall_after_s=cfg.stall_after_s) as prog:
+    with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done), stall_after_s=cfg.stall_after_s) as prog:
         if done:
             prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {answers}")
         if todo:
             ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup,
-                                fingerprint=record_fp)
+                                fingerprint=record_fp, folder=folder)
             for rec in ENGINES[ec.engine](ctx):
                 missing = [k for k in RECORD_KEYS if k not in rec]
                 if missing:
@@ -965,7 +967,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True) -> dict:
                  f"{_fmt(report['tokens_per_s'], '.1f')} tok/s vs {_fmt(report['baseline_tokens_per_s'], '.1f')} plain "
                  f"(speedup {_fmt(report['speedup'])})")
     return run.write_manifest(
-        STAGE, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
+        folder, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
                                        "prompts": ec.prompts},
         settings=settings, counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
         started=started, outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT] + (

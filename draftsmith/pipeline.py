@@ -11,6 +11,7 @@ and `watch` can follow a whole run.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -48,9 +49,14 @@ def _stage_fn(stage: str):
     return getattr(module, f"run_{stage}")
 
 
-def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None) -> dict[str, dict]:
+def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None,
+                 extra_engines: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Run the planned stages; then, for each of extra_engines, eval again with that engine into
+    RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one)."""
     run.ensure()
     stages = planned_stages(cfg, from_stage, until_stage)
+    if "eval" in stages:
+        stages += [f"eval-{e}" for e in extra_engines]
     before = [s for s in STAGES if s not in stages and STAGES.index(s) < STAGES.index(stages[0])
               and not (s == "extract" and cfg.train.mode == "online")]
     for s in before:
@@ -66,14 +72,18 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             atomic_write_json(run.path / "pipeline.json", state)
             ts = time.time()
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
-            stage_cfg = cfg
+            stage_cfg, fn = cfg, (_stage_fn(stage) if stage in STAGES else None)
+            if fn is None:  # eval-<engine>
+                stage_cfg = cfg.model_copy(deep=True)
+                stage_cfg.eval.engine = stage.split("-", 1)[1]
+                fn = functools.partial(_stage_fn("eval"), folder=stage)
             if stage == "extract" and not cfg.extract.overwrite:
                 # `run` promises that a changed input reruns every later stage; a store built from
                 # other prepared samples or settings is useless to them, so it is replaced (a
                 # store of the same build is resumed, never cleared).
                 stage_cfg = cfg.model_copy(deep=True)
                 stage_cfg.extract.overwrite = True
-            manifests[stage] = _stage_fn(stage)(run, stage_cfg)
+            manifests[stage] = fn(run, stage_cfg)
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
     except BaseException as e:
@@ -91,18 +101,22 @@ def demo_recipe_text() -> str:
 
 
 def summarize(run: RunDir) -> str:
+    """What a finished run got: acceptance length and speedup per evaluation, and where things are."""
+    folders = [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if (run.path / f / "report.json").is_file()]
+    if not folders:
+        return f"run finished: {run.path}"
+    return "\n".join(_summary_line(run, f) for f in folders) + f"\ndrafter: {run.path / 'export'}"
+
+
+def _summary_line(run: RunDir, folder: str) -> str:
     import json
 
-    report = run.path / "eval" / "report.json"
-    if not report.is_file():
-        return f"run finished: {run.path}"
-    r = json.loads(report.read_text())
+    r = json.loads((run.path / folder / "report.json").read_text())
     tau = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") is not None else "n/a (no drafts)"
     per_pos = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
     speedup = f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None else "no speedup measured (eval.baseline off)"
-    return (f"acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
-            f"{speedup} on {r['prompts']} prompts ({r['engine']} engine)\n"
-            f"drafter: {run.path / 'export'}\nreport:  {run.path / 'eval' / 'report.md'}")
+    return (f"{r['engine']} engine: acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
+            f"{speedup} on {r['prompts']} prompts; report {run.path / folder / 'report.md'}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -149,6 +163,16 @@ def register(app: typer.Typer) -> None:
         finally:
             os.unlink(f.name)
         rd = RunDir(run)
-        log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts}; run dir {rd.path}", stage="demo")
-        run_pipeline(rd, cfg)
+        extra: tuple[str, ...] = ()
+        if cfg.eval.engine == "local":
+            from draftsmith.vllm_server import vllm_python
+
+            try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
+                vllm_python(install=False)
+                extra = ("vllm",)
+            except DraftsmithError:
+                log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")
+        log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts} "
+            f"({', '.join(('local', *extra))} engine); run dir {rd.path}", stage="demo")
+        run_pipeline(rd, cfg, extra_engines=extra)
         print(summarize(rd))

@@ -385,7 +385,9 @@ def journal_failures(stage: str):
             except (Exception, KeyboardInterrupt) as e:
                 with contextlib.suppress(Exception):  # journaling must never hide the error itself
                     rd = run if isinstance(run, RunDir) else RunDir(run)
-                    record_failure(rd, stage, e, since=since, rank=kwargs.get("rank"), world_size=kwargs.get("world_size"))
+                    # a stage run into another folder (eval's `folder=`) journals there
+                    record_failure(rd, kwargs.get("folder", stage), e, since=since, rank=kwargs.get("rank"),
+                                   world_size=kwargs.get("world_size"))
                 raise
 
         return inner

@@ -285,8 +285,13 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
             row["unit"] = counts.get("unit")
         except (OSError, json.JSONDecodeError):
             pass
-    row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage](d)
+    row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage.split("-")[0]](d)  # eval-vllm counts like eval
     return row
+
+
+def extra_evals(run: RunDir) -> list[str]:
+    """Evaluation folders beside eval/ (the demo's eval-vllm/), shown after the seven stages."""
+    return sorted(p.name for p in run.path.glob("eval-*") if p.is_dir())
 
 
 def run_status(path: str | os.PathLike) -> dict[str, Any]:
@@ -296,7 +301,7 @@ def run_status(path: str | os.PathLike) -> dict[str, Any]:
     now = time.time()
     host = socket.gethostname()
     out: dict[str, Any] = {"run": str(run.path), "time": round(now, 3),
-                           "stages": [stage_status(run, s, now, host) for s in STAGES]}
+                           "stages": [stage_status(run, s, now, host) for s in [*STAGES, *extra_evals(run)]]}
     pipe = pipeline_status(run, host)
     if pipe is not None:
         out["pipeline"] = pipe

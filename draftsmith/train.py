@@ -40,7 +40,7 @@ import queue
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -875,6 +875,8 @@ def run_train(run, cfg, **opts) -> dict:
                     t = time.perf_counter()
                     position, mbs = next(data)
                     mbs = [b.to(device, act_dtype) for b in mbs]
+                    if tc.loss_on == "all":  # every token of every sample (padding excluded)
+                        mbs = [replace(b, loss_mask=b.doc_ids >= 0) for b in mbs]
                     times["data"] += time.perf_counter() - t
 
                     # positions per TTT step over the whole step (all ranks), plus the step's tokens and

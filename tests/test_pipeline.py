@@ -108,3 +108,24 @@ def test_demo_recipe_is_configs_demo_yaml():
     assert demo_recipe_text() == shipped.read_text()
     cfg = load_config(shipped)
     assert cfg.target == "smollm2-135m" and cfg.generate.backend == "local" and cfg.eval.prompts == "mt-bench"
+
+
+def test_extra_engine_evaluates_into_its_own_folder(recipe, tmp_path):
+    """The demo's second evaluation (vLLM when installed) goes to eval-<engine>/, beside eval/; status
+    lists it and `run` skips it when current. The local engine stands in for vLLM here (the vLLM
+    engine itself is tested in test_evaluate_vllm.py)."""
+    from draftsmith.pipeline import summarize
+    from draftsmith.status import run_status
+
+    run = RunDir(tmp_path / "run")
+    cfg = load_config(recipe)
+    run_pipeline(run, cfg, extra_engines=("local",))
+    report = json.loads((run.path / "eval-local" / "report.json").read_text())
+    assert report["engine"] == "local" and report["prompts"] == 2
+    assert json.loads((run.path / "pipeline.json").read_text())["stages"][-1] == "eval-local"
+    rows = {s["name"]: s for s in run_status(run.path)["stages"]}
+    assert rows["eval-local"]["state"] == "done" and rows["eval-local"]["on_disk"] == 2
+    assert summarize(run).count("local engine: acceptance length") == 2
+    before = run.read_manifest("eval-local")["finished"]
+    run_pipeline(run, cfg, extra_engines=("local",))
+    assert run.read_manifest("eval-local")["finished"] == before
