@@ -144,6 +144,17 @@ def main(argv: list[str] | None = None) -> None:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except Exception as e:
+        # A full disk where no stage code named the file (stages raise rundir.DiskFull, above):
+        # still one line, not a traceback.
+        from draftsmith.rundir import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"draftsmith: error: {where}no space left on device ({type(e).__name__}: {one_line(e)}); "
+              "free some space and run the same command again", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

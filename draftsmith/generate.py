@@ -43,7 +43,8 @@ import typer
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
-from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, stage_fingerprint, write_stage_config
+from draftsmith.rundir import (RunDir, append_bytes, append_text, atomic_write_json, atomic_write_text, file_sha256, fingerprint,
+                              stage_fingerprint, write_stage_config)
 
 STAGE = "generate"
 SAMPLES = "samples.jsonl"
@@ -179,13 +180,8 @@ class SampleStore:
         self._fd = os.open(self.samples_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         return self
 
-    def _write_all(self, fd: int, data: bytes) -> None:
-        while data:
-            n = os.write(fd, data)
-            data = data[n:]
-
     def add_sample(self, rec: dict) -> None:
-        self._write_all(self._fd, _dumps(rec))
+        append_bytes(self._fd, _dumps(rec), self.samples_path)
         self.done[rec["id"]] = self.summary(rec)
         if self.failures.pop(rec["id"], None) is not None:
             self._failures_dirty = True
@@ -197,8 +193,7 @@ class SampleStore:
             rec["attempts"] = rec["attempts"] + int(prev.get("attempts", 0))
         self.failures[rec["id"]] = rec
         # Append (not rewrite): the last line of an id wins when the file is read back.
-        with open(self.failures_path, "ab") as f:
-            f.write(_dumps(rec))
+        append_text(self.failures_path, _dumps(rec).decode())
 
     def _rewrite_failures(self) -> None:
         if self.failures:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, one_line
-from draftsmith.rundir import RunDir
+from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
 
 def journal_name(rank: int, world_size: int) -> str:
@@ -142,10 +142,11 @@ class Progress:
     def _write(self, ev: dict[str, Any]) -> None:
         # One os.write per line on an O_APPEND descriptor: lines from the stage and from the
         # heartbeat thread never interleave, and a crash can only cut the very last line.
+        # A full disk raises DiskFull naming the journal (no torn line is left behind).
         data = (json.dumps(ev, separators=(",", ":")) + "\n").encode()
         with self._lock:
             if self._fd is not None:
-                os.write(self._fd, data)
+                append_bytes(self._fd, data, self.journal_path)
 
     def _event(self, kind: str, **extra: Any) -> dict[str, Any]:
         ev = {"ev": kind, "t": round(time.time(), 3), "done": self.done, "pt": round(self._last_progress_t, 3)}
@@ -177,7 +178,7 @@ class Progress:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, DiskFull):  # the stage reports a full disk itself
                 self._write(self._event("p"))
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -193,7 +194,10 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._write(ev)
+        # Best effort when failing: on a full disk the error line may not fit, and the error
+        # being reported must not be replaced by that one.
+        with contextlib.suppress(OSError, DiskFull) if ev.get("ev") == "error" else contextlib.nullcontext():
+            self._write(ev)
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)

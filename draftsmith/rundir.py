@@ -15,6 +15,7 @@ rename), so a crash never leaves a half-written file under its final name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -33,6 +34,79 @@ RUN_MARKER = "run.json"
 
 
 # ---------------------------------------------------------------------------------------------
+# A full disk
+
+
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+class DiskFull(DraftsmithError):
+    """Writing `path` failed because its file system is full (or the user's quota is used up)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        super().__init__(f"{path}: no space left on device; free some space and run the same command again "
+                         "(finished work is kept)")
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an error it was raised from, is a full disk: an OSError with ENOSPC or
+    EDQUOT, or a library error that says so (safetensors: "No space left on device (os error 28)";
+    torch.save into a Python file object chains the OSError)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a full-disk error raised while writing `path` into a one-line DiskFull naming it."""
+    try:
+        yield
+    except DraftsmithError:
+        raise
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFull(path) from e
+        raise
+
+
+def append_bytes(fd: int, data: bytes, path: str | os.PathLike) -> None:
+    """Append `data` (whole lines) to the O_APPEND file `fd`, opened on `path`.
+
+    One os.write when the OS takes it all (lines of concurrent writers never interleave; a crash
+    cuts at most the last line); a short write is continued. When the disk fills part-way, the
+    file is cut back to where it was, so no torn line is left behind for the next append to
+    glue onto, and DiskFull names `path`.
+    """
+    size = os.fstat(fd).st_size
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        if e.errno in DISK_FULL_ERRNOS:
+            raise DiskFull(path) from e
+        raise
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append whole lines to a file (see append_bytes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        append_bytes(fd, text.encode("utf-8"), path)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
 # Atomic writes
 
 
@@ -40,19 +114,22 @@ RUN_MARKER = "run.json"
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it over `path`.
 
-    On an exception the temporary file is removed and `path` is left as it was. The temporary
-    name starts with '.' and contains '.tmp', so readers that list a folder can skip it.
+    On an exception the temporary file is removed and `path` is left as it was; a full disk is
+    reported as DiskFull naming `path`. The temporary name starts with '.' and contains '.tmp',
+    so readers that list a folder can skip it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with naming_full_disk(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
+        with naming_full_disk(path):
+            yield tmp_path
+            with open(tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
-from draftsmith.rundir import replace_dir
+from draftsmith.rundir import append_text, naming_full_disk, replace_dir
 
 STAGE = "train"
 TRAIN_VERSION = 1
@@ -535,15 +535,17 @@ def write_checkpoint(dest: Path, model_sd: dict, meta: dict, optim: dict, rng: d
 
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / CKPT_WEIGHTS), metadata={"format": "pt"})
-        (tmp / CKPT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        torch.save(optim, tmp / CKPT_OPTIM)
-        save_file(rng, str(tmp / CKPT_RNG))
-        (tmp / CKPT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
-        _fsync_tree(tmp)
-        replace_dir(tmp, dest)  # final/ may be rewritten: swapped whole, never mixed
+        with naming_full_disk(dest):  # a full disk: one line naming the checkpoint, no half folder
+            tmp.mkdir(parents=True)
+            save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / CKPT_WEIGHTS), metadata={"format": "pt"})
+            (tmp / CKPT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            with open(tmp / CKPT_OPTIM, "wb") as f:  # (a file object: torch then chains the OSError behind its own error)
+                torch.save(optim, f)
+            save_file(rng, str(tmp / CKPT_RNG))
+            (tmp / CKPT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
+            _fsync_tree(tmp)
+            replace_dir(tmp, dest)  # final/ may be rewritten: swapped whole, never mixed
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -956,8 +958,7 @@ def run_train(run, cfg, **opts) -> dict:
                             "step_time_s": {k: v / max(1, win_steps) for k, v in times.items()},
                         }
                         if rank == 0:
-                            with open(metrics_path, "a", encoding="utf-8") as f:
-                                f.write(json.dumps(metrics) + "\n")
+                            append_text(metrics_path, json.dumps(metrics) + "\n")
                             if tb is not None:
                                 for k in range(steps_n):
                                     tb.add_scalar(f"loss/step{k}", loss_k[k], step)
