@@ -311,25 +311,37 @@ def normalize_server(url: str) -> str:
 
 
 class _Balancer:
-    """Send each request to the server with the fewest requests in flight (round-robin on ties)."""
+    """Send each request to the server with the fewest requests in flight (round-robin on ties).
+
+    A server whose last request failed (refused, dropped, timed out, 5xx...) within the past
+    FAILING_S seconds goes last: one that went away answers at once with an error, so "fewest
+    in flight" alone would keep sending it the requests, and their retries, while another server
+    is up. A retry also avoids the server that just failed it when there is another."""
+
+    FAILING_S = 5.0
 
     def __init__(self, servers: list[str]):
         self.servers = servers
         self.inflight = {s: 0 for s in servers}
         self.sent = {s: 0 for s in servers}
+        self.failed_at = {s: float("-inf") for s in servers}
         self._next = 0
 
-    def acquire(self) -> str:
+    def acquire(self, avoid: str | None = None) -> str:
         n = len(self.servers)
         order = [self.servers[(self._next + i) % n] for i in range(n)]
         self._next = (self._next + 1) % n
-        s = min(order, key=lambda x: self.inflight[x])
+        now = time.monotonic()
+        s = min([x for x in order if x != avoid] or order,
+                key=lambda x: (now - self.failed_at[x] < self.FAILING_S, self.inflight[x]))
         self.inflight[s] += 1
         self.sent[s] += 1
         return s
 
-    def release(self, s: str) -> None:
+    def release(self, s: str, failed: bool = False) -> None:
         self.inflight[s] -= 1
+        if failed:
+            self.failed_at[s] = time.monotonic()
 
 
 def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -> float:
@@ -372,10 +384,11 @@ class OpenAIClient:
         retries or on an answer that retrying cannot fix (400, 404...)."""
         httpx = self.httpx
         attempt = 0
+        s = None
         while True:
             attempt += 1
-            s = server or self.balancer.acquire()
-            retry_after = None
+            s = server or self.balancer.acquire(avoid=s)
+            retry_after, transient = None, True  # transient: the server's fault, worth a retry
             try:
                 # wait_for: one deadline for the whole request (httpx's read timeout is per read).
                 r = await asyncio.wait_for(self.client.request(method, s + path, json=body), self.gen.timeout_s)
@@ -383,12 +396,15 @@ class OpenAIClient:
                     data = r.json()
                     if not isinstance(data, dict):
                         raise ValueError("not a JSON object")
+                    transient = False
                     return data, attempt
                 # Scrub before cutting: a cut could leave a piece of the key that no longer matches.
                 err = self.scrub(f"HTTP {r.status_code} from {s}: {' '.join(r.text.split())}")[:400]
                 if r.status_code in FATAL_STATUS:
+                    transient = False
                     raise DraftsmithError(f"{err} (check the API key in ${self.gen.api_key_env})")
                 if r.status_code not in RETRY_STATUS:
+                    transient = False
                     raise SampleFailed(err, attempt)
                 retry_after = r.headers.get("retry-after") if r.status_code == 429 else None
             except (asyncio.TimeoutError, httpx.TimeoutException):
@@ -399,7 +415,7 @@ class OpenAIClient:
                 err = f"malformed reply from {s}: {e}"
             finally:
                 if server is None:
-                    self.balancer.release(s)
+                    self.balancer.release(s, failed=transient)
             if attempt > self.gen.retries:
                 raise SampleFailed(self.scrub(err), attempt)
             self.retried += 1
