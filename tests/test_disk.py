@@ -94,6 +94,22 @@ def test_append_on_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
     assert path.read_bytes() == b'{"id": "a"}\n'  # cut back: the next append starts on a clean line
 
 
+def test_cli_reports_any_other_full_disk_in_one_line(monkeypatch, capsys):
+    """A write no stage code wraps (a library's own file, a log): still one line, exit 2."""
+    import draftsmith.cli as cli
+
+    def app(**kw):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/r1/eval/report.md")
+
+    monkeypatch.setattr(cli, "_register_stage_commands", lambda: None)
+    monkeypatch.setattr(cli, "app", app)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--run", "/runs/r1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith("draftsmith: error: /runs/r1/eval/report.md: no space left on device")
+
+
 # -------------------------------------------------------------------------------------------------
 # A real full disk
 
