@@ -61,7 +61,9 @@ class VocabConfig(_Section):
 
 
 class ExtractConfig(_Section):
-    backend: Literal["hf", "vllm"] = Field("hf", description="`hf`: transformers forward in-process; `vllm`: a vLLM server.")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="`hf`: transformers forward in-process; `vllm`: vLLM server(s) with the extract_hidden_states method "
+        "(also the source of online training's states when train.mode=online).")
     layers: list[int] | None = Field(
         None, description="Auxiliary layer ids (hidden state entering that decoder layer); default [2, N//2, N-3].")
     shard_size: int = Field(1000, ge=1, description="Samples per rows_{start}-{end}/ shard folder.")
@@ -70,7 +72,20 @@ class ExtractConfig(_Section):
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
     overwrite: bool = Field(
         False, description="When extract/ holds a store built with other layers, target or prepare output, delete it and start over (else refuse).")
-    servers: list[str] = Field(default_factory=list, description="Running vLLM extraction servers (backend vllm).")
+    servers: list[str] = Field(
+        default_factory=list, description="Running vLLM extraction servers (backend vllm), base URLs like http://host:8000/v1; "
+        "they must capture extract.layers + [N] and write their files where this process can read them. "
+        "Unset: draftsmith starts one from the vLLM environment.")
+    concurrency: int = Field(16, ge=1, description="Requests in flight at once over all servers (backend vllm).")
+    retries: int = Field(3, ge=0, description="Retries of a sample whose request or states fail (backend vllm); then it is recorded in extract/failures.jsonl.")
+    backoff_s: float = Field(0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (backend vllm).")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds, file write included (backend vllm).")
+    vllm_args: list[str] = Field(
+        ["--enforce-eager"], description="More `vllm serve` arguments for the server draftsmith starts (backend vllm), "
+        "e.g. ['--tensor-parallel-size', '8']; default `--enforce-eager` (a one-minute start-up on CPU).")
+    connector: Literal["draftsmith", "vllm"] = Field(
+        "draftsmith", description="Hidden-states connector of the server draftsmith starts: `draftsmith` (its own, works on CPU "
+        "and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU only).")
 
 
 class TrainConfig(_Section):

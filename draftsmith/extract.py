@@ -1,6 +1,11 @@
-"""The `extract` stage (hf backend): run the target over the prepared samples and store, per
-sample, what offline training needs: the hidden states entering the auxiliary layers and the
-target's final normed hidden state (target logits = lm_head(last_hidden)).
+"""The `extract` stage: run the target over the prepared samples and store, per sample, what
+offline training needs: the hidden states entering the auxiliary layers and the target's final
+normed hidden state (target logits = lm_head(last_hidden)).
+
+Two backends fill the same store: `hf` (below: a transformers forward in this process) and
+`vllm` (draftsmith/extract_vllm.py: vLLM servers with the extract_hidden_states method, for
+targets too big for one process). Only how a sample's states are obtained differs; the files,
+shard records, preflight, resume and --verify are the same.
 
 Layout (docs/run-directory.md, "extract/"):
 
@@ -22,6 +27,8 @@ How it runs:
 - resume: a file under its final name is done; temp files are removed; `--verify` re-reads
   every finished file (and shard.json checksums) and redoes the bad ones.
 - scale-out: shard i belongs to rank i % world_size; the last rank to finish writes the manifest.
+- failures (vllm only): a sample whose states fail after retries is listed in failures.jsonl, its
+  shard stays unsealed and the stage fails once the others are stored; a rerun retries it.
 """
 
 import contextlib
@@ -55,6 +62,7 @@ from draftsmith.rundir import (
 STAGE = "extract"
 META = "meta.json"
 SHARD_RECORD = "shard.json"
+FAILURES = "failures.jsonl"  # backend vllm: samples that failed in the last attempt
 LOCK = ".extract.lock"
 FORMAT_VERSION = 1
 FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
@@ -570,8 +578,6 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     from draftsmith.target import pick_dtype, pick_device, target_info
 
     ec = cfg.extract
-    if ec.backend != "hf":
-        raise DraftsmithError(f"extract.backend: {ec.backend!r} is not available in this build; use 'hf'")
     verify = verify or ec.verify
     force = force or ec.force
     rank, world_size = _resolve_rank(rank, world_size)
@@ -585,7 +591,12 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     samples_path = run.path / "prepare" / "samples.jsonl"
     if not samples_path.is_file():
         raise DraftsmithError(f"{samples_path}: missing although prepare/manifest.json exists; rerun prepare")
-    compute_dtype = str(target.dtype if target is not None else pick_dtype(cfg.dtype, pick_device(cfg.device))).replace("torch.", "")
+    if ec.backend == "vllm":
+        from draftsmith.extract_vllm import server_dtype
+
+        compute_dtype = server_dtype(cfg)  # what the server runs in (its files are checked to hold it)
+    else:
+        compute_dtype = str(target.dtype if target is not None else pick_dtype(cfg.dtype, pick_device(cfg.device))).replace("torch.", "")
     settings = {"target": cfg.target, "layers": layers, "shard_size": ec.shard_size, "backend": ec.backend,
                 "compute_dtype": compute_dtype}
     inputs = {"prepare": prep_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
@@ -601,7 +612,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
         "vocab_size": info.vocab_size, "dtype": STORE_DTYPE, "compute_dtype": compute_dtype,
         "prepare_fingerprint": prep_manifest.get("fingerprint"), "num_samples": len(prepared),
-        "shard_size": ec.shard_size, "fields": list(FIELDS), "lengths": prepared.lengths,
+        "shard_size": ec.shard_size, "fields": list(FIELDS), "backend": ec.backend, "lengths": prepared.lengths,
     }
     d = run.stage_dir(STAGE)
     with _stage_lock(d):
@@ -658,11 +669,21 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
             run.invalidate(STAGE)  # files are about to change: the store is not complete meanwhile
 
         if unsealed:
-            stats = _extract_shards(run, cfg, target, layers, prepared, unsealed, todo, prog)
+            with contextlib.suppress(FileNotFoundError):
+                (d / FAILURES).unlink()  # the previous attempt's; its samples are missing, so retried now
+            if ec.backend == "vllm":
+                from draftsmith.extract_vllm import extract_shards
+
+                stats = extract_shards(run, cfg, info, layers, prepared, unsealed, todo, prog)
+            else:
+                stats = _extract_shards(run, cfg, target, layers, prepared, unsealed, todo, prog)
             if stats["tokens"]:
                 prog.log(f"extracted {stats['samples']} samples, {stats['tokens']:,} tokens in {stats['seconds']:.1f}s "
                          f"({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s, "
                          f"{100 * stats['padding']:.1f}% padding, {stats['bytes'] / max(stats['tokens'], 1):,.0f} bytes/token)")
+            if stats.get("failed"):
+                raise DraftsmithError(f"{stats['failed']} samples failed, see {d / FAILURES}; the other samples are stored, "
+                                      "rerun `draftsmith extract` to retry the missing ones")
         manifest = _try_finish(run, cfg, meta, fp, settings, inputs, started, shards)
         if manifest is None:
             prog.log(f"rank {rank}: its shards are complete; other ranks' shards are still missing "
@@ -793,6 +814,10 @@ EPILOG = """Examples:
   draftsmith extract --run runs/r1 --set extract.layers='[2, 15, 27]' --set extract.batch_tokens=16384
 
   draftsmith extract --run runs/r1 --verify
+
+  draftsmith extract --run runs/r1 --set extract.backend=vllm
+
+  draftsmith extract --run runs/r1 --set extract.backend=vllm --set extract.servers='[http://gpu-node:8000/v1]'
 
   draftsmith extract --run runs/r1 --rank 1 --world-size 2
 

