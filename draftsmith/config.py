@@ -83,6 +83,9 @@ class ExtractConfig(_Section):
     vllm_args: list[str] = Field(
         ["--enforce-eager"], description="More `vllm serve` arguments for the server draftsmith starts (backend vllm), "
         "e.g. ['--tensor-parallel-size', '8']; default `--enforce-eager` (a one-minute start-up on CPU).")
+    staging_dir: str | None = Field(
+        None, description="Folder under which the server draftsmith starts writes its hidden-states files until they are "
+        "read (backend vllm); default RUN/<stage>/.vllm_states. A tmpfs such as /dev/shm keeps them off the disk.")
     connector: Literal["draftsmith", "vllm"] = Field(
         "draftsmith", description="Hidden-states connector of the server draftsmith starts: `draftsmith` (its own, works on CPU "
         "and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU only).")

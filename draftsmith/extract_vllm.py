@@ -54,6 +54,8 @@ CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmi
 SHIPPED_CONNECTOR = "ExampleHiddenStatesConnector"
 SERVER_LOG = "vllm.log"
 STAGING = ".vllm_states"  # where draftsmith's own servers write; each file is deleted once read
+NO_LOCK_WAIT_S = 30.0  # how long a file without a lock file may take to appear
+DOWN_S = 30.0  # a server that failed /health gets no request for this long (then it is tried again)
 
 
 class SampleFailed(Exception):
@@ -78,8 +80,17 @@ def server_layer_ids(layers: list[int], num_layers: int) -> list[int]:
 
 
 def server_dtype(cfg) -> str:
-    """The dtype a server draftsmith starts runs in (`auto`: bfloat16, vLLM's fast path)."""
-    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    """The dtype the servers compute in (their files must hold it). `auto`: for a server draftsmith
+    starts, as for the hf backend: bfloat16 on GPUs and CPUs with AMX, else float32 (vLLM-CPU
+    without AMX extracts 1.6x faster in float32, docs/benchmarks.md); for `extract.servers`,
+    bfloat16, what vLLM serves bf16 checkpoints in (set `dtype` when they run another)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    if cfg.extract.servers:
+        return "bfloat16"
+    from draftsmith.target import pick_device, pick_dtype
+
+    return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
 def normalize_server(url: str, field: str = "extract.servers") -> str:
@@ -188,8 +199,10 @@ def wait_and_load(path: str, timeout_s: float):
                         raise BadStates(f"{path}: still being written after {timeout_s:.0f}s") from None
                     time.sleep(0.005)
         elif not os.path.exists(path):
-            # a connector without locks (use_synchronization_lock false): the file comes when it is written
-            while not os.path.exists(path) and time.time() < deadline:
+            # a connector without locks (use_synchronization_lock false): the file comes when it
+            # is written, moments after the reply; a file that never comes must not cost timeout_s
+            end = min(deadline, time.time() + NO_LOCK_WAIT_S)
+            while not os.path.exists(path) and time.time() < end:
                 time.sleep(0.01)
         if not os.path.exists(path):
             raise BadStates(f"{path}: hidden-states file not found (does the server write where this process "
@@ -221,7 +234,7 @@ class Server:
     max_model_len: int | None = None
     inflight: int = 0
     sent: int = 0
-    down: bool = False
+    down_until: float = 0.0  # left out until then (it failed /health after a connection error)
 
 
 class HiddenStatesClient:
@@ -284,7 +297,8 @@ class HiddenStatesClient:
 
     def _acquire(self, avoid: Server | None) -> Server:
         with self._lock:
-            up = [s for s in self.servers if not s.down]
+            now = time.time()
+            up = [s for s in self.servers if s.down_until <= now]
             if not up:
                 raise ServersDown("extract: no vLLM server answers any more (" + ", ".join(s.url for s in self.servers)
                                   + "); finished samples are kept, rerun to resume")
@@ -314,9 +328,9 @@ class HiddenStatesClient:
             ok = False
         if not ok:
             with self._lock:
-                if not s.down:
-                    s.down = True
-                    self.log(f"vLLM server {s.url} does not answer /health; sending to the others")
+                if s.down_until <= time.time():
+                    s.down_until = time.time() + DOWN_S
+                    self.log(f"vLLM server {s.url} does not answer /health; left out for {DOWN_S:.0f}s")
 
     # -- one sample ----------------------------------------------------------------------------------
     def fetch(self, ids: list[int]):
@@ -436,15 +450,20 @@ def _say_phase(log, phase: str) -> Iterator[None]:
 def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log: Callable[[str], None],
                 busy=None) -> Iterator[HiddenStatesClient]:
     """A connected HiddenStatesClient: on `extract.servers`, or on a server started here from
-    the vLLM environment (log `stage_dir/vllm.log`, files under `stage_dir/.vllm_states`, both
-    the server and that folder gone when the context ends). `max_len`: the longest prompt;
-    `busy(phase)`: a context that heartbeats while the server starts (Progress.busy)."""
+    the vLLM environment (log `stage_dir/vllm.log`, files under `stage_dir/.vllm_states` or
+    extract.staging_dir; the server and that folder are gone when the context ends).
+    `max_len`: the longest prompt; `busy(phase)`: a context that heartbeats while the server
+    starts (Progress.busy)."""
     from draftsmith.vllm_server import VLLMServer, vllm_python
 
     ec = cfg.extract
     norm = FinalNorm.of_target(info, cfg.trust_remote_code)
     dtype = server_dtype(cfg)
-    srv, staging = None, stage_dir / STAGING
+    srv = None
+    # a folder of our own (removed at the end), also inside a shared extract.staging_dir like /dev/shm
+    staging = stage_dir / STAGING
+    if ec.staging_dir:
+        staging = Path(ec.staging_dir).expanduser() / f"draftsmith-{stage_dir.name}-{os.getpid()}"
     try:
         if ec.servers:
             urls = list(ec.servers)
@@ -453,10 +472,11 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             python = vllm_python(log=log)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
-            args, env = server_args(server_layer_ids(layers, info.num_layers), staging, ec.connector, dtype, list(ec.vllm_args))
+            ids = server_layer_ids(layers, info.num_layers)
+            args, env = server_args(ids, staging, ec.connector, dtype, list(ec.vllm_args))
             srv = VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
                              dtype=dtype, max_model_len=max_len + 1)
-            with (busy or partial(_say_phase, log))(f"starting vLLM for hidden states (layers {server_layer_ids(layers, info.num_layers)})"):
+            with (busy or partial(_say_phase, log))(f"starting vLLM for hidden states (layers {ids})"):
                 srv.start()
             log(f"vLLM ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
             urls = [srv.base_url]

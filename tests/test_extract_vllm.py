@@ -293,6 +293,45 @@ def test_a_failing_sample_is_recorded_and_redone_on_rerun(tmp_path, tiny8, fake_
     assert store_files(run) == store_files(hf_store(tmp_path, tiny8, samples))
 
 
+def test_cli_verify_resume_and_preflight(tmp_path, tiny8, fake_server, cli, monkeypatch):
+    import shutil
+
+    samples = make_samples(target_info(str(tiny8)).vocab_size)
+    srv = fake_server(tiny8)
+    run = RunDir(tmp_path / "vllm")
+    write_prepare(run, str(tiny8), samples)
+    sets = ["--set", f"target={tiny8}", "--set", "extract.backend=vllm", "--set", f"extract.servers=[{srv.url}]",
+            "--set", "extract.shard_size=4"]
+    p = cli("extract", "--run", str(run.path), *sets)
+    assert p.returncode == 0, p.stderr
+    good = store_files(run)
+    assert srv.completions == len(samples) and good == store_files(hf_store(tmp_path, tiny8, samples))
+    # --verify: a corrupt file is found and fetched again, and only that one
+    d = run.path / "extract"
+    bad = d / "rows_4-8" / "6.safetensors"
+    b = bytearray(bad.read_bytes())
+    b[-3] ^= 0xFF
+    bad.write_bytes(bytes(b))
+    p = cli("extract", "--run", str(run.path), "--verify", *sets)
+    assert p.returncode == 0, p.stderr
+    assert srv.completions == len(samples) + 1 and store_files(run) == good
+    assert "rows_4-8/6.safetensors: checksum differs" in (d / "stage.log").read_text()
+    # resume: what an interrupted attempt leaves (no manifest, a shard without its record and a
+    # file) costs only the missing sample
+    for p in (d / "manifest.json", d / "rows_0-4" / "1.safetensors", d / "rows_0-4" / "shard.json"):
+        p.unlink()
+    assert run_extract(run, vllm_cfg(tiny8, [srv.url])) is not None
+    assert srv.completions == len(samples) + 2 and store_files(run) == good
+    # disk preflight: refused before any request
+    other = RunDir(tmp_path / "small-disk")
+    write_prepare(other, str(tiny8), samples)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=40_000))
+    with pytest.raises(DraftsmithError, match="not enough disk space"):
+        run_extract(other, vllm_cfg(tiny8, [srv.url]))
+    assert srv.completions == len(samples) + 2
+
+
 def test_too_long_for_the_server_fails_without_a_request(tmp_path, tiny8, fake_server):
     samples = make_samples(target_info(str(tiny8)).vocab_size)  # the longest has 64 tokens
     srv = fake_server(tiny8, max_model_len=64)
@@ -436,7 +475,9 @@ def test_real_server_states_equal_the_hf_backend(tmp_path, smol_target):
     assert layers == [2, 15, 27]
     run = RunDir(tmp_path / "vllm")
     write_prepare(run, smol_target, samples)
-    m = run_extract(run, load_config(None, [f"target={smol_target}", "extract.backend=vllm", "extract.concurrency=4"]))
+    # bf16 on both sides (auto would pick float32 on a CPU without AMX, where the two agree to the last bit)
+    m = run_extract(run, load_config(None, [f"target={smol_target}", "dtype=bfloat16", "extract.backend=vllm",
+                                            "extract.concurrency=4"]))
     assert m is not None and m["counts"]["done"] == len(samples) and m["settings"]["backend"] == "vllm"
     d = run.path / "extract"
     assert not (d / ".vllm_states").exists() and "extract_hidden_states" in (d / "vllm.log").read_text(errors="replace")
@@ -495,7 +536,8 @@ def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
     run = RunDir(tmp_path / "run")
     write_prepare(run, smol_target, smol_samples(smol_target))
     sets = base_sets(smol_target, mode="online", max_steps=12, lr=2e-3, warmup_steps=1, seq_len=256, batch_tokens=256,
-                     **{"vocab.draft_vocab_size": 512}) + ["extract.backend=vllm", "extract.concurrency=4"]
+                     **{"vocab.draft_vocab_size": 512}) + ["extract.backend=vllm", "extract.concurrency=4",
+                                                          f"extract.staging_dir={tmp_path / 'shm'}"]
     run_vocab(run, load_config(None, sets))
     m = run_train(run, load_config(None, sets))
     assert m["counts"]["done"] == 12 and m["settings"]["online_states"] == "vllm"
@@ -505,4 +547,5 @@ def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
     # nothing stored but train/: no extract/, the server's file buffer gone with the server
     assert sorted(p.name for p in run.path.iterdir()) == ["prepare", "run.json", "train", "vocab"]
     d = run.path / "train"
-    assert not (d / ".vllm_states").exists() and (d / "vllm.log").is_file()
+    assert (d / "vllm.log").is_file() and not (d / ".vllm_states").exists()
+    assert (tmp_path / "shm").is_dir() and not any((tmp_path / "shm").iterdir())  # its own subfolder, removed
