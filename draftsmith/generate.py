@@ -646,7 +646,9 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
             raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
         section = cfg.section(STAGE)
         section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in OPERATIONAL_KEYS}
-        stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source}, {})
+        # the local backend's answers depend on the dtype it decodes in (near-ties under greedy)
+        dtype = cfg.dtype if gen.backend == "local" else None
+        stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source, "dtype": dtype}, {})
         old = run.read_manifest(STAGE)
         if old is not None and old.get("fingerprint") == stage_fp and (d / SAMPLES).is_file() and not retry_failed:
             say(f"up to date ({old['counts']['done']} samples); nothing to do")

@@ -102,7 +102,13 @@ def demo_recipe_text() -> str:
 
 def summarize(run: RunDir) -> str:
     """What a finished run got: acceptance length and speedup per evaluation, and where things are."""
-    folders = [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if (run.path / f / "report.json").is_file()]
+    export = (run.read_manifest("export") or {}).get("fingerprint")
+
+    def current(folder: str) -> bool:  # a report of this run's drafter, not one left from an earlier one
+        m = run.read_manifest(folder)
+        return m is not None and (m.get("inputs") or {}).get("export") == export and (run.path / folder / "report.json").is_file()
+
+    folders = [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if current(f)]
     if not folders:
         return f"run finished: {run.path}"
     return "\n".join(_summary_line(run, f) for f in folders) + f"\ndrafter: {run.path / 'export'}"
@@ -113,7 +119,7 @@ def _summary_line(run: RunDir, folder: str) -> str:
 
     r = json.loads((run.path / folder / "report.json").read_text())
     tau = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") is not None else "n/a (no drafts)"
-    per_pos = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
+    per_pos = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
     speedup = f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None else "no speedup measured (eval.baseline off)"
     return (f"{r['engine']} engine: acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
             f"{speedup} on {r['prompts']} prompts; report {run.path / folder / 'report.md'}")

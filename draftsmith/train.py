@@ -735,7 +735,10 @@ def run_train(run, cfg, **opts) -> dict:
         precision = resolve_precision(tc.precision, device)
         settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
         if tc.mode == "online" and cfg.extract.backend == "vllm":
-            settings["online_states"] = "vllm"  # bf16 states from a server, not this process's forward
+            from draftsmith.extract_vllm import server_dtype
+
+            # states from a server, not this process's forward, in the dtype the server computes in
+            settings["online_states"] = {"source": "vllm", "dtype": server_dtype(cfg), "connector": cfg.extract.connector}
         fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, upstream)
 
         d = run.path / STAGE

@@ -419,7 +419,7 @@ def test_online_training_from_a_server_equals_in_process_online(tmp_path, tiny8,
     run_train(local, load_config(None, sets))
     m = run_train(remote, load_config(None, sets + ["extract.backend=vllm", f"extract.servers={json.dumps([srv.url])}",
                                                     "extract.concurrency=2"]))
-    assert m["counts"]["done"] == 6 and m["settings"]["online_states"] == "vllm"
+    assert m["counts"]["done"] == 6 and m["settings"]["online_states"] == {"source": "vllm", "dtype": "float32", "connector": "draftsmith"}
     # nothing stored: no extract/, and each file the server wrote was deleted once read
     assert sorted(p.name for p in remote.path.iterdir()) == ["prepare", "run.json", "train", "vocab"]
     assert not any(srv.storage.iterdir()) and 1 <= srv.max_files <= 2
@@ -540,7 +540,7 @@ def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
                                                           f"extract.staging_dir={tmp_path / 'shm'}"]
     run_vocab(run, load_config(None, sets))
     m = run_train(run, load_config(None, sets))
-    assert m["counts"]["done"] == 12 and m["settings"]["online_states"] == "vllm"
+    assert m["counts"]["done"] == 12 and m["settings"]["online_states"]["source"] == "vllm"
     rows = metrics(run)
     print(f"\nloss step 1 {rows[0]['loss']} -> step {rows[-1]['step']} {rows[-1]['loss']}")
     assert rows[-1]["loss"][0] < 0.7 * rows[0]["loss"][0]

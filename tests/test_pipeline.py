@@ -129,3 +129,28 @@ def test_extra_engine_evaluates_into_its_own_folder(recipe, tmp_path):
     before = run.read_manifest("eval-local")["finished"]
     run_pipeline(run, cfg, extra_engines=("local",))
     assert run.read_manifest("eval-local")["finished"] == before
+
+
+def test_local_generate_reruns_when_the_dtype_changes(recipe, tmp_path):
+    """The local backend's greedy answers depend on the dtype it decodes in, so a dtype change is a
+    changed setting for generate (and so for every later stage)."""
+    run = RunDir(tmp_path / "run")
+    run_pipeline(run, load_config(recipe), until_stage="prepare")
+    first = finished(run)
+    run_pipeline(run, load_config(recipe), until_stage="prepare")
+    assert finished(run) == first
+    run_pipeline(run, load_config(recipe, ["dtype=bfloat16"]), until_stage="prepare")
+    second = finished(run)
+    assert second["generate"] > first["generate"] and second["prepare"] > first["prepare"]
+
+
+def test_summary_reports_only_evaluations_of_the_current_drafter(recipe, tmp_path):
+    """An eval-<engine>/ report left from an earlier drafter is not printed as this run's result."""
+    from draftsmith.pipeline import summarize
+
+    run = RunDir(tmp_path / "run")
+    run_pipeline(run, load_config(recipe), extra_engines=("local",))
+    assert summarize(run).count("acceptance length") == 2
+    run_pipeline(run, load_config(recipe, ["train.lr=0.003"]))  # a new drafter; eval-local/ not redone
+    text = summarize(run)
+    assert text.count("acceptance length") == 1 and "eval-local" not in text
