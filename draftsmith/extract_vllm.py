@@ -38,7 +38,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.generate import normalize_server
 from draftsmith.rundir import append_text
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
@@ -92,16 +92,6 @@ def server_dtype(cfg) -> str:
     from draftsmith.target import pick_device, pick_dtype
 
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
-
-
-def normalize_server(url: str, field: str = "extract.servers") -> str:
-    """`http://host:8000` and `http://host:8000/v1/` both mean `http://host:8000/v1`."""
-    url = url.strip().rstrip("/")
-    if not re.match(r"^https?://", url):
-        raise DraftsmithError(f"{field}: {url!r} is not an http(s) URL")
-    if re.match(r"^https?://[^/]+$", url):
-        url += "/v1"
-    return url
 
 
 def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str, extra: list[str]) -> tuple[list[str], dict]:
@@ -254,7 +244,7 @@ class HiddenStatesClient:
 
         if not servers:
             raise DraftsmithError("extract.servers: no server to extract from")
-        self.servers = [Server(normalize_server(u)) for u in servers]
+        self.servers = [Server(normalize_server(u, "extract.servers")) for u in servers]
         self.layers, self.num_layers, self.hidden_size = list(layers), num_layers, hidden_size
         self.ids = server_layer_ids(layers, num_layers)
         self.norm, self.dtype = norm, dtype

@@ -300,11 +300,12 @@ def build_record(prompt, turns: list[TurnResult], backend: str, model: str) -> d
 # Backend openai
 
 
-def normalize_server(url: str) -> str:
-    """`http://host:8000` and `http://host:8000/v1/` both mean `http://host:8000/v1`."""
+def normalize_server(url: str, field: str = "generate.servers") -> str:
+    """`http://host:8000` and `http://host:8000/v1/` both mean `http://host:8000/v1` (also for
+    extract's servers); `field` names the config key in the error."""
     url = url.strip().rstrip("/")
     if not re.match(r"^https?://", url):
-        raise DraftsmithError(f"generate.servers: {url!r} is not an http(s) URL")
+        raise DraftsmithError(f"{field}: {url!r} is not an http(s) URL")
     if re.match(r"^https?://[^/]+$", url):
         url += "/v1"
     return url
