@@ -21,8 +21,8 @@ class _Section(BaseModel):
 
 
 class GenerateConfig(_Section):
-    backend: Literal["local", "openai"] = Field(
-        "local", description="`local`: the target in-process (transformers); `openai`: served model(s).")
+    backend: Literal["local", "openai", "vllm"] = Field(
+        "local", description="`local`: the target in-process (transformers); `openai`: served model(s) at `servers`; `vllm`: a vLLM server for the target that generate starts itself (from the vLLM environment, see scripts/setup_vllm.sh) and stops when done: batched decoding, several times the local backend's throughput.")
     servers: list[str] = Field(
         default_factory=list, description="Base URLs of OpenAI-compatible servers (backend openai), e.g. http://127.0.0.1:8000/v1.")
     model: str | None = Field(
@@ -41,7 +41,9 @@ class GenerateConfig(_Section):
     max_tokens: int = Field(256, ge=1, description="Maximum new tokens per answer.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
-    concurrency: int = Field(32, ge=1, description="Requests in flight at once (backend openai).")
+    concurrency: int = Field(32, ge=1, description="Requests in flight at once (backends openai and vllm).")
+    vllm_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. [--enforce-eager]: a faster start-up, slower batched decoding).")
     batch_size: int = Field(8, ge=1, description="Prompts per batch (backend local).")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds (backend openai).")
     retries: int = Field(5, ge=0, description="Retries per request on 408/409/425/429/5xx and connection errors.")

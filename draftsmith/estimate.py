@@ -47,14 +47,16 @@ class Hardware:
     mfu_decode: float  # share of peak the small matmuls of a decode step reach
     step_overhead_s: float  # fixed cost per decode step in vLLM (scheduling, sampling)
     hf_step_overhead_s: float  # the same in a transformers decode loop (local generate and eval)
+    mfu_decode_vllm: float | None = None  # mfu_decode in vLLM, where its kernels do better (None: the same)
 
 
 # cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
 # (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
 # (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
-# ~1,000 tokens/s.
+# ~1,000 tokens/s; vLLM-CPU generate ~205 tokens/s at 128 in flight (float32: its decode matmuls
+# reach ~19% of peak).
 HARDWARE = {
-    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.45, 0.5, 0.10, 0.04, 0.02),
+    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.45, 0.5, 0.10, 0.04, 0.02, 0.19),
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
@@ -149,7 +151,8 @@ def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: i
     else:
         step_bytes = t.weight_bytes
     mem_s = step_bytes / (hw.mem_bw * hw.bw_eff * gpus)
-    compute_s = concurrency * 2 * t.active_params / (hw.flops * hw.mfu_decode * gpus)
+    mfu = hw.mfu_decode_vllm if engine == "vllm" and hw.mfu_decode_vllm else hw.mfu_decode
+    compute_s = concurrency * 2 * t.active_params / (hw.flops * mfu * gpus)
     overhead = hw.step_overhead_s if engine == "vllm" else hw.hf_step_overhead_s
     return concurrency / (max(mem_s, compute_s) + overhead)
 
@@ -176,7 +179,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     weights_per_dev = t.weight_bytes / gpus
     stages: dict[str, dict[str, float]] = {}
 
-    served = g.backend == "openai"
+    served = g.backend in ("openai", "vllm")
     decode = _decode_tokens_per_s(t, hw, gpus, g.concurrency if served else g.batch_size, "vllm" if served else "hf")
     stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
                           "memory": weights_per_dev, "seconds": completion / decode}

@@ -177,3 +177,40 @@ def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
         assert p2.returncode == 0, p2.stderr
     final = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
     assert sorted(final) == sorted(f"q{i}" for i in range(n)) and not (d / "failures.jsonl").exists()
+
+
+@pytest.mark.vllm
+def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
+    from draftsmith.config import Config
+    from draftsmith.generate import served_dtype
+
+    run = tmp_path / "run"
+    d = run / "generate"
+    args = ["generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--backend", "vllm",
+            "--max-tokens", "24", "--concurrency", "4", "--set", "generate.vllm_args=[--enforce-eager]"]
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr
+    recs = {r["id"]: r for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())}
+    assert set(recs) == {"capital", "poem", "two-turns", "sys"}
+    assert "Paris" in recs["capital"]["messages"][-1]["content"] and len(recs["two-turns"]["finish_reasons"]) == 2
+    assert all(r["backend"] == "vllm" and 0 < r["completion_tokens"] for r in recs.values())
+    # The server ran in the dtype the stage fingerprints, with the configured arguments, and is gone.
+    dtype = served_dtype(Config())
+    state = json.loads((d / "state.json").read_text())["settings"]
+    assert state["dtype"] == dtype and state["backend"] == "vllm"
+    cmd = (d / "vllm.log").read_text().splitlines()[0]
+    assert f"--dtype {dtype}" in cmd and "--enforce-eager" in cmd
+    port = cmd.split("--port ")[1].split()[0]
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, f"--port\0{port}\0")]
+    assert "vLLM (" in p.stderr + p.stdout and "ready at" in p.stderr + p.stdout
+    # Unchanged: up to date, no server started.
+    again = cli(*args)
+    assert again.returncode == 0 and "up to date" in again.stderr + again.stdout
+    assert (d / "vllm.log").read_text().count("$ ") == 1
+
+
+def _cmdline_has(pid: str, needle: str) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
