@@ -9,8 +9,8 @@ target: turn by turn, each user turn followed by the target's reply to the conve
   with exponential backoff and jitter on 408/409/425/429/5xx, connection errors, timeouts and
   malformed replies.
 - `vllm`: `openai` against a vLLM server for the target that the stage starts itself (from the
-  vLLM environment, in generate.vllm_args' settings, dtype as the vllm eval engine serves it) and
-  stops at the end; its output goes to generate/vllm.log.
+  vLLM environment, with generate.vllm_args; dtype `auto` as for `local`) and stops at the end;
+  its output goes to generate/vllm.log.
 - `local`: the target in-process through transformers, batched with left padding; greedy (and
   deterministic) at temperature 0.
 
@@ -56,8 +56,9 @@ FAILURES = "failures.jsonl"
 UNSELECTED = "unselected.jsonl"
 STATE = "state.json"
 
-# Settings that change how the stage runs but not what it produces: left out of the fingerprint.
 VLLM_LOG = "vllm.log"  # backend vllm: the server's output
+
+# Settings that change how the stage runs but not what it produces: left out of the fingerprint.
 OPERATIONAL_KEYS = ("concurrency", "servers", "timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env")
 RETRY_STATUS = {408, 409, 425, 429} | set(range(500, 600))
 FATAL_STATUS = {401, 403}  # a wrong or missing key fails every request: stop at once
@@ -619,7 +620,6 @@ class _Tally:
     completion_tokens: int = 0
 
 
-@journal_failures(STAGE)
 def served_dtype(cfg) -> str:
     """The dtype backend vllm serves the target in. `auto`: as for the local backend, bfloat16 on
     GPUs and CPUs with AMX, else float32 (vLLM-CPU without AMX decodes a batch of 128 at ~205
@@ -648,6 +648,7 @@ def _own_server(run: RunDir, cfg, info, dtype: str, prog):
         srv.stop()
 
 
+@journal_failures(STAGE)
 def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = False) -> dict:
     """Regenerate the assistant turns of the configured prompts; return the manifest.
 
