@@ -53,10 +53,10 @@ class Hardware:
 # cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
 # (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
 # (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
-# ~1,000 tokens/s; vLLM-CPU generate ~205 tokens/s at 128 in flight (float32: its decode matmuls
-# reach ~19% of peak).
+# with `loss_on: all` ~700-790 tokens/s (the demo, smollm2-cpu); vLLM-CPU generate ~205 tokens/s
+# at 128 in flight (float32: its decode matmuls reach ~19% of peak).
 HARDWARE = {
-    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.45, 0.5, 0.10, 0.04, 0.02, 0.19),
+    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02, 0.19),
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
