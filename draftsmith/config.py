@@ -99,6 +99,8 @@ class TrainConfig(_Section):
     gamma: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step k's loss is gamma**k.")
     loss_on: Literal["assistant", "all"] = Field(
         "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
+    fc_input_norm: bool = Field(
+        False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on the first micro-batch, each document's first token left out), folded back into fc's weights at export, so vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean |x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's step, the same size for every weight, moves the output far more through them than through the rest.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")

@@ -47,6 +47,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # files of a training checkpoint folder (written by `train`; state.json last)
 CKPT_WEIGHTS, CKPT_META, CKPT_STATE = "model.safetensors", "drafter.json", "state.json"
+# a checkpoint of train.fc_input_norm also holds this [3H] factor; export folds it into fc.weight
+FC_INPUT_SCALE = "fc_input_scale"
 # the stage's bookkeeping files, carried over when the built folder replaces RUN/export/
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
@@ -477,9 +479,15 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
 
     with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, dtype {dtype_name}")
-        check_tensors(weights_path, expected_shapes(config), config)
+        check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
         sd = load_file(str(weights_path))
         check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
+        if FC_INPUT_SCALE in sd:  # train.fc_input_norm: fc(x * s) = (W diag(s)) x, a plain fc for vLLM
+            s = sd.pop(FC_INPUT_SCALE).float()
+            if tuple(s.shape) != (sd["fc.weight"].shape[1],):
+                raise DraftsmithError(f"{weights_path}: tensor '{FC_INPUT_SCALE}' has shape {list(s.shape)}, "
+                                      f"expected [{sd['fc.weight'].shape[1]}]")
+            sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
         tensors = {}
         for name, export_name in EXPORT_KEYS.items():
             t = sd[name]

@@ -48,6 +48,7 @@ from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
+from draftsmith.export import FC_INPUT_SCALE  # train.fc_input_norm's factor in a checkpoint
 from draftsmith.rundir import append_text, naming_full_disk, replace_dir
 
 STAGE = "train"
@@ -416,10 +417,12 @@ def _objective_class():
         target_head: W_d [Dv, H], the target lm_head's rows at the draft ids.
         """
 
-        def __init__(self, drafter, target_head, steps: int, gamma: float):
+        def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None):
             super().__init__()
             self.drafter = drafter
             self.register_buffer("target_head", target_head, persistent=False)
+            # [3H] or None: aux states are multiplied by it before fc (train.fc_input_norm)
+            self.register_buffer("fc_input_scale", fc_input_scale, persistent=False)
             self.steps, self.gamma = steps, gamma
 
         def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0):
@@ -435,6 +438,8 @@ def _objective_class():
             R, T = input_ids.shape
             H = d.config.hidden_size
             masks = ttt_masks(input_ids, loss_mask, doc_ids, d.t2d, self.steps)
+            if self.fc_input_scale is not None:
+                aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
             states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=position_ids,
                                    doc_ids=doc_ids, return_hidden=True)  # steps x [R, T, H]
 
@@ -475,6 +480,19 @@ def _objective_class():
             return loss, torch.stack(stats)
 
     return TTTObjective
+
+
+def fc_input_scale(batch: Batch, eps: float = 1e-3):
+    """[3H] float32: 1 / the RMS of each aux-state dimension over the batch's real tokens, leaving
+    out each document's first token (an attention sink whose states are orders of magnitude larger:
+    24,832 in SmolLM2's layers 15 and 27)."""
+    import torch
+
+    keep = (batch.doc_ids >= 0) & (batch.position_ids > 0)
+    if not bool(keep.any()):
+        keep = batch.doc_ids >= 0
+    x = batch.aux_hidden[keep].float()  # [N, 3H]
+    return 1.0 / x.pow(2).mean(0).sqrt().clamp_min(eps)
 
 
 def step_counts(batch: Batch, t2d, steps: int):
@@ -825,14 +843,20 @@ def run_train(run, cfg, **opts) -> dict:
         drafter.init_from_target(embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
         target_head = head[draft_ids].float()  # W_d [Dv, H]
         del embed, head
+        scale = None
+        if tc.fc_input_norm:
+            # from the first micro-batch of epoch 0: the same on every rank and after a resume
+            scale = fc_input_scale(source.batch(plan_of(0)[0], row_len))
+            say(f"fc input norm: aux-state RMS per dimension {float(1 / scale.max()):.3g} to {float(1 / scale.min()):.3g}")
         Objective = _objective_class()
-        objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma).to(device)
+        objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma, scale).to(device)
 
         drafter_meta = {
             "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
             "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
             "vocab_fingerprint": vinfo.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
             "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
+            "fc_input_norm": tc.fc_input_norm,
         }
 
         # -- resume: weights now, optimizer/scheduler/RNG once they exist ----------------------------
@@ -844,6 +868,7 @@ def run_train(run, cfg, **opts) -> dict:
             if state.get("train_fingerprint") != fp:
                 raise DraftsmithError(f"{resume_dir}: a checkpoint of other settings (fingerprint mismatch); remove it")
             sd = load_file(str(resume_dir / CKPT_WEIGHTS))
+            sd.pop(FC_INPUT_SCALE, None)  # recomputed above, from the same first micro-batch
             missing, unexpected = drafter.load_state_dict(sd, strict=False)
             if set(missing) != {"embed_tokens.weight"} or unexpected:
                 raise DraftsmithError(f"{resume_dir / CKPT_WEIGHTS}: tensors do not match the drafter "
@@ -898,6 +923,8 @@ def run_train(run, cfg, **opts) -> dict:
             if rank == 0:
                 model_sd = {k[len("drafter."):]: v for k, v in full.items()
                             if k.startswith("drafter.") and k != "drafter.embed_tokens.weight"}
+                if scale is not None:
+                    model_sd[FC_INPUT_SCALE] = scale.detach().cpu()  # export folds it into fc.weight
                 rng = {f"{name}.rank{r}": t.cpu() for r, g in enumerate(gathered) for name, t in g.items()}
                 st = {"step": step, "total_steps": total_steps, "epoch": position[0], "micro_batch": position[1],
                       "tokens_seen": tokens_seen, "samples_seen": samples_seen, "world_size": world,

@@ -322,6 +322,47 @@ def test_training_learns_a_synthetic_signal_and_writes_the_documented_files(synt
     assert time.time() - t0 < 5
 
 
+def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run, tiny8, tmp_path):
+    import shutil
+
+    from draftsmith.export import load_exported, run_export
+
+    run = copy_run(synth_run, tmp_path / "run")
+    sets = dict(max_steps=20, checkpoint_every=10, fc_input_norm="true")
+    cfg = cfg_for(tiny8, **sets, **{"export.dtype": "float32"})
+    run_train(run, cfg)
+    d = run.path / "train"
+    sd = final_weights(run)
+    scale = sd["fc_input_scale"]
+    # 1 / RMS per dimension, measured without each document's first token
+    store = ExtractStore(run)
+    x = torch.cat([store[i]["aux_hidden"].float()[1:].reshape(-1, scale.numel()) for i in range(len(store))])
+    rms = x.pow(2).mean(0).sqrt()
+    assert scale.shape == (3 * 64,) and ((scale * rms - 1).abs() < 0.3).all()
+
+    # export folds it: the exported drafter on raw states computes what training computed on scaled ones
+    run_export(run, cfg)
+    info = target_info(str(tiny8))
+    exported, _ = load_exported(run.path / "export", target_info=info, embed_weight=read_target_weights(info)[0].float(),
+                                dtype=torch.float32)
+    trained = Eagle3Drafter(exported.config)
+    trained.load_state_dict({**exported.state_dict(), **{k: v for k, v in sd.items() if k != "fc_input_scale"}})
+    rec = store[0]
+    ids, aux = rec["input_ids"].long()[None], rec["aux_hidden"].float().reshape(1, len(rec["input_ids"]), -1)
+    with torch.no_grad():
+        for a, b in zip(exported.ttt_forward(ids, aux, 3), trained.ttt_forward(ids, aux * scale, 3)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(exported.fc.weight, trained.fc.weight)
+
+    # a resumed run recomputes the same factor and ends with the same weights
+    shutil.rmtree(d / "final")
+    shutil.rmtree(d / "checkpoints" / "step_20")
+    (d / "manifest.json").unlink()
+    run_train(run, cfg)
+    again = final_weights(run)
+    assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+
+
 def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_the_last_checkpoint(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
     store = ExtractStore(run)
