@@ -97,7 +97,8 @@ def score(args) -> dict:
     t0 = time.time()
     steps = produced = 0
     per_pos = [0] * K
-    for i in range(len(store)):
+    n_prompts = min(len(store), args.limit or len(store))
+    for i in range(n_prompts):
         s = store[i]
         ids = s["input_ids"].long()[None]  # [1, L]
         L = ids.shape[1]
@@ -120,7 +121,7 @@ def score(args) -> dict:
         steps, produced = steps + a, produced + b
         per_pos = [x + y for x, y in zip(per_pos, c)]
     out = {"tau": produced / steps, "per_position": [round(x / steps, 4) for x in per_pos],
-           "verification_steps": steps, "tokens": produced, "prompts": len(store), "k": K,
+           "verification_steps": steps, "tokens": produced, "prompts": n_prompts, "k": K,
            "drafter": str(folder), "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out), flush=True)
     return out
@@ -139,13 +140,14 @@ def main() -> None:
     s.add_argument("--k", type=int, default=3)
     s.add_argument("--target", default="smollm2-135m")
     s.add_argument("--max-tokens", type=int, default=None, help="replay only the first N answer tokens")
+    s.add_argument("--limit", type=int, default=None, help="only the first N samples of the store")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args)
     else:
         for d in args.drafter:
             score(argparse.Namespace(states=args.states, drafter=d, k=args.k, target=args.target,
-                                     max_tokens=args.max_tokens))
+                                     max_tokens=args.max_tokens, limit=args.limit))
 
 
 if __name__ == "__main__":
