@@ -354,6 +354,14 @@ def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.equal(exported.fc.weight, trained.fc.weight)
 
+    # a checkpoint whose factor has the wrong shape is refused, naming the file and the tensor
+    bad = tmp_path / "bad_ckpt"
+    shutil.copytree(d / "final", bad)
+    from safetensors.torch import save_file
+    save_file({**sd, "fc_input_scale": scale[:-1].contiguous()}, str(bad / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match=r"bad_ckpt/model.safetensors: tensor 'fc_input_scale' has shape \[191\], expected \[192\]"):
+        run_export(run, cfg, checkpoint=str(bad))
+
     # a resumed run recomputes the same factor and ends with the same weights
     shutil.rmtree(d / "final")
     shutil.rmtree(d / "checkpoints" / "step_20")
