@@ -101,6 +101,10 @@ class TrainConfig(_Section):
         "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
     fc_input_norm: bool = Field(
         False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on the first micro-batch, each document's first token left out), folded back into fc's weights at export, so vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean |x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's step, the same size for every weight, moves the output far more through them than through the rest.")
+    teacher_temperature: float = Field(
+        1.0, gt=0.0, description="The loss's target is softmax(target logits / this): below 1 sharpens the target's distribution towards its argmax, which is all that greedy verification checks; 1 is the target's own distribution.")
+    init_layer: int | None = Field(
+        None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; None: random init. Why: with little data a random layer spends its first epochs relearning what the target's layers compute.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
@@ -119,6 +123,8 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed for initialisation and data order.")
     tensorboard: bool = Field(False, description="Also write a TensorBoard log under train/tb.")
     fsdp: bool = Field(False, description="Use FSDP instead of DDP when distributed.")
+    processes: int = Field(
+        1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the CPU), each taking its own micro-batches, so an optimizer step is N x batch_tokens x grad_accum tokens. On a 2-core CPU two one-thread ranks train ~1.3x faster than one two-thread process. Ignored inside torchrun.")
 
 
 class ExportConfig(_Section):

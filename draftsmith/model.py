@@ -402,6 +402,56 @@ class Eagle3Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[draft_ids] = True
 
+    @torch.no_grad()
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor], aux_index: int) -> None:
+        """Start the decoder layer from one of the target's decoder layers and `fc`
+        as a pass-through of one aux state, instead of from random weights.
+
+        layer: the target layer's tensors by their names inside the layer
+        (`self_attn.q_proj.weight` [heads*hd, H], `mlp.gate_proj.weight`, ...,
+        `input_layernorm.weight`, `post_attention_layernorm.weight`).
+        aux_index: which of the fused aux states fc passes on (e.g. the last).
+
+        Why: with a few hundred thousand tokens of data a random layer spends
+        its first epochs learning what the target's layers already compute.
+        The hidden half of q/k/v ([:, H:], what reads hidden_norm(hidden))
+        gets the target's q/k/v, hidden_norm its input norm; the embedding half
+        keeps its random init, so the next token's embedding is read from the
+        first step. fc = [0 .. I .. 0] makes the step-0 hidden exactly the
+        chosen aux state, the residual stream the target layer expects.
+        """
+        cfg = self.config
+        H, A = cfg.hidden_size, cfg.num_aux_layers
+        if not -A <= aux_index < A:
+            raise ValueError(f"aux_index must be in [-{A}, {A}), got {aux_index}")
+        d = self.layers[0]
+        need = {
+            "self_attn.q_proj.weight": (d.self_attn.q_proj.weight.shape[0], H),
+            "self_attn.k_proj.weight": (d.self_attn.k_proj.weight.shape[0], H),
+            "self_attn.v_proj.weight": (d.self_attn.v_proj.weight.shape[0], H),
+            "self_attn.o_proj.weight": tuple(d.self_attn.o_proj.weight.shape),
+            "mlp.gate_proj.weight": tuple(d.mlp.gate_proj.weight.shape),
+            "mlp.up_proj.weight": tuple(d.mlp.up_proj.weight.shape),
+            "mlp.down_proj.weight": tuple(d.mlp.down_proj.weight.shape),
+            "input_layernorm.weight": (H,),
+            "post_attention_layernorm.weight": (H,),
+        }
+        for name, shape in need.items():
+            if name not in layer:
+                raise ValueError(f"target layer has no {name}")
+            if tuple(layer[name].shape) != shape:
+                raise ValueError(f"target {name} must be {list(shape)}, got {list(layer[name].shape)}")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            getattr(d.self_attn, proj).weight[:, H:].copy_(layer[f"self_attn.{proj}.weight"])
+        d.self_attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            getattr(d.mlp, proj).weight.copy_(layer[f"mlp.{proj}.weight"])
+        d.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        d.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+        j = aux_index % A
+        self.fc.weight.zero_()
+        self.fc.weight[:, j * H:(j + 1) * H].copy_(torch.eye(H))
+
     def draft_ids(self) -> torch.Tensor:
         """The target token id of every draft id, [Dv] int64."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)

@@ -512,9 +512,14 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     assert sorted(x.name for x in (ddp.path / "train").glob("progress*.jsonl")) == ["progress.rank0.jsonl", "progress.rank1.jsonl"]
     fsdp = copy_run(base, tmp_path / "fsdp")
     torchrun(fsdp, tiny8, 2, batch_tokens=64, fsdp="true", **sets)
+    # train.processes=2 outside torchrun launches the two ranks itself and returns their manifest
+    launched = copy_run(base, tmp_path / "launched")
+    m = run_train(launched, cfg_for(tiny8, batch_tokens=64, processes=2, **sets))
+    assert m["counts"]["done"] == 4 and m == launched.read_manifest("train")
+    assert not list(launched.path.glob(".train-ranks-*")), "the ranks' config file is left behind"
 
     ref = final_weights(one)
-    for other in (accum, ddp, fsdp):
+    for other in (accum, ddp, fsdp, launched):
         w = final_weights(other)
         assert w.keys() == ref.keys()
         for k in ref:
