@@ -345,6 +345,32 @@ class DrafterCache:
             self.values = self.values[:, :, :n]
 
 
+def check_target_layer(cfg: Eagle3Config, layer: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless `layer` (a target decoder layer's tensors by their names inside
+    the layer) is a Llama layer of the drafter's shapes: exactly these tensors, nothing more
+    (a bias or q/k norm it cannot hold would make the copy silently a different layer)."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    need = {
+        "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, H),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, H),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, H),
+        "self_attn.o_proj.weight": (H, cfg.num_attention_heads * hd),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, H),
+        "mlp.up_proj.weight": (cfg.intermediate_size, H),
+        "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+    }
+    extra = sorted(set(layer) - set(need))
+    if extra:
+        raise ValueError(f"target layer has tensors a Llama-style drafter layer cannot hold: {extra[:3]}")
+    for name, shape in need.items():
+        if name not in layer:
+            raise ValueError(f"target layer has no {name}")
+        if tuple(layer[name].shape) != shape:
+            raise ValueError(f"target {name} must be {list(shape)}, got {list(layer[name].shape)}")
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -403,7 +429,8 @@ class Eagle3Drafter(nn.Module):
         self.t2d[draft_ids] = True
 
     @torch.no_grad()
-    def init_layer_from_target(self, layer: dict[str, torch.Tensor], aux_index: int) -> None:
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor], aux_index: int,
+                               input_scale: torch.Tensor | None = None) -> None:
         """Start the decoder layer from one of the target's decoder layers and `fc`
         as a pass-through of one aux state, instead of from random weights.
 
@@ -411,6 +438,10 @@ class Eagle3Drafter(nn.Module):
         (`self_attn.q_proj.weight` [heads*hd, H], `mlp.gate_proj.weight`, ...,
         `input_layernorm.weight`, `post_attention_layernorm.weight`).
         aux_index: which of the fused aux states fc passes on (e.g. the last).
+        input_scale: [num_aux*H] factors the aux states are multiplied by before
+        fc (training's fc_input_norm), undone by fc so it still passes the state on.
+        A tensor this layer has no place for (biases, q/k norms) is refused: the
+        copy would silently be a different layer.
 
         Why: with a few hundred thousand tokens of data a random layer spends
         its first epochs learning what the target's layers already compute.
@@ -424,23 +455,8 @@ class Eagle3Drafter(nn.Module):
         H, A = cfg.hidden_size, cfg.num_aux_layers
         if not -A <= aux_index < A:
             raise ValueError(f"aux_index must be in [-{A}, {A}), got {aux_index}")
+        check_target_layer(cfg, layer)
         d = self.layers[0]
-        need = {
-            "self_attn.q_proj.weight": (d.self_attn.q_proj.weight.shape[0], H),
-            "self_attn.k_proj.weight": (d.self_attn.k_proj.weight.shape[0], H),
-            "self_attn.v_proj.weight": (d.self_attn.v_proj.weight.shape[0], H),
-            "self_attn.o_proj.weight": tuple(d.self_attn.o_proj.weight.shape),
-            "mlp.gate_proj.weight": tuple(d.mlp.gate_proj.weight.shape),
-            "mlp.up_proj.weight": tuple(d.mlp.up_proj.weight.shape),
-            "mlp.down_proj.weight": tuple(d.mlp.down_proj.weight.shape),
-            "input_layernorm.weight": (H,),
-            "post_attention_layernorm.weight": (H,),
-        }
-        for name, shape in need.items():
-            if name not in layer:
-                raise ValueError(f"target layer has no {name}")
-            if tuple(layer[name].shape) != shape:
-                raise ValueError(f"target {name} must be {list(shape)}, got {list(layer[name].shape)}")
         for proj in ("q_proj", "k_proj", "v_proj"):
             getattr(d.self_attn, proj).weight[:, H:].copy_(layer[f"self_attn.{proj}.weight"])
         d.self_attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
@@ -449,8 +465,13 @@ class Eagle3Drafter(nn.Module):
         d.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
         d.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
         j = aux_index % A
+        block = torch.eye(H, device=self.fc.weight.device)
+        if input_scale is not None:
+            if tuple(input_scale.shape) != (A * H,):
+                raise ValueError(f"input_scale must be [{A * H}], got {list(input_scale.shape)}")
+            block = torch.diag(1.0 / input_scale[j * H:(j + 1) * H].to(block))
         self.fc.weight.zero_()
-        self.fc.weight[:, j * H:(j + 1) * H].copy_(torch.eye(H))
+        self.fc.weight[:, j * H:(j + 1) * H].copy_(block)
 
     def draft_ids(self) -> torch.Tensor:
         """The target token id of every draft id, [Dv] int64."""

@@ -57,7 +57,7 @@ CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
     "model.safetensors", "drafter.json", "optimizer.pt", "rng.safetensors", "state.json")
 # Settings that change how a run is watched, stored or sharded, not what it computes: left out
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
-NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp")
+NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes")
 ADAM_BETAS = (0.9, 0.95)
 
 EPILOG = """Examples:
@@ -599,14 +599,19 @@ def read_target_layer(info, n: int) -> dict:
             where = {k: "model.safetensors" for k in f.keys()}
     else:
         raise DraftsmithError(f"train.init_layer: {folder} has no safetensors weights to read layer {n} from")
+    # the decoder layers sit beside the token embeddings ("model.embed_tokens.weight" ->
+    # "model.layers.N."); other stacks (a vision tower's "encoder.layers.N.", "mtp.layers.N.") do not
+    embed = min((k for k in where if k.endswith("embed_tokens.weight")), key=len, default=None)
+    if embed is None:
+        raise DraftsmithError(f"train.init_layer: {folder} has no embed_tokens weight to locate its decoder layers by")
+    prefix = f"{embed[:-len('embed_tokens.weight')]}layers.{n}."
     out = {}
     for key, file in where.items():
-        head, sep, name = key.partition(f"layers.{n}.")
-        if sep and (head == "" or head.endswith(".")) and "layers." not in head:
+        if key.startswith(prefix):
             with safe_open(str(folder / file), framework="pt") as f:
-                out[name] = f.get_tensor(key)
+                out[key[len(prefix):]] = f.get_tensor(key)
     if not out:
-        raise DraftsmithError(f"train.init_layer: {folder} has no tensors of layer {n}")
+        raise DraftsmithError(f"train.init_layer: {folder} has no tensors named {prefix}*")
     return out
 
 
@@ -740,33 +745,50 @@ def _launch_ranks(run, cfg) -> dict:
     from draftsmith.progress import log
     from draftsmith.rundir import RunDir
 
+    from draftsmith.target import pick_device
+    from draftsmith.vllm_server import _die_with_parent
+
     rd = run if isinstance(run, RunDir) else RunDir(run)
     n = cfg.train.processes
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        import torch
+
+        if n > torch.cuda.device_count():
+            raise DraftsmithError(f"train.processes: {n} ranks need {n} GPUs, this node has {torch.cuda.device_count()}")
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))
     # the ranks read the resolved config from a file: --set overrides are already applied in it
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".train-ranks-", dir=rd.path, delete=False) as f:
         f.write(cfg.to_yaml())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "draftsmith", "--", "train", "--run", str(rd.path), "--config", f.name]
     log(f"{n} ranks under torchrun, {env['OMP_NUM_THREADS']} thread(s) each", stage=STAGE)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # torchrun dies with us (PR_SET_PDEATHSIG) and takes its ranks with it
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
+    error = None
     try:
         # rank 0's lines (the log) go on to our stdout; the ranks' final summary print is ours to make
         for line in proc.stdout:
+            if line.startswith("draftsmith: error: "):
+                error = error or line.strip()[len("draftsmith: error: "):]  # the first rank's, one line
             if not line.startswith("trained "):
                 print(line, end="", flush=True)
         rc = proc.wait()
     except BaseException:
         proc.terminate()
-        with contextlib.suppress(Exception):
+        try:
             proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         raise
     finally:
         with contextlib.suppress(OSError):
             os.unlink(f.name)
     if rc != 0:
-        raise DraftsmithError(f"train: {n} ranks under torchrun exited with status {rc} (see {rd.path / STAGE / 'stage.log'})")
+        raise DraftsmithError(error or f"train: {n} ranks under torchrun exited with status {rc} (see {rd.path / STAGE / 'stage.log'})")
     manifest = rd.read_manifest(STAGE)
     if manifest is None:
         raise DraftsmithError(f"train: the ranks exited without writing {rd.path / STAGE / 'manifest.json'}")
@@ -777,23 +799,28 @@ def _launch_ranks(run, cfg) -> dict:
 # The stage
 
 
-@journal_failures(STAGE)
 def run_train(run, cfg, **opts) -> dict:
     """Train the drafter (train.mode offline or online); returns the train manifest.
 
     Resumes from the newest complete checkpoint of a run with the same fingerprint; moves the
     checkpoints of a run with other settings to train/previous/ and starts over.
+    With train.processes > 1 outside torchrun, launches that many local ranks (they journal
+    their own failures).
     """
     if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(run, cfg)
+    return _train(run, cfg, **opts)
 
+
+@journal_failures(STAGE)
+def _train(run, cfg, **opts) -> dict:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_optimizer_state_dict)
 
-    from draftsmith.model import Eagle3Config, Eagle3Drafter
+    from draftsmith.model import Eagle3Config, Eagle3Drafter, check_target_layer
     from draftsmith.progress import Progress, env_rank, fmt_duration, log
     from draftsmith.rundir import stage_fingerprint, write_stage_config
     from draftsmith.target import load_target, pick_device, target_info
@@ -840,6 +867,23 @@ def run_train(run, cfg, **opts) -> dict:
         if old is not None and old.get("fingerprint") == fp and (final_dir / CKPT_STATE).is_file():
             say(f"up to date ({old['counts'].get('done')} steps); nothing to do")
             return old
+
+        # the init layer is read and checked before anything in train/ is touched: a bad value must
+        # not move a good run's checkpoints aside
+        from transformers import AutoConfig
+
+        hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
+        hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+        dcfg = Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=int(d2t.numel()))
+        init_layer = None
+        if tc.init_layer is not None:
+            if not 0 <= tc.init_layer < info.num_layers:
+                raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target (0..{info.num_layers - 1})")
+            init_layer = {k: v.float() for k, v in read_target_layer(info, tc.init_layer).items()}
+            try:
+                check_target_layer(dcfg, init_layer)
+            except ValueError as e:
+                raise DraftsmithError(f"train.init_layer: layer {tc.init_layer} of {info.name}: {e}") from None
 
         # -- rank 0 prepares the folder; the others wait ---------------------------------------------
         if rank == 0:
@@ -906,25 +950,11 @@ def run_train(run, cfg, **opts) -> dict:
             say(f"{n_truncated} of {len(lengths)} samples are longer than a row ({row_len} tokens) and are cut to it")
 
         # -- the drafter ------------------------------------------------------------------------------
-        from transformers import AutoConfig
-
-        hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
-        hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-        dcfg = Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=int(d2t.numel()))
         embed, head, norm = read_target_weights(info, log=say)
         torch.manual_seed(tc.seed)
         drafter = Eagle3Drafter(dcfg)
         draft_ids = d2t + torch.arange(d2t.numel())
         drafter.init_from_target(embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
-        if tc.init_layer is not None:
-            if not 0 <= tc.init_layer < info.num_layers:
-                raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target (0..{info.num_layers - 1})")
-            tensors = {k: v.float() for k, v in read_target_layer(info, tc.init_layer).items()}
-            try:
-                drafter.init_layer_from_target(tensors, aux_index=-1)
-            except ValueError as e:
-                raise DraftsmithError(f"train.init_layer: {e}") from None
-            say(f"decoder layer initialised from the target's layer {tc.init_layer}; fc passes aux layer {layers[-1]} through")
         target_head = head[draft_ids].float()  # W_d [Dv, H]
         del embed, head
         scale = None
@@ -932,6 +962,10 @@ def run_train(run, cfg, **opts) -> dict:
             # from the first micro-batch of epoch 0: the same on every rank and after a resume
             scale = fc_input_scale(source.batch(plan_of(0)[0], row_len))
             say(f"fc input norm: aux-state RMS per dimension {float(1 / scale.max()):.3g} to {float(1 / scale.min()):.3g}")
+        if init_layer is not None:
+            # after the fc input scale: fc's block is diag(1 / scale), so it passes on (aux * scale) / scale = aux
+            drafter.init_layer_from_target(init_layer, aux_index=-1, input_scale=scale)
+            say(f"decoder layer initialised from the target's layer {tc.init_layer}; fc passes aux layer {layers[-1]} through")
         Objective = _objective_class()
         objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature).to(device)
 

@@ -306,3 +306,65 @@ def test_from_target_config_reads_llama_config():
 
     with pytest.raises(ValueError, match="draft_vocab_size"):
         Eagle3Config.from_target_config(target, draft_vocab_size=V + 1)
+
+
+# --- initialising from a target layer ---------------------------------------
+
+def _llama_layer_tensors(cfg: Eagle3Config, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hd, I = cfg.head_dim, cfg.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (HEADS * hd, H), "self_attn.k_proj.weight": (KV_HEADS * hd, H),
+              "self_attn.v_proj.weight": (KV_HEADS * hd, H), "self_attn.o_proj.weight": (H, HEADS * hd),
+              "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+              "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    return {k: (torch.rand(s, generator=g) + 0.5 if len(s) == 1 else torch.randn(s, generator=g) * 0.2)
+            for k, s in shapes.items()}
+
+
+@torch.no_grad()
+def test_init_layer_from_target_is_the_target_layer_on_the_passed_aux_state():
+    # With the embedding half of q/k/v zeroed, the drafter's step 0 on aux state 2 is exactly
+    # transformers' Llama decoder layer on that state: fc passes it through, the layer is a copy.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = make_config(rope_theta=10000.0)
+    model = make_drafter()
+    tensors = _llama_layer_tensors(cfg)
+    model.init_layer_from_target(tensors, aux_index=-1)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        getattr(model.layers[0].self_attn, proj).weight[:, :H] = 0
+
+    hf_cfg = LlamaConfig(hidden_size=H, intermediate_size=cfg.intermediate_size, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, rope_theta=10000.0, rms_norm_eps=cfg.rms_norm_eps)
+    hf_cfg._attn_implementation = "eager"
+    ref = LlamaDecoderLayer(hf_cfg, layer_idx=0)
+    ref.load_state_dict(tensors)
+
+    ids, aux = make_batch(B=2, L=7)
+    L = ids.shape[1]
+    pos = torch.arange(L).expand(2, L)
+    causal = torch.full((L, L), float("-inf")).triu(1)[None, None]
+    out = ref(aux[..., 2 * H:], attention_mask=causal, position_ids=pos,
+              position_embeddings=LlamaRotaryEmbedding(hf_cfg)(aux, pos))
+    out = out[0] if isinstance(out, tuple) else out
+    _, prenorm = model(ids, aux, pos)
+    torch.testing.assert_close(prenorm, out, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_init_layer_from_target_undoes_an_input_scale_and_refuses_foreign_layers():
+    cfg = make_config()
+    model = make_drafter()
+    tensors = _llama_layer_tensors(cfg)
+    scale = torch.rand(3 * H) + 0.5
+    model.init_layer_from_target(tensors, aux_index=0, input_scale=scale)
+    aux = torch.randn(5, 3 * H)
+    torch.testing.assert_close(model.fc(aux * scale), aux[:, :H])
+
+    with pytest.raises(ValueError, match="cannot hold.*q_proj.bias"):
+        model.init_layer_from_target({**tensors, "self_attn.q_proj.bias": torch.zeros(H)}, aux_index=-1)
+    with pytest.raises(ValueError, match="no mlp.up_proj.weight"):
+        model.init_layer_from_target({k: v for k, v in tensors.items() if k != "mlp.up_proj.weight"}, aux_index=-1)
+    with pytest.raises(ValueError, match=r"o_proj.weight must be \[32, 32\]"):
+        model.init_layer_from_target({**tensors, "self_attn.o_proj.weight": torch.zeros(H, 2 * H)}, aux_index=-1)

@@ -2,6 +2,7 @@
 SIGKILL, the NaN stop, DDP equivalence (torchrun on gloo), offline == online, learning a signal."""
 
 import json
+import types
 import os
 import random
 import signal
@@ -216,6 +217,27 @@ def test_loss_targets_and_accuracy_match_a_hand_computation():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.parameters() if p.requires_grad)
 
 
+def test_teacher_temperature_sharpens_the_target_distribution():
+    d, W_d = tiny_drafter()
+    d.eval()
+    aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
+    valid = {0: [0, 2], 1: [1], 2: [0]}
+    logits = d.ttt_forward(IDS, aux, 3, position_ids=POS, doc_ids=DOC)
+    T = 0.25
+    expected = 0.0
+    for k in range(3):
+        kl = 0.0
+        for i in valid[k]:
+            p = torch.softmax(W_d @ last[0, i + 1 + k] / T, -1)
+            kl += float((p * (p.log() - torch.log_softmax(logits[k][0, i], -1))).sum().detach())
+        expected += kl / len(valid[k])
+    denom = [float(len(valid[k])) for k in range(3)]
+    loss, _ = _objective_class()(d, W_d, 3, 1.0, teacher_temperature=T)(IDS, MASK, DOC, POS, aux, last, denom)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    plain, _ = _objective_class()(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    assert abs(plain.item() - expected) > 1e-3  # the temperature is not a no-op
+
+
 def test_return_hidden_gives_the_states_behind_the_logits():
     d, _ = tiny_drafter()
     aux = torch.randn(2, 9, 48)
@@ -371,6 +393,44 @@ def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
 
 
+def test_init_layer_starts_from_the_target_layer_and_a_bad_value_keeps_the_run(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    m = run_train(run, cfg_for(tiny8, max_steps=2, checkpoint_every=2, lr=1e-12, init_layer=7))
+    assert json.loads((run.path / "train/final/drafter.json").read_text())["init_layer"] == 7
+    w = final_weights(run)  # lr ~0: the weights are still the initialisation
+    target = load_file(str(tiny8 / "model.safetensors"))
+    H = 64
+    torch.testing.assert_close(w["layers.0.mlp.down_proj.weight"], target["model.layers.7.mlp.down_proj.weight"].float())
+    torch.testing.assert_close(w["layers.0.self_attn.q_proj.weight"][:, H:], target["model.layers.7.self_attn.q_proj.weight"].float())
+    torch.testing.assert_close(w["layers.0.hidden_norm.weight"], target["model.layers.7.input_layernorm.weight"].float())
+    torch.testing.assert_close(w["fc.weight"][:, 2 * H:], torch.eye(H))
+    assert float(w["fc.weight"][:, :2 * H].abs().max()) < 1e-9  # zero, but for two Adam steps of ~1e-12
+
+    # a layer the target does not have: one line, and the finished run is left as it was
+    r = run_cli(*cli_args(run, tiny8, max_steps=2, checkpoint_every=2, lr=1e-12, init_layer=8), env=THREADS)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "train.init_layer: 8 is not a layer of the target (0..7)" in r.stderr
+    assert run.read_manifest("train") == m and (run.path / "train/final/model.safetensors").is_file()
+    assert not (run.path / "train/previous").exists()
+
+
+def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.train import read_target_layer
+
+    save_file({"model.language_model.embed_tokens.weight": torch.zeros(4, 2),
+               "model.language_model.layers.2.mlp.up_proj.weight": torch.ones(3, 2),
+               "model.language_model.layers.27.mlp.up_proj.weight": torch.zeros(3, 2),
+               "model.vision_tower.encoder.layers.2.mlp.up_proj.weight": torch.zeros(3, 2),
+               "mtp.layers.2.mlp.up_proj.weight": torch.zeros(3, 2)}, str(tmp_path / "model.safetensors"))
+    info = types.SimpleNamespace(path=str(tmp_path))
+    got = read_target_layer(info, 2)
+    assert list(got) == ["mlp.up_proj.weight"] and bool(got["mlp.up_proj.weight"].eq(1).all())
+    with pytest.raises(DraftsmithError, match=r"no tensors named model\.language_model\.layers\.5\."):
+        read_target_layer(info, 5)
+
+
 def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_the_last_checkpoint(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
     store = ExtractStore(run)
@@ -517,6 +577,11 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     m = run_train(launched, cfg_for(tiny8, batch_tokens=64, processes=2, **sets))
     assert m["counts"]["done"] == 4 and m == launched.read_manifest("train")
     assert not list(launched.path.glob(".train-ranks-*")), "the ranks' config file is left behind"
+    # a rank's one-line error is the launcher's error; nothing of the launch is left behind
+    bad = copy_run(base, tmp_path / "bad")
+    with pytest.raises(DraftsmithError, match=r"^train\.init_layer: 99 is not a layer"):
+        run_train(bad, cfg_for(tiny8, batch_tokens=64, processes=2, init_layer=99, **sets))
+    assert not list(bad.path.glob(".train-ranks-*"))
 
     ref = final_weights(one)
     for other in (accum, ddp, fsdp, launched):
