@@ -541,6 +541,19 @@ def acceptance_length(acc: list[float]) -> float:
 # Target weights
 
 
+def _weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: safetensors file} of a model folder (sharded or not); {} without safetensors."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    return {}
+
+
 def read_target_weights(info, log=print):
     """(embed [V, H], lm_head [V, H], final norm [H] or None) of the target, read from its
     safetensors files without building the model; loads the model only when they are absent."""
@@ -548,14 +561,7 @@ def read_target_weights(info, log=print):
     from safetensors import safe_open
 
     folder = Path(info.path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            where = {k: "model.safetensors" for k in f.keys()}
-    else:
-        where = {}
+    where = _weight_map(folder)
 
     def pick(cands):
         return min(cands, key=len) if cands else None
@@ -591,13 +597,8 @@ def read_target_layer(info, n: int) -> dict:
     from safetensors import safe_open
 
     folder = Path(info.path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            where = {k: "model.safetensors" for k in f.keys()}
-    else:
+    where = _weight_map(folder)
+    if not where:
         raise DraftsmithError(f"train.init_layer: {folder} has no safetensors weights to read layer {n} from")
     # the decoder layers sit beside the token embeddings ("model.embed_tokens.weight" ->
     # "model.layers.N."); other stacks (a vision tower's "encoder.layers.N.", "mtp.layers.N.") do not
@@ -744,7 +745,6 @@ def _launch_ranks(run, cfg) -> dict:
 
     from draftsmith.progress import log
     from draftsmith.rundir import RunDir
-
     from draftsmith.target import pick_device
     from draftsmith.vllm_server import _die_with_parent
 
