@@ -429,6 +429,9 @@ def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
     assert list(got) == ["mlp.up_proj.weight"] and bool(got["mlp.up_proj.weight"].eq(1).all())
     with pytest.raises(DraftsmithError, match=r"no tensors named model\.language_model\.layers\.5\."):
         read_target_layer(info, 5)
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(DraftsmithError, match="has no safetensors weights to read layer 2 from"):
+        read_target_layer(types.SimpleNamespace(path=str(tmp_path / "bare")), 2)
 
 
 def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_the_last_checkpoint(synth_run, tiny8, tmp_path):
