@@ -21,8 +21,8 @@ class _Section(BaseModel):
 
 
 class GenerateConfig(_Section):
-    backend: Literal["local", "openai", "vllm"] = Field(
-        "local", description="`local`: the target in-process (transformers); `openai`: served model(s) at `servers`; `vllm`: a vLLM server for the target that generate starts itself (from the vLLM environment, see scripts/setup_vllm.sh) and stops when done: batched decoding, several times the local backend's throughput.")
+    backend: Literal["local", "openai", "vllm", "dataset"] = Field(
+        "local", description="`local`: the target in-process (transformers); `openai`: served model(s) at `servers`; `vllm`: a vLLM server for the target that generate starts itself (from the vLLM environment, see scripts/setup_vllm.sh) and stops when done: batched decoding, several times the local backend's throughput; `dataset`: no decoding, each user turn keeps the prompt file's own reply (cut at max_tokens target tokens; conversations without one are left out), for train.loss_on=all, where the target teaches every position anyway.")
     servers: list[str] = Field(
         default_factory=list, description="Base URLs of OpenAI-compatible servers (backend openai), e.g. http://127.0.0.1:8000/v1.")
     model: str | None = Field(
@@ -34,6 +34,7 @@ class GenerateConfig(_Section):
         "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
     limit: int | None = Field(None, ge=1, description="How many prompts (after filtering); all when unset.")
     seed: int | None = Field(None, description="Shuffle with this seed before taking `limit`; file order when unset.")
+    offset: int = Field(0, ge=0, description="Skip this many prompts (after filtering and the seeded shuffle) before taking `limit`: a second slice of a source, disjoint from the first.")
     skip_invalid: bool = Field(False, description="Skip malformed prompt records (counted) instead of failing.")
     first_turn_only: bool = Field(False, description="Keep only the first user turn of each conversation.")
     min_chars: int = Field(0, ge=0, description="Drop prompts whose first user turn is shorter than this.")

@@ -183,6 +183,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     decode = _decode_tokens_per_s(t, hw, gpus, g.concurrency if served else g.batch_size, "vllm" if served else "hf")
     stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
                           "memory": weights_per_dev, "seconds": completion / decode}
+    if g.backend == "dataset":  # the file's own replies: tokenizing only (~770 samples/s on the 2-core CPU), no weights
+        stages["generate"].update(memory=1e9, seconds=samples / 770)
     stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
     stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
 

@@ -1,7 +1,9 @@
 """Prompt sources: ShareGPT, OpenAI-style `messages`, MT-bench `question.jsonl`, HumanEval.
 
-Every reader yields `Prompt(id, system, turns)`: the user turns of one conversation (assistant
-turns in the source are dropped: draftsmith regenerates them with the target). Ids are stable
+Every reader yields `Prompt(id, system, turns, answers)`: the user turns of one conversation and,
+where the source has them, the assistant reply that follows each (`answers[i]` answers
+`turns[i]`, None where the source has none). draftsmith normally regenerates the replies with the
+target; generate's backend `dataset` keeps the source's own instead. Ids are stable
 (the record's own id where it has one, else `<file stem>-<line>`), so a rerun skips finished
 samples. A malformed record is an error naming the file and line, or, with `skip_invalid`,
 a counted skip; never a silent drop.
@@ -42,6 +44,8 @@ class Prompt:
     system: str | None = None
     source: str = ""
     meta: dict = field(default_factory=dict)
+    # answers[i]: the source's assistant reply to turns[i] (its first, when several follow), or None
+    answers: list[str | None] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "system": self.system, "turns": self.turns}
@@ -52,6 +56,7 @@ class LoadStats:
     read: int = 0
     skipped_invalid: int = 0
     filtered: int = 0
+    no_answer: int = 0  # dropped by require_answers: a kept turn without a reply in the source
     invalid_examples: list[str] = field(default_factory=list)
 
 
@@ -160,6 +165,16 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
         raise PromptError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     system = None
     turns: list[str] = []
+    answers: list[str | None] = []
+
+    def user(text: str) -> None:
+        turns.append(text)
+        answers.append(None)
+
+    def assistant(text: str) -> None:
+        if answers and answers[-1] is None:  # a reply before any user turn has nothing to answer
+            answers[-1] = text
+
     if "conversations" in rec:  # ShareGPT
         conv = rec["conversations"]
         if not isinstance(conv, list):
@@ -170,10 +185,12 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
             role = str(m["from"]).lower()
             value = _text(m["value"], where, f"conversations[{j}].value")
             if role in USER_ROLES:
-                turns.append(value)
+                user(value)
             elif role in SYSTEM_ROLES:
                 system = value
-            elif role not in ASSISTANT_ROLES:
+            elif role in ASSISTANT_ROLES:
+                assistant(value)
+            else:
                 raise PromptError(f"{where}: conversations[{j}]: unknown role '{m['from']}'")
         pid = str(rec.get("id") or fallback_id)
     elif "messages" in rec:  # OpenAI chat style
@@ -186,10 +203,12 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
             role = str(m["role"]).lower()
             content = _text(m["content"], where, f"messages[{j}].content")
             if role == "user":
-                turns.append(content)
+                user(content)
             elif role in SYSTEM_ROLES:
                 system = content
-            elif role != "assistant":
+            elif role == "assistant":
+                assistant(content)
+            else:
                 raise PromptError(f"{where}: messages[{j}]: unknown role '{m['role']}'")
         pid = str(rec.get("id") or fallback_id)
     elif "turns" in rec:  # MT-bench question.jsonl
@@ -197,15 +216,17 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
         if not isinstance(t, list):
             raise PromptError(f"{where}: field 'turns' must be a list of strings")
         turns = [_text(x, where, "turns[]") for x in t]
+        answers = [None] * len(turns)
         pid = f"mt-bench-{rec['question_id']}" if "question_id" in rec else fallback_id
     elif "task_id" in rec and "prompt" in rec:  # HumanEval
         turns = [HUMANEVAL_INSTRUCTION.format(prompt=_text(rec["prompt"], where, "prompt"))]
+        answers = [None]
         pid = str(rec["task_id"]).replace("/", "-")
     else:
         raise PromptError(f"{where}: unknown record format (expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
     if not turns or not any(x.strip() for x in turns):
         raise PromptError(f"{where}: empty conversation (no user turn)")
-    return Prompt(id=pid, turns=turns, system=system)
+    return Prompt(id=pid, turns=turns, system=system, answers=answers)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -222,9 +243,13 @@ def load_prompts(
     first_turn_only: bool = False,
     min_chars: int = 0,
     max_chars: int | None = None,
+    require_answers: bool = False,
     stats: LoadStats | None = None,
 ) -> list[Prompt]:
     """Read prompts from a file or short name; filter; take a deterministic subset.
+
+    `require_answers`: drop (and count in stats.no_answer) conversations where a kept user turn
+    has no assistant reply in the source (generate's backend `dataset` keeps those replies).
 
     Without `seed`, the first `limit` prompts (after `offset`) in file order; with `seed`, a
     seeded shuffle of all valid prompts first.
@@ -249,10 +274,13 @@ def load_prompts(
                 stats.invalid_examples.append(str(e))
             continue
         if first_turn_only:
-            p.turns = p.turns[:1]
+            p.turns, p.answers = p.turns[:1], p.answers[:1]
         first = p.turns[0]
         if len(first) < min_chars or (max_chars is not None and len(first) > max_chars):
             stats.filtered += 1
+            continue
+        if require_answers and any(a is None or not a.strip() for a in p.answers):
+            stats.no_answer += 1
             continue
         n = seen.get(p.id, 0)
         seen[p.id] = n + 1
@@ -268,5 +296,6 @@ def load_prompts(
     if limit is not None:
         out = out[:limit]
     if not out:
-        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, filtered {stats.filtered})")
+        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, filtered {stats.filtered}"
+                          + (f", without answers {stats.no_answer}" if require_answers else "") + ")")
     return out

@@ -38,6 +38,11 @@ def write_prompts(path: Path, n: int, multi_every: int = 3, extra: dict[int, str
     return path
 
 
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def cfg_for(target, prompts, *sets):
     return load_config(None, [f"target={target}", f"generate.prompts={prompts}", *sets])
 
@@ -318,6 +323,66 @@ def test_local_prompt_too_long_fails_cleanly(tmp_path, tiny_target, cli):
     st = json.loads(cli("status", str(run), "--json").stdout)
     g = next(s for s in st["stages"] if s["name"] == "generate")
     assert g["state"] == "failed" and "samples failed" in g["error"] and g["on_disk"] == 2
+
+
+# -------------------------------------------------------------------------------------------------
+# Backend dataset (the prompt file's own replies)
+
+
+def test_dataset_backend_keeps_the_files_replies_cut_at_max_tokens(tmp_path, tiny_target, cli):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    long_reply = "def add(a, b): return a + b " * 20
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "short", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+        {"id": "long", "conversations": [{"from": "human", "value": "code?"}, {"from": "gpt", "value": long_reply},
+                                         {"from": "human", "value": "again"}, {"from": "gpt", "value": "<think>easy</think>done"}]},
+        {"id": "none", "messages": [{"role": "user", "content": "a question nobody answered"}]},
+    ])
+    run = tmp_path / "run"
+    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+            "--backend", "dataset", "--max-tokens", "40")
+    assert p.returncode == 0, p.stderr
+    assert "without a reply 1" in p.stdout  # the conversation without one is left out, and counted
+    recs = {r["id"]: r for r in lines_of(run / "generate" / "samples.jsonl")}
+    assert set(recs) == {"short", "long"}
+    short, long = recs["short"], recs["long"]
+    assert short["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    assert short["finish_reasons"] == ["stop"] and not short["truncated"]
+    assert short["completion_tokens"] == len(tok("hello there", add_special_tokens=False)["input_ids"]) + 1  # + the stop token
+    templated = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert short["prompt_tokens"] == len(tok(templated, add_special_tokens=False)["input_ids"])
+    assert short["backend"] == "dataset" and short["model"] == f"dataset:{prompts}"
+    # cut at 40 tokens of the target's tokenizer, as a server cuts a reply at max_tokens
+    n_tok = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    assert n_tok(long_reply) > 40 > n_tok("<think>easy</think>done") > 8
+    cut = long["messages"][1]["content"]
+    assert cut == tok.decode(tok(long_reply, add_special_tokens=False)["input_ids"][:40]) and long_reply.startswith(cut)
+    assert long["completion_tokens"] == 40 + n_tok("<think>easy</think>done") + 1
+    assert long["finish_reasons"] == ["length", "stop"] and long["truncated"]
+    # the second turn's reply, its reasoning apart as the other backends keep it
+    assert long["messages"][2:] == [{"role": "user", "content": "again"},
+                                    {"role": "assistant", "content": "done", "reasoning": "easy"}]
+    m = json.loads((run / "generate" / "manifest.json").read_text())
+    assert m["counts"]["done"] == 2 and m["counts"]["truncated"] == 1
+    # A source's replies do not depend on decoding settings: a new temperature reuses every sample.
+    before = (run / "generate" / "samples.jsonl").read_bytes()
+    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+            "--backend", "dataset", "--max-tokens", "40", "--temperature", "0.7")
+    assert p.returncode == 0 and "2 already done" in p.stdout
+    assert (run / "generate" / "samples.jsonl").read_bytes() == before and not list((run / "generate").glob("stale-*"))
+    # ... while max_tokens changes them: moved aside, cut again
+    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+            "--backend", "dataset", "--max-tokens", "8")
+    assert p.returncode == 0 and len(list((run / "generate").glob("stale-*"))) == 1
+    recs = {r["id"]: r for r in lines_of(run / "generate" / "samples.jsonl")}
+    assert recs["long"]["completion_tokens"] == 8 + 8 and recs["long"]["finish_reasons"] == ["length", "length"]
+    # offset: a later slice of the same source (filters first: "none" has no reply and is not counted)
+    p = cli("generate", "--run", str(tmp_path / "run2"), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+            "--backend", "dataset", "--set", "generate.offset=1")
+    assert p.returncode == 0, p.stderr
+    assert [r["id"] for r in lines_of(tmp_path / "run2" / "generate" / "samples.jsonl")] == ["long"]
 
 
 def test_cli_help_has_examples(cli):

@@ -22,8 +22,9 @@ def test_sharegpt_jsonl_and_array(tmp_path):
             path.write_text(json.dumps(recs, indent=1))
         ps = load_prompts(str(path))
         assert [p.id for p in ps] == ["a", "b"]
-        assert ps[0].turns == ["Hi", "More?"]  # assistant turns are regenerated, not kept
-        assert ps[1].system == "Be brief" and ps[1].turns == ["Q"]
+        assert ps[0].turns == ["Hi", "More?"]  # assistant turns are kept apart (regenerated, or backend dataset's)
+        assert ps[0].answers == ["Hello", None]
+        assert ps[1].system == "Be brief" and ps[1].turns == ["Q"] and ps[1].answers == [None]
 
 
 def test_openai_messages_and_fallback_ids(tmp_path):
@@ -32,7 +33,33 @@ def test_openai_messages_and_fallback_ids(tmp_path):
                       {"role": "assistant", "content": "A"}, {"role": "user", "content": "U2"}]},
     ])
     (p,) = load_prompts(str(path))
-    assert p.id == "m-1" and p.system == "S" and p.turns == ["U1", "U2"]
+    assert p.id == "m-1" and p.system == "S" and p.turns == ["U1", "U2"] and p.answers == ["A", None]
+
+
+def test_answers_pair_with_their_turns_and_require_answers_counts_drops(tmp_path):
+    path = _jsonl(tmp_path / "a.jsonl", [
+        # a reply before any user turn answers nothing; a second reply in a row is not the answer
+        {"id": "x", "conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "Q1"},
+                                      {"from": "gpt", "value": "A1"}, {"from": "gpt", "value": "A1 again"},
+                                      {"from": "human", "value": "Q2"}, {"from": "human", "value": "Q3"},
+                                      {"from": "gpt", "value": "A3"}]},
+        {"id": "y", "messages": [{"role": "user", "content": "only a question"}]},
+        {"id": "z", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "   "}]},
+        {"id": "w", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+    ])
+    (x, *_) = load_prompts(str(path))
+    assert x.turns == ["Q1", "Q2", "Q3"] and x.answers == ["A1", None, "A3"]
+    st = LoadStats()
+    kept = load_prompts(str(path), first_turn_only=True, require_answers=True, stats=st)
+    # x's first turn has its reply; y has none, z's is blank
+    assert [(p.id, p.turns, p.answers) for p in kept] == [("x", ["Q1"], ["A1"]), ("w", ["Q"], ["A"])]
+    assert st.no_answer == 2 and st.filtered == 0
+    st = LoadStats()
+    assert [p.id for p in load_prompts(str(path), require_answers=True, stats=st)] == ["w"]  # x's Q2 has none
+    assert st.no_answer == 3
+    with pytest.raises(PromptError, match="without answers 1"):
+        load_prompts(str(_jsonl(tmp_path / "b.jsonl", [{"id": "y", "messages": [{"role": "user", "content": "Q"}]}])),
+                     require_answers=True)
 
 
 def test_mtbench_and_humaneval_files(tmp_path):
@@ -54,6 +81,8 @@ def test_shipped_sources():
     sg = load_prompts("sharegpt", limit=50, first_turn_only=True, min_chars=8, max_chars=2000, skip_invalid=True, stats=st)
     assert len(sg) == 50 and all(len(p.turns) == 1 and 8 <= len(p.turns[0]) <= 2000 for p in sg)
     assert len({p.id for p in sg}) == 50
+    replied = load_prompts("sharegpt", limit=50, first_turn_only=True, skip_invalid=True, require_answers=True)
+    assert len(replied) == 50 and all(len(p.answers) == 1 and p.answers[0].strip() for p in replied)
 
 
 def test_limit_seed_offset_are_deterministic(tmp_path):
