@@ -56,7 +56,7 @@ class LoadStats:
     read: int = 0
     skipped_invalid: int = 0
     filtered: int = 0
-    no_answer: int = 0  # dropped by require_answers: a kept turn without a reply in the source
+    no_answer: int = 0  # dropped by require_answers: the first turn has no reply in the source
     invalid_examples: list[str] = field(default_factory=list)
 
 
@@ -172,7 +172,8 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
         answers.append(None)
 
     def assistant(text: str) -> None:
-        if answers and answers[-1] is None:  # a reply before any user turn has nothing to answer
+        # a reply before any user turn has nothing to answer; a turn keeps its first non-blank reply
+        if answers and (answers[-1] is None or not answers[-1].strip()):
             answers[-1] = text
 
     if "conversations" in rec:  # ShareGPT
@@ -248,8 +249,9 @@ def load_prompts(
 ) -> list[Prompt]:
     """Read prompts from a file or short name; filter; take a deterministic subset.
 
-    `require_answers`: drop (and count in stats.no_answer) conversations where a kept user turn
-    has no assistant reply in the source (generate's backend `dataset` keeps those replies).
+    `require_answers` (generate's backend `dataset`, which keeps the source's replies): cut each
+    conversation before its first user turn without a reply in the source; drop (and count in
+    stats.no_answer) those whose first turn has none.
 
     Without `seed`, the first `limit` prompts (after `offset`) in file order; with `seed`, a
     seeded shuffle of all valid prompts first.
@@ -273,29 +275,37 @@ def load_prompts(
             if len(stats.invalid_examples) < 5:
                 stats.invalid_examples.append(str(e))
             continue
+        # Number duplicate ids (ShareGPT has some) before any filter, so that an id names the same
+        # record whatever the filters keep.
+        n = seen.get(p.id, 0)
+        seen[p.id] = n + 1
+        if n:
+            p.id = f"{p.id}#{n + 1}"
         if first_turn_only:
             p.turns, p.answers = p.turns[:1], p.answers[:1]
         first = p.turns[0]
         if len(first) < min_chars or (max_chars is not None and len(first) > max_chars):
             stats.filtered += 1
             continue
-        if require_answers and any(a is None or not a.strip() for a in p.answers):
-            stats.no_answer += 1
-            continue
-        n = seen.get(p.id, 0)
-        seen[p.id] = n + 1
-        if n:
-            p.id = f"{p.id}#{n + 1}"  # duplicate ids exist in ShareGPT; keep them apart, stably
+        if require_answers:  # keep the turns up to the first one the source leaves unanswered
+            answered = next((i for i, a in enumerate(p.answers) if a is None or not a.strip()), len(p.answers))
+            if answered == 0:
+                stats.no_answer += 1
+                continue
+            p.turns, p.answers = p.turns[:answered], p.answers[:answered]
         p.source = where
         out.append(p)
         if need is not None and len(out) >= need:
             break
     if seed is not None:
         random.Random(seed).shuffle(out)
+    n_kept = len(out)
     out = out[offset:]
     if limit is not None:
         out = out[:limit]
     if not out:
         raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, filtered {stats.filtered}"
-                          + (f", without answers {stats.no_answer}" if require_answers else "") + ")")
+                          + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a file with "
+                             "assistant replies" if require_answers else "")
+                          + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")")
     return out

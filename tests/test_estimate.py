@@ -79,3 +79,20 @@ def test_cli_prints_estimate_and_rejects_unknown_hardware(cli):
     assert all(s["seconds"] > 0 for s in e["stages"].values())
     p = cli("estimate", "configs/demo.yaml", "--hardware", "tpu")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--hardware tpu" in p.stderr
+
+
+def test_backend_dataset_decodes_nothing():
+    """Backend dataset keeps the file's replies: generate costs tokenizing, not hours of decoding,
+    and loads no weights; the stages after it are estimated as for regenerated answers."""
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
+    served = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    cfg.generate.backend = "dataset"
+    kept = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    assert kept["tokens_per_s"]["generate"] is None and served["tokens_per_s"]["generate"] > 0
+    assert kept["stages"]["generate"]["seconds"] < 60 < served["stages"]["generate"]["seconds"]
+    assert kept["stages"]["generate"]["memory"] < served["stages"]["generate"]["memory"]
+    assert kept["stages"]["extract"] == served["stages"]["extract"] and kept["stages"]["train"] == served["stages"]["train"]
+    from draftsmith.estimate import render
+
+    assert "generate none (backend dataset" in render(kept)

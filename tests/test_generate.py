@@ -333,56 +333,75 @@ def test_dataset_backend_keeps_the_files_replies_cut_at_max_tokens(tmp_path, tin
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
+    n_tok = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    templated = lambda conv: n_tok(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))  # noqa: E731
     long_reply = "def add(a, b): return a + b " * 20
+    cjk = "漢字" * 30  # 3 bytes, 3 tokens of this byte-level tokenizer, per character
+    assert n_tok(long_reply) > 40 > n_tok("<think>easy</think>done") > 8 and n_tok("漢") == 3
     prompts = _write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "short", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
-        {"id": "long", "conversations": [{"from": "human", "value": "code?"}, {"from": "gpt", "value": long_reply},
-                                         {"from": "human", "value": "again"}, {"from": "gpt", "value": "<think>easy</think>done"}]},
         {"id": "none", "messages": [{"role": "user", "content": "a question nobody answered"}]},
+        {"id": "short", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "hello there"}]},
+        {"id": "multi", "conversations": [{"from": "human", "value": "easy?"}, {"from": "gpt", "value": "<think>easy</think>done"},
+                                          {"from": "human", "value": "code?"}, {"from": "gpt", "value": long_reply},
+                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "answers text that is gone"}]},
+        {"id": "cjk", "messages": [{"role": "user", "content": "write"}, {"role": "assistant", "content": cjk}]},
     ])
     run = tmp_path / "run"
-    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
-            "--backend", "dataset", "--max-tokens", "40")
+    args = ("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts), "--backend", "dataset")
+    p = cli(*args, "--max-tokens", "40")
     assert p.returncode == 0, p.stderr
-    assert "without a reply 1" in p.stdout  # the conversation without one is left out, and counted
+    assert "without a reply to their first turn 1" in p.stdout  # "none" is left out, and counted
     recs = {r["id"]: r for r in lines_of(run / "generate" / "samples.jsonl")}
-    assert set(recs) == {"short", "long"}
-    short, long = recs["short"], recs["long"]
-    assert short["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    assert set(recs) == {"short", "multi", "cjk"}
+    short, multi, cjk_rec = recs["short"], recs["multi"], recs["cjk"]
+    assert short["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello there"}]
     assert short["finish_reasons"] == ["stop"] and not short["truncated"]
-    assert short["completion_tokens"] == len(tok("hello there", add_special_tokens=False)["input_ids"]) + 1  # + the stop token
-    templated = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert short["prompt_tokens"] == len(tok(templated, add_special_tokens=False)["input_ids"])
+    assert short["completion_tokens"] == n_tok("hello there") + 1  # + the stop token, as servers count it
+    assert short["prompt_tokens"] == templated(short["messages"][:2])  # the system prompt included
     assert short["backend"] == "dataset" and short["model"] == f"dataset:{prompts}"
-    # cut at 40 tokens of the target's tokenizer, as a server cuts a reply at max_tokens
-    n_tok = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    assert n_tok(long_reply) > 40 > n_tok("<think>easy</think>done") > 8
-    cut = long["messages"][1]["content"]
-    assert cut == tok.decode(tok(long_reply, add_special_tokens=False)["input_ids"][:40]) and long_reply.startswith(cut)
-    assert long["completion_tokens"] == 40 + n_tok("<think>easy</think>done") + 1
-    assert long["finish_reasons"] == ["length", "stop"] and long["truncated"]
-    # the second turn's reply, its reasoning apart as the other backends keep it
-    assert long["messages"][2:] == [{"role": "user", "content": "again"},
-                                    {"role": "assistant", "content": "done", "reasoning": "easy"}]
-    m = json.loads((run / "generate" / "manifest.json").read_text())
-    assert m["counts"]["done"] == 2 and m["counts"]["truncated"] == 1
-    # A source's replies do not depend on decoding settings: a new temperature reuses every sample.
+    # turn 1 keeps its reasoning apart as the other backends do; turn 2 is cut at 40 tokens of the
+    # target's tokenizer (as a server cuts at max_tokens) and ends the conversation: turn 3's reply
+    # answers text that is no longer there
+    m = multi["messages"]
+    assert m[:3] == [{"role": "user", "content": "easy?"}, {"role": "assistant", "content": "done", "reasoning": "easy"},
+                     {"role": "user", "content": "code?"}] and len(m) == 4
+    assert m[3]["content"] == tok.decode(tok(long_reply, add_special_tokens=False)["input_ids"][:40]) and long_reply.startswith(m[3]["content"])
+    assert multi["finish_reasons"] == ["stop", "length"] and multi["truncated"]
+    assert multi["completion_tokens"] == n_tok("<think>easy</think>done") + 1 + 40
+    assert multi["prompt_tokens"] == templated(m[:1]) + templated(m[:3])  # each turn's prompt holds the history
+    # 40 tokens end inside the 14th character: the partial character is dropped, not kept as U+FFFD
+    assert cjk_rec["messages"][1]["content"] == cjk[:13]
+    man = json.loads((run / "generate" / "manifest.json").read_text())
+    assert man["counts"]["done"] == 3 and man["counts"]["truncated"] == 2
+    # A source's replies do not depend on decoding settings: the stage stays up to date.
     before = (run / "generate" / "samples.jsonl").read_bytes()
-    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
-            "--backend", "dataset", "--max-tokens", "40", "--temperature", "0.7")
-    assert p.returncode == 0 and "2 already done" in p.stdout
-    assert (run / "generate" / "samples.jsonl").read_bytes() == before and not list((run / "generate").glob("stale-*"))
+    p = cli(*args, "--max-tokens", "40", "--temperature", "0.7", "--set", "generate.top_p=0.5", "--set", "generate.batch_size=3")
+    assert p.returncode == 0 and "up to date" in p.stdout
+    assert json.loads((run / "generate" / "manifest.json").read_text())["fingerprint"] == man["fingerprint"]
+    assert (run / "generate" / "samples.jsonl").read_bytes() == before
     # ... while max_tokens changes them: moved aside, cut again
-    p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
-            "--backend", "dataset", "--max-tokens", "8")
+    p = cli(*args, "--max-tokens", "8")
     assert p.returncode == 0 and len(list((run / "generate").glob("stale-*"))) == 1
     recs = {r["id"]: r for r in lines_of(run / "generate" / "samples.jsonl")}
-    assert recs["long"]["completion_tokens"] == 8 + 8 and recs["long"]["finish_reasons"] == ["length", "length"]
-    # offset: a later slice of the same source (filters first: "none" has no reply and is not counted)
+    assert recs["multi"]["finish_reasons"] == ["length"] and recs["multi"]["completion_tokens"] == 8
+    # offset counts the selection after the filters: "none" (no reply) is not one of the prompts skipped
     p = cli("generate", "--run", str(tmp_path / "run2"), "--set", f"target={tiny_target}", "--prompts", str(prompts),
-            "--backend", "dataset", "--set", "generate.offset=1")
+            "--backend", "dataset", "--set", "generate.offset=1", "--set", "generate.limit=1")
     assert p.returncode == 0, p.stderr
-    assert [r["id"] for r in lines_of(tmp_path / "run2" / "generate" / "samples.jsonl")] == ["long"]
+    assert [r["id"] for r in lines_of(tmp_path / "run2" / "generate" / "samples.jsonl")] == ["multi"]
+
+
+def test_dataset_backend_needs_a_chat_template(tmp_path, cli):
+    from conftest import build_tiny_target
+
+    bare = build_tiny_target(tmp_path / "bare", chat_template=None, num_layers=2)
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "Q"},
+                                                                           {"role": "assistant", "content": "A"}]}])
+    p = cli("generate", "--run", str(tmp_path / "run"), "--set", f"target={bare}", "--prompts", str(prompts), "--backend", "dataset")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "has no chat template" in p.stderr
+    assert not (tmp_path / "run" / "generate" / "samples.jsonl").exists()
 
 
 def test_cli_help_has_examples(cli):

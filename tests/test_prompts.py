@@ -45,21 +45,32 @@ def test_answers_pair_with_their_turns_and_require_answers_counts_drops(tmp_path
                                       {"from": "gpt", "value": "A3"}]},
         {"id": "y", "messages": [{"role": "user", "content": "only a question"}]},
         {"id": "z", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "   "}]},
-        {"id": "w", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+        # a blank reply gives way to the next one
+        {"id": "w", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""},
+                                 {"role": "assistant", "content": "A"}]},
     ])
     (x, *_) = load_prompts(str(path))
     assert x.turns == ["Q1", "Q2", "Q3"] and x.answers == ["A1", None, "A3"]
     st = LoadStats()
-    kept = load_prompts(str(path), first_turn_only=True, require_answers=True, stats=st)
-    # x's first turn has its reply; y has none, z's is blank
+    kept = load_prompts(str(path), require_answers=True, stats=st)
+    # x ends before Q2 (unanswered: Q3's reply answers a conversation we no longer have); y has no
+    # reply, z's is blank: both left out and counted
     assert [(p.id, p.turns, p.answers) for p in kept] == [("x", ["Q1"], ["A1"]), ("w", ["Q"], ["A"])]
     assert st.no_answer == 2 and st.filtered == 0
-    st = LoadStats()
-    assert [p.id for p in load_prompts(str(path), require_answers=True, stats=st)] == ["w"]  # x's Q2 has none
-    assert st.no_answer == 3
-    with pytest.raises(PromptError, match="without answers 1"):
+    with pytest.raises(PromptError, match="without a reply to their first turn 1: backend dataset needs"):
         load_prompts(str(_jsonl(tmp_path / "b.jsonl", [{"id": "y", "messages": [{"role": "user", "content": "Q"}]}])),
                      require_answers=True)
+    with pytest.raises(PromptError, match="offset 5 skips all 2 selected"):
+        load_prompts(str(path), require_answers=True, offset=5)
+
+
+def test_duplicate_ids_are_numbered_before_the_filters(tmp_path):
+    """`a#2` names the second record with id a, whatever the filters drop: a sample kept under a
+    changed min_chars is never reused for another record."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "short"}]},
+                                         {"id": "a", "messages": [{"role": "user", "content": "a longer one"}]}])
+    assert [(p.id, p.turns[0]) for p in load_prompts(str(path))] == [("a", "short"), ("a#2", "a longer one")]
+    assert [(p.id, p.turns[0]) for p in load_prompts(str(path), min_chars=6)] == [("a#2", "a longer one")]
 
 
 def test_mtbench_and_humaneval_files(tmp_path):
