@@ -108,6 +108,7 @@ class Progress:
         rank: int | None = None,
         world_size: int | None = None,
         console: bool = True,
+        shared: bool = False,
     ):
         env_r, env_w = env_rank()
         self.run, self.stage, self.unit = run, stage, unit
@@ -121,6 +122,9 @@ class Progress:
         self.rank = env_r if rank is None else rank
         self.world_size = env_w if world_size is None else world_size
         self.console = console and self.rank == 0
+        # shared: every rank counts the same work (train's global optimizer steps), so status shows
+        # one count for the stage; otherwise ranks split the work and their counts add up
+        self.shared = shared
         d = run.stage_dir(stage)
         self.journal_path = d / journal_name(self.rank, self.world_size)
         self.log_path = d / "stage.log"
@@ -167,7 +171,7 @@ class Progress:
             "stage": self.stage, "rank": self.rank, "world_size": self.world_size,
             "total": self.total, "unit": self.unit, "done": self.done,
             "stall_after_s": self.stall_after_s, "heartbeat_s": self.heartbeat_s,
-            "log": str(self.log_path), "argv": sys.argv[1:3],
+            "log": str(self.log_path), "argv": sys.argv[1:3], **({"shared": True} if self.shared else {}),
         })
         _current_log.append(self.log_path)
         self._thread = threading.Thread(target=self._heartbeat, name=f"{self.stage}-heartbeat", daemon=True)

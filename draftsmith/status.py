@@ -110,6 +110,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
         "log": start.get("log"),
         "rate_per_s": None,
         "eta_s": None,
+        # every rank counts the same steps (journals of train written before the flag existed are too)
+        "shared": bool(start.get("shared", start.get("stage") == "train" and start.get("unit") == "steps")),
     }
     stall = float(start.get("stall_after_s", 300.0))
     kind = last.get("ev")
@@ -261,11 +263,14 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         totals = [r["total"] for r in ranks]
         # done is null in a journal of an attempt that failed before it started (no counted work)
         dones = [r["done"] for r in ranks if r["done"] is not None]
-        row["done"] = sum(dones) if dones else None
-        row["total"] = sum(totals) if all(t is not None for t in totals) else None
-        row["unit"] = ranks[0]["unit"]
         rates = [r["rate_per_s"] for r in ranks if r["rate_per_s"]]
-        row["rate_per_s"] = round(sum(rates), 4) if rates else None
+        # ranks that split the work add up; ranks that all count the same steps are as far as the slowest
+        shared = all(r["shared"] for r in ranks)
+        add = min if shared else sum
+        row["done"] = add(dones) if dones else None
+        row["total"] = (max if shared else sum)(totals) if all(t is not None for t in totals) else None
+        row["unit"] = ranks[0]["unit"]
+        row["rate_per_s"] = round(add(rates), 4) if rates else None
         etas = [r["eta_s"] for r in ranks if r["eta_s"] is not None]
         row["eta_s"] = max(etas) if etas else None
         row["heartbeat_age_s"] = min(r["heartbeat_age_s"] for r in ranks)

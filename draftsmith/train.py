@@ -1088,7 +1088,7 @@ def _train(run, cfg, **opts) -> dict:
         metrics: dict | None = state.get("metrics")
         step = start_step
         with Progress(run, STAGE, total=total_steps, unit="steps", done=start_step, stall_after_s=cfg.stall_after_s,
-                      console=False) as prog:
+                      console=False, shared=True) as prog:
             try:
                 while step < total_steps:
                     t = time.perf_counter()

@@ -234,3 +234,41 @@ def test_errors_outside_progress_are_journaled(tmp_path):
     with pytest.raises(DraftsmithError):
         before_start(missing)
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ranks_add_up_unless_they_count_the_same_steps(tmp_path, shared):
+    """Extract's ranks split the samples (their counts add up); train's ranks all count the global
+    optimizer steps, so the stage is as far as its slowest rank, not twice as far."""
+    run = RunDir(tmp_path)
+    stage = "train" if shared else "extract"
+    unit = "steps" if shared else "samples"
+    progs = [Progress(run, stage, total=10 if shared else 5, unit=unit, rank=r, world_size=2, console=False, shared=shared)
+             for r in (0, 1)]
+    for p in progs:
+        p.__enter__()
+    try:
+        progs[0].advance(4)
+        progs[1].advance(3)
+        row = stage_row(tmp_path, stage)
+        assert row["state"] == "running" and len(row["ranks"]) == 2
+        assert (row["done"], row["total"]) == ((3, 10) if shared else (7, 10))
+        assert [r["done"] for r in row["ranks"]] == [4, 3]
+        assert f"{row['done']}/10 {unit}" in render_table(run_status(tmp_path))
+    finally:
+        for p in progs:
+            p.__exit__(None, None, None)
+
+
+def test_train_journals_from_before_the_shared_flag_count_once(tmp_path):
+    """A multi-rank train journal written before `shared` existed still shows one count."""
+    d = tmp_path / "train"
+    d.mkdir()
+    now = time.time()
+    for r, done in ((0, 6), (1, 5)):
+        (d / f"progress.rank{r}.jsonl").write_text(
+            json.dumps({"ev": "start", "t": now, "pid": os.getpid(), "host": socket.gethostname(), "stage": "train", "rank": r,
+                        "world_size": 2, "total": 9, "unit": "steps", "done": 0, "stall_after_s": 300.0}) + "\n"
+            + json.dumps({"ev": "p", "t": now, "done": done, "pt": now, "total": 9}) + "\n")
+    row = stage_row(tmp_path, "train")
+    assert (row["done"], row["total"]) == (5, 9)
