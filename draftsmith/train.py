@@ -58,6 +58,8 @@ CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
 # Settings that change how a run is watched, stored or sharded, not what it computes: left out
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes")
+# knobs added after runs were made, with their defaults
+LATER_KNOBS = {"freeze_lm_head": False}
 ADAM_BETAS = (0.9, 0.95)
 
 EPILOG = """Examples:
@@ -851,7 +853,9 @@ def _train(run, cfg, **opts) -> dict:
                                   f"has a vocabulary of {info.vocab_size}")
         upstream["vocab"] = run.read_manifest("vocab")
         section = cfg.section(STAGE)
-        section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in NOT_FINGERPRINTED}
+        # (knobs added later leave the fingerprint alone at their defaults: older runs stay current)
+        section[STAGE] = {k: v for k, v in section[STAGE].items()
+                          if k not in NOT_FINGERPRINTED and not (k in LATER_KNOBS and v == LATER_KNOBS[k])}
         precision = resolve_precision(tc.precision, device)
         settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
         if tc.mode == "online" and cfg.extract.backend == "vllm":
@@ -966,6 +970,9 @@ def _train(run, cfg, **opts) -> dict:
             # after the fc input scale: fc's block is diag(1 / scale), so it passes on (aux * scale) / scale = aux
             drafter.init_layer_from_target(init_layer, aux_index=-1, input_scale=scale)
             say(f"decoder layer initialised from the target's layer {tc.init_layer}; fc passes aux layer {layers[-1]} through")
+        if tc.freeze_lm_head:
+            drafter.lm_head.weight.requires_grad_(False)  # stays the target's rows; still saved and exported
+            say("draft LM head frozen at the target's rows")
         Objective = _objective_class()
         objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature).to(device)
 
@@ -974,7 +981,7 @@ def _train(run, cfg, **opts) -> dict:
             "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
             "vocab_fingerprint": vinfo.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
             "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
-            "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer,
+            "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
         }
 
         # -- resume: weights now, optimizer/scheduler/RNG once they exist ----------------------------

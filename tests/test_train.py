@@ -414,6 +414,26 @@ def test_init_layer_starts_from_the_target_layer_and_a_bad_value_keeps_the_run(s
     assert not (run.path / "train/previous").exists()
 
 
+def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    m0 = run_train(run, cfg_for(tiny8, max_steps=3, checkpoint_every=3, lr=1e-2))
+    free = final_weights(run)
+    m1 = run_train(run, cfg_for(tiny8, max_steps=3, checkpoint_every=3, lr=1e-2, freeze_lm_head=True))
+    assert m1["fingerprint"] != m0["fingerprint"]  # another setting: trained afresh
+    w = final_weights(run)
+    from draftsmith.vocab import load_vocab
+
+    d2t, _, _ = load_vocab(run)
+    target = load_file(str(tiny8 / "model.safetensors"))
+    head = target.get("lm_head.weight", target["model.embed_tokens.weight"]).float()  # tied in the tiny target
+    torch.testing.assert_close(w["lm_head.weight"], head[d2t + torch.arange(d2t.numel())], rtol=0, atol=0)
+    assert not torch.equal(free["lm_head.weight"], w["lm_head.weight"])  # unfrozen, the same steps move it
+    assert not torch.equal(free["fc.weight"], w["fc.weight"])  # the rest trains either way
+    assert json.loads((run.path / "train/final/drafter.json").read_text())["freeze_lm_head"] is True
+    # at its default the knob is left out of the fingerprinted settings: runs made before it existed stay current
+    assert "freeze_lm_head" not in m0["settings"]["train"] and m1["settings"]["train"]["freeze_lm_head"] is True
+
+
 def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
     from safetensors.torch import save_file
 
