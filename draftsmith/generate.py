@@ -20,8 +20,9 @@ file's replies. Four backends, one output schema:
   after its first cut reply (later turns answer text that is gone). Not the target's own text, but with
   train.loss_on=all the target still teaches every position (its distribution on this text), and a
   token costs a forward pass instead of a decoding step: on the 2-core CPU a drafter trained on
-  ShareGPT's answers replays tau 1.35 against 1.37 for the same number of regenerated tokens
-  (docs/benchmarks.md), at a fraction of the cost per token.
+  ShareGPT's answers replays tau 1.35 against 1.37 for the same number of regenerated tokens, but
+  four times the tokens this way did not beat the regenerated two-hour recipe (1.67 against 1.70
+  in vLLM at the same training time; docs/benchmarks.md).
 
 Files (docs/run-directory.md):
     generate/samples.jsonl    one finished sample per line, appended with a single write
