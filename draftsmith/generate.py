@@ -58,7 +58,7 @@ import typer
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
 from draftsmith.rundir import (RunDir, append_bytes, append_text, atomic_write_json, atomic_write_text, file_sha256, fingerprint,
-                              stage_fingerprint, write_stage_config)
+                              fingerprinted, stage_fingerprint, write_stage_config)
 
 STAGE = "generate"
 SAMPLES = "samples.jsonl"
@@ -732,7 +732,7 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
         # backend dataset the decoding settings too; offset when 0 (added later: older runs stay current).
         ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
-        section[STAGE] = {k: v for k, v in section[STAGE].items() if k not in ignored and not (k == "offset" and v == 0)}
+        section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0})
         # the answers of the backends that run the target depend on the dtype it decodes in
         # (near-ties under greedy); a server's (backend openai) is its own business
         dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)

@@ -824,7 +824,7 @@ def _train(run, cfg, **opts) -> dict:
 
     from draftsmith.model import Eagle3Config, Eagle3Drafter, check_target_layer
     from draftsmith.progress import Progress, env_rank, fmt_duration, log
-    from draftsmith.rundir import stage_fingerprint, write_stage_config
+    from draftsmith.rundir import fingerprinted, stage_fingerprint, write_stage_config
     from draftsmith.target import load_target, pick_device, target_info
     from draftsmith.vocab import load_vocab
 
@@ -853,9 +853,7 @@ def _train(run, cfg, **opts) -> dict:
                                   f"has a vocabulary of {info.vocab_size}")
         upstream["vocab"] = run.read_manifest("vocab")
         section = cfg.section(STAGE)
-        # (knobs added later leave the fingerprint alone at their defaults: older runs stay current)
-        section[STAGE] = {k: v for k, v in section[STAGE].items()
-                          if k not in NOT_FINGERPRINTED and not (k in LATER_KNOBS and v == LATER_KNOBS[k])}
+        section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, LATER_KNOBS)
         precision = resolve_precision(tc.precision, device)
         settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
         if tc.mode == "online" and cfg.extract.backend == "vllm":

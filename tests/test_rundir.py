@@ -93,3 +93,14 @@ def test_replace_dir_swaps_whole_folders(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]  # nothing of the old mixed in
     assert (dest / "model.safetensors").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_fingerprinted_drops_ignored_keys_and_later_knobs_at_their_defaults():
+    from draftsmith.rundir import fingerprinted
+
+    section = {"lr": 1e-3, "log_every_s": 10, "offset": 0, "freeze": False}
+    later = {"offset": 0, "freeze": False}
+    assert fingerprinted(section, ("log_every_s",), later) == {"lr": 1e-3}
+    # a later knob away from its default counts, so the fingerprint changes with it
+    assert fingerprinted({**section, "offset": 5}, ("log_every_s",), later) == {"lr": 1e-3, "offset": 5}
+    assert fingerprinted(section) == section
