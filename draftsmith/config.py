@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftsmith import DraftsmithError
 
@@ -42,6 +42,10 @@ class GenerateConfig(_Section):
     max_tokens: int = Field(256, ge=1, description="Maximum new tokens per answer.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    answers_per_prompt: int = Field(
+        1, ge=1, description="Answers kept per prompt: the first decoded at `temperature`, each further one sampled at `resample_temperature` with a seed of its own (sample ids `{id}#2@T0.7`, `{id}#3@T0.7`, ...). More distinct training text from the same prompts; not with backend dataset (one reply per turn).")
+    resample_temperature: float = Field(
+        0.7, gt=0.0, description="Sampling temperature of the answers after a prompt's first (answers_per_prompt > 1).")
     concurrency: int = Field(32, ge=1, description="Requests in flight at once (backends openai and vllm).")
     vllm_args: list[str] = Field(
         default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. [--enforce-eager]: a faster start-up, slower batched decoding).")
@@ -51,6 +55,12 @@ class GenerateConfig(_Section):
     backoff_s: float = Field(
         0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a 429's Retry-After wins).")
     retry_failed: bool = Field(False, description="Retry the samples recorded in generate/failures.jsonl.")
+
+    @model_validator(mode="after")
+    def _one_reply_per_turn(self):
+        if self.backend == "dataset" and self.answers_per_prompt > 1:
+            raise ValueError("answers_per_prompt: backend dataset keeps the file's one reply per turn; set 1")
+        return self
 
 
 class PrepareConfig(_Section):
@@ -197,6 +207,11 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         inp = err.get("input")
+        if err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            field, sep, rest = msg.partition(": ")
+            if sep and isinstance(inp, dict) and field in inp:
+                loc, msg = f"{loc}.{field}", rest  # a section's check across fields names the field it rejects
         if err["loc"][-1:] == ("api_key_env",):
             # a key pasted here by mistake must not reach the terminal or a log
             msg = "must be the name of an environment variable (letters, digits, _), not the key itself"

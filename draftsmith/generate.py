@@ -43,7 +43,9 @@ the Authorization header only, never logged or stored (error texts are scrubbed 
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -65,6 +67,7 @@ SAMPLES = "samples.jsonl"
 FAILURES = "failures.jsonl"
 UNSELECTED = "unselected.jsonl"
 STATE = "state.json"
+SAMPLING = "sampling"  # a resampled answer's {temperature, seed} (generate.answers_per_prompt > 1)
 
 VLLM_LOG = "vllm.log"  # backend vllm: the server's output
 
@@ -311,7 +314,27 @@ def build_record(prompt, turns: list[TurnResult], backend: str, model: str) -> d
         "completion_tokens": sum(t.completion_tokens for t in turns),
         "backend": backend,
         "model": model,
+        **({SAMPLING: prompt.meta[SAMPLING]} if SAMPLING in prompt.meta else {}),
     }
+
+
+def expand_answers(prompts: list, gen) -> list:
+    """generate.answers_per_prompt copies of each prompt, in prompt order. The first keeps its id
+    (and generate.temperature); copy k = 2, 3, ... is sampled at resample_temperature with its own
+    seed, its id `{id}#{k}@T{temperature}`: the temperature is part of the id, so changing it
+    selects other samples (the old ones are kept aside for reuse) and never mixes them."""
+    n = gen.answers_per_prompt
+    if n == 1:
+        return prompts
+    out = []
+    for p in prompts:
+        out.append(p)
+        for k in range(2, n + 1):
+            rid = f"{p.id}#{k}@T{gen.resample_temperature:g}"
+            # Seeded by the id alone: the same sample whatever else is selected or retried.
+            seed = int.from_bytes(hashlib.sha256(rid.encode()).digest()[:4], "big") >> 1
+            out.append(dataclasses.replace(p, id=rid, meta={**p.meta, SAMPLING: {"temperature": gen.resample_temperature, "seed": seed}}))
+    return out
 
 
 # -------------------------------------------------------------------------------------------------
@@ -447,9 +470,12 @@ class OpenAIClient:
             raise DraftsmithError(f"generate.servers: {server} does not answer /models ({e.error})") from None
         return [m.get("id") for m in data.get("data", []) if isinstance(m, dict) and m.get("id")]
 
-    async def chat(self, model: str, messages: list[dict]) -> tuple[TurnResult, int]:
+    async def chat(self, model: str, messages: list[dict], sampling: dict | None = None) -> tuple[TurnResult, int]:
+        """One turn; `sampling` ({temperature, seed}) overrides generate.temperature (a resampled answer)."""
         g = self.gen
         body = {"model": model, "messages": messages, "max_tokens": g.max_tokens, "temperature": g.temperature}
+        if sampling:
+            body.update(sampling)
         if g.top_p < 1.0:  # 1.0 is every server's default: leave it out
             body["top_p"] = g.top_p
         attempts = 0
@@ -483,7 +509,7 @@ async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnR
     for k, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         try:
-            t, _ = await client.chat(model, messages)
+            t, _ = await client.chat(model, messages, prompt.meta.get(SAMPLING))
         except SampleFailed as e:
             e.turn = k
             raise
@@ -553,23 +579,36 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     name = target.info.name
-    sample = gen.temperature > 0
-    gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=sample, pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
-    if sample:
-        gcfg.update(temperature=gen.temperature, top_p=gen.top_p)
-        torch.manual_seed(gen.seed or 0)
-    else:  # the model's own sampling defaults must not turn greedy into something else
-        gcfg.update(temperature=None, top_p=None, top_k=None)
     from transformers import GenerationConfig
 
-    generation_config = GenerationConfig(**gcfg)
-    prog.log(f"local backend: {name} on {target.device} ({str(target.dtype).replace('torch.', '')}), batch {gen.batch_size}, "
-             + ("greedy" if not sample else f"temperature {gen.temperature}"))
+    def generation_config(temperature: float) -> GenerationConfig:
+        gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=temperature > 0, pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
+        if temperature > 0:
+            gcfg.update(temperature=temperature, top_p=gen.top_p)
+        else:  # the model's own sampling defaults must not turn greedy into something else
+            gcfg.update(temperature=None, top_p=None, top_k=None)
+        return GenerationConfig(**gcfg)
 
-    # Similar lengths in a batch waste less on padding.
-    order = sorted(pending, key=lambda p: (len(p.turns), len(p.turns[0])))
-    for b in range(0, len(order), gen.batch_size):
-        batch = order[b:b + gen.batch_size]
+    prog.log(f"local backend: {name} on {target.device} ({str(target.dtype).replace('torch.', '')}), batch {gen.batch_size}, "
+             + ("greedy" if gen.temperature == 0 else f"temperature {gen.temperature}")
+             + (f"; {gen.answers_per_prompt - 1} more answer(s) per prompt at temperature {gen.resample_temperature}"
+                if gen.answers_per_prompt > 1 else ""))
+    if gen.temperature > 0:
+        torch.manual_seed(gen.seed or 0)
+
+    # Batches of one temperature (resampled answers after the first answers), similar lengths in a
+    # batch (less padding). A resampled batch is seeded by its first sample's seed: rerunning the
+    # same batch draws the same answers (HF sampling has no per-row seed).
+    order = sorted(pending, key=lambda p: (SAMPLING in p.meta, len(p.turns), len(p.turns[0])))
+    batches = []
+    for resampled in (False, True):
+        group = [p for p in order if (SAMPLING in p.meta) == resampled]
+        batches += [group[b:b + gen.batch_size] for b in range(0, len(group), gen.batch_size)]
+    for batch in batches:
+        sampling = batch[0].meta.get(SAMPLING)
+        config = generation_config(sampling["temperature"] if sampling else gen.temperature)
+        if sampling:
+            torch.manual_seed(sampling["seed"])
         convs = {p.id: base_messages(p) for p in batch}
         results: dict[str, list[TurnResult]] = {p.id: [] for p in batch}
         failed: set[str] = set()
@@ -598,7 +637,7 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
                 attention_mask[i, width - len(x):] = 1
             with torch.inference_mode():
                 out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-                                     generation_config=generation_config)
+                                     generation_config=config)
             new = out[:, width:].tolist()  # [B, <= max_tokens]; rows that stopped early are padded
             for p, x, row in zip(active, ids, new):
                 stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
@@ -732,7 +771,9 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
         # backend dataset the decoding settings too; offset when 0 (added later: older runs stay current).
         ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
-        section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0})
+        if gen.answers_per_prompt == 1:  # only resampled answers use it
+            ignored += ("resample_temperature",)
+        section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0, "answers_per_prompt": 1})
         # the answers of the backends that run the target depend on the dtype it decodes in
         # (near-ties under greedy); a server's (backend openai) is its own business
         dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
@@ -748,6 +789,8 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset, skip_invalid=gen.skip_invalid,
                                first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
                                require_answers=gen.backend == "dataset", stats=stats)
+        n_prompts = len(prompts)
+        prompts = expand_answers(prompts, gen)
         # What each sample's content depends on. Samples made under other values are moved aside;
         # selection settings (limit, seed, filters) only pick samples, so they stay reusable.
         decoding = ("model", "temperature", "top_p") if gen.backend != "dataset" else ()
@@ -764,9 +807,10 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
             already = sum(1 for p in prompts if p.id in store.done)
             earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
             pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
-            say(f"{len(prompts)} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
+            say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
                 f"filtered {stats.filtered}" + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
-                + f"); {already} already done, {earlier_failed} failed earlier"
+                + ")" + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1 else "")
+                + f"; {already} already done, {earlier_failed} failed earlier"
                 + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
                 + f"; {len(pending)} to generate with backend {gen.backend}")
 

@@ -287,6 +287,53 @@ def test_fingerprint_stale_samples_and_selection(tmp_path, tiny_target):
         assert all(r["body"]["max_tokens"] == 32 for r in srv.chat_requests()[-8:])
 
 
+def test_answers_per_prompt_resamples_with_own_seeds(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4, multi_every=2)  # p0 and p2 have two turns
+    run = RunDir(tmp_path / "run")
+    d = run.path / "generate"
+    with FakeOpenAIServer() as srv:
+        def go(*sets):
+            n0 = len(srv.chat_requests())
+            m = run_generate(run, cfg_for(tiny_target, prompts, *openai_sets(srv.base_url), *sets))
+            return m, srv.chat_requests()[n0:]
+
+        m1, reqs = go("generate.max_tokens=16")
+        assert len(reqs) == 6 and m1["counts"]["done"] == 4
+        # Three answers each: the first greedy under the prompt's own id, two sampled at 0.9.
+        m2, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=3", "generate.resample_temperature=0.9")
+        assert m2["counts"]["done"] == 12 and m2["counts"]["total"] == 12 and len(reqs) == 2 * 6  # the first answers are reused
+        recs = {r["id"]: r for r in lines_of(d / "samples.jsonl")}
+        assert set(recs) == {f"p{i}" for i in range(4)} | {f"p{i}#{k}@T0.9" for i in range(4) for k in (2, 3)}
+        assert all(r["body"]["temperature"] == 0.9 for r in reqs)
+        seeds = {r["body"]["messages"][0]["content"]: set() for r in reqs}
+        for r in reqs:
+            seeds[r["body"]["messages"][0]["content"]].add(r["body"]["seed"])
+        # A conversation's turns share its seed; each resampled conversation has its own.
+        assert all(len(v) == 2 for v in seeds.values())
+        assert len(set().union(*seeds.values())) == 8
+        assert recs["p0#2@T0.9"]["sampling"]["temperature"] == 0.9 and "sampling" not in recs["p0"]
+        assert recs["p0#2@T0.9"]["messages"][0] == recs["p0"]["messages"][0]  # the same prompt
+        assert [m["role"] for m in recs["p0#3@T0.9"]["messages"]] == ["user", "assistant", "user", "assistant"]
+        # Up to date; fewer answers select fewer samples (the others kept aside, sent nothing).
+        _, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=3", "generate.resample_temperature=0.9")
+        assert reqs == []
+        m3, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=2", "generate.resample_temperature=0.9")
+        assert reqs == [] and m3["counts"]["done"] == 8 and len(lines_of(d / "unselected.jsonl")) == 4
+        # Another temperature: only the resampled answers are asked again; the same seeds as before.
+        _, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=2", "generate.resample_temperature=0.5")
+        assert len(reqs) == 6 and all(r["body"]["temperature"] == 0.5 for r in reqs)
+        # Back to one answer: the run made before the knob existed is current again.
+        m4, reqs = go("generate.max_tokens=16")
+        assert reqs == [] and m4["fingerprint"] == m1["fingerprint"]
+
+
+def test_answers_per_prompt_not_with_backend_dataset(tmp_path, cli):
+    r = cli("generate", "--run", str(tmp_path / "run"), "--set", "generate.backend=dataset",
+            "--set", "generate.answers_per_prompt=2")
+    assert r.returncode != 0 and "answers_per_prompt" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "generate").exists()
+
+
 # -------------------------------------------------------------------------------------------------
 # Backend local (tiny target)
 
@@ -309,6 +356,22 @@ def test_local_backend_batched_matches_unbatched_and_is_deterministic(tmp_path, 
     assert len(r0["finish_reasons"]) == 2 and all(f in ("stop", "length") for f in r0["finish_reasons"])
     assert r0["truncated"] == ("length" in r0["finish_reasons"])
     assert 0 < r0["completion_tokens"] <= 12 and r0["prompt_tokens"] > 10
+
+
+def test_local_backend_resampled_answers_are_reproducible(tmp_path, tiny_target):
+    prompts = write_prompts(tmp_path / "p.jsonl", 3, multi_every=0)
+    out = []
+    for name in ("a", "b"):
+        m = run_generate(RunDir(tmp_path / name), cfg_for(tiny_target, prompts, "generate.max_tokens=8", "dtype=float32",
+                                                          "generate.answers_per_prompt=3", "generate.resample_temperature=1.5"))
+        assert m["counts"]["done"] == 9
+        out.append({r["id"]: r for r in lines_of(tmp_path / name / "generate" / "samples.jsonl")})
+    assert out[0] == out[1]
+    recs = out[0]
+    assert "sampling" not in recs["p1"] and recs["p1#3@T1.5"]["sampling"]["temperature"] == 1.5
+    # A tiny random model at temperature 1.5 wanders: the sampled answers are not the greedy one.
+    answers = {recs[i]["messages"][1]["content"] for i in ("p1", "p1#2@T1.5", "p1#3@T1.5")}
+    assert len(answers) == 3
 
 
 def test_local_prompt_too_long_fails_cleanly(tmp_path, tiny_target, cli):
