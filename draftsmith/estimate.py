@@ -175,9 +175,9 @@ DATASET_SAMPLES_PER_S = 770
 def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int) -> dict[str, Any]:
     """Per-stage tokens, disk bytes, peak memory per device and seconds."""
     g, tr = cfg.generate, cfg.train
-    samples = g.limit
-    if samples is None:
+    if g.limit is None:
         raise DraftsmithError("generate.limit: set it (the number of prompts) for an estimate")
+    samples = g.limit * g.answers_per_prompt  # every answer is decoded, extracted and trained on
     answer = min(answer_tokens, g.max_tokens)
     tokens = samples * min(prompt_tokens + answer, cfg.prepare.max_length)
     completion = samples * answer

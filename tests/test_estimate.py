@@ -96,3 +96,14 @@ def test_backend_dataset_decodes_nothing():
     from draftsmith.estimate import render
 
     assert "generate none (backend dataset" in render(kept)
+
+
+def test_more_answers_per_prompt_cost_as_more_samples():
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
+    one = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    cfg.generate.answers_per_prompt = 3
+    three = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    for stage in ("generate", "extract", "train"):
+        assert three["stages"][stage]["seconds"] == pytest.approx(3 * one["stages"][stage]["seconds"], rel=0.01)
+    assert three["stages"]["extract"]["disk"] == pytest.approx(3 * one["stages"]["extract"]["disk"], rel=0.01)
