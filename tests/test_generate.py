@@ -319,7 +319,7 @@ def test_answers_per_prompt_resamples_with_own_seeds(tmp_path, tiny_target):
         assert reqs == []
         m3, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=2", "generate.resample_temperature=0.9")
         assert reqs == [] and m3["counts"]["done"] == 8 and len(lines_of(d / "unselected.jsonl")) == 4
-        # Another temperature: only the resampled answers are asked again; the same seeds as before.
+        # Another temperature: only the resampled answers are asked again (other ids, so other seeds).
         _, reqs = go("generate.max_tokens=16", "generate.answers_per_prompt=2", "generate.resample_temperature=0.5")
         assert len(reqs) == 6 and all(r["body"]["temperature"] == 0.5 for r in reqs)
         # Back to one answer: the run made before the knob existed is current again.
