@@ -97,8 +97,9 @@ def score(args) -> dict:
     t0 = time.time()
     steps = produced = 0
     per_pos = [0] * K
-    n_prompts = min(len(store), args.limit or len(store))
-    for i in range(n_prompts):
+    first = min(args.offset, len(store))
+    n_prompts = min(len(store) - first, args.limit or len(store))
+    for i in range(first, first + n_prompts):
         s = store[i]
         ids = s["input_ids"].long()[None]  # [1, L]
         L = ids.shape[1]
@@ -141,13 +142,14 @@ def main() -> None:
     s.add_argument("--target", default="smollm2-135m")
     s.add_argument("--max-tokens", type=int, default=None, help="replay only the first N answer tokens")
     s.add_argument("--limit", type=int, default=None, help="only the first N samples of the store")
+    s.add_argument("--offset", type=int, default=0, help="skip the store's first N samples (e.g. a run's training prompts)")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args)
     else:
         for d in args.drafter:
             score(argparse.Namespace(states=args.states, drafter=d, k=args.k, target=args.target,
-                                     max_tokens=args.max_tokens, limit=args.limit))
+                                     max_tokens=args.max_tokens, limit=args.limit, offset=args.offset))
 
 
 if __name__ == "__main__":

@@ -48,15 +48,19 @@ class Hardware:
     step_overhead_s: float  # fixed cost per decode step in vLLM (scheduling, sampling)
     hf_step_overhead_s: float  # the same in a transformers decode loop (local generate and eval)
     mfu_decode_vllm: float | None = None  # mfu_decode in vLLM, where its kernels do better (None: the same)
+    # CPUs: train tokens/s of train.processes one-thread ranks over one process using every core
+    # (None: a GPU profile, where ranks are the devices)
+    cpu_ranks_gain: float | None = None
 
 
 # cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
 # (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
 # (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
 # with `loss_on: all` ~700-790 tokens/s (the demo, smollm2-cpu); vLLM-CPU generate ~205 tokens/s
-# at 128 in flight (float32: its decode matmuls reach ~19% of peak).
+# at 128 in flight (float32: its decode matmuls reach ~19% of peak); two one-thread training ranks
+# (`train.processes: 2`) ~950 tokens/s against ~730 for one two-thread process.
 HARDWARE = {
-    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02, 0.19),
+    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02, 0.19, 1.3),
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
@@ -205,11 +209,17 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size)
     flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)
     train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
+    # an optimizer step takes batch_tokens x grad_accum from every rank: the devices on GPUs,
+    # train.processes on a CPU (where N one-thread ranks also beat one N-thread process)
+    ranks = gpus
+    if hw.cpu_ranks_gain is not None and tr.processes > 1:
+        ranks = tr.processes
+        train_tps *= hw.cpu_ranks_gain
     if tr.mode == "offline":
         train_tps = min(train_tps, hw.disk_bw / bytes_per_token)
     else:  # the target's forward runs beside the drafter on every batch
         train_tps = 1 / (1 / train_tps + 1 / prefill)
-    epochs = tr.epochs if tr.max_steps is None else tr.max_steps * tr.batch_tokens * tr.grad_accum * gpus / max(tokens, 1)
+    epochs = tr.epochs if tr.max_steps is None else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1)
     # fp32 master weights, gradients and two Adam moments (16 B/parameter) + the frozen embedding
     # + activations: per token and TTT step, draft-vocabulary logits/probabilities kept for backward
     act = tr.batch_tokens * tr.ttt_steps * (cfg.vocab.draft_vocab_size * 4 * 3 + t.hidden_size * 4 * 40)

@@ -107,3 +107,26 @@ def test_more_answers_per_prompt_cost_as_more_samples():
     for stage in ("generate", "extract", "train"):
         assert three["stages"][stage]["seconds"] == pytest.approx(3 * one["stages"][stage]["seconds"], rel=0.01)
     assert three["stages"]["extract"]["disk"] == pytest.approx(3 * one["stages"]["extract"]["disk"], rel=0.01)
+
+
+def test_cpu_training_ranks_take_their_share_of_each_step():
+    """train.processes on a CPU: a step of max_steps takes batch_tokens from every rank, and two
+    one-thread ranks train faster than one process (the measured gain); a GPU profile counts
+    its devices as the ranks and ignores the setting."""
+    from draftsmith.target import resolve_target
+
+    folder, name = resolve_target("smollm2-135m", log=lambda *a, **k: None)
+    shape = target_shape(folder / "config.json", name)
+    cfg = load_config(REPO / "configs" / "smollm2-cpu-400.yaml")
+    assert cfg.train.processes == 2 and cfg.train.max_steps
+    two = estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=218)
+    cfg.train.processes = 1
+    one = estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=218)
+    assert two["stages"]["train"]["tokens"] == pytest.approx(2 * one["stages"]["train"]["tokens"])
+    assert two["tokens_per_s"]["train"] == pytest.approx(HARDWARE["cpu"].cpu_ranks_gain * one["tokens_per_s"]["train"])
+    step_tokens = cfg.train.max_steps * cfg.train.batch_tokens * 2
+    assert two["stages"]["train"]["tokens"] == pytest.approx(step_tokens, rel=0.02)
+    gpu_one = estimate(cfg, shape, HARDWARE["h200"], 1, prompt_tokens=100, answer_tokens=218)
+    cfg.train.processes = 2
+    gpu_two = estimate(cfg, shape, HARDWARE["h200"], 1, prompt_tokens=100, answer_tokens=218)
+    assert gpu_two["stages"]["train"] == gpu_one["stages"]["train"]
