@@ -48,11 +48,17 @@ generate:
   temperature: 0.0
   batch_size: 8
 """
+LAYERS = """\
+extract:
+  layers: {layers}          # the auxiliary layers of the drafters it will score
+"""
 
 
 def build(args) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(EVAL_SET.format(limit=args.limit, max_tokens=args.max_tokens))
+        if args.layers:
+            f.write(LAYERS.format(layers=json.dumps([int(x) for x in args.layers.split(",")])))
     cmd = [str(ROOT / ".venv" / "bin" / "draftsmith"), "run", f.name, "--run", args.run, "--until", "extract"]
     print("$", " ".join(cmd), flush=True)
     sys.exit(subprocess.call(cmd))
@@ -135,6 +141,7 @@ def main() -> None:
     b.add_argument("--run", required=True)
     b.add_argument("--limit", type=int, default=40)
     b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--layers", default=None, help="aux layer ids, e.g. 2,15,29 (default: the target's default)")
     s = sub.add_parser("score", help="replay greedy speculative decoding for a drafter")
     s.add_argument("--states", required=True, help="a run built by `build` (its extract/)")
     s.add_argument("--drafter", required=True, nargs="+", help="export folder(s), or run(s) with export/")

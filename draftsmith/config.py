@@ -114,6 +114,8 @@ class TrainConfig(_Section):
         False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on the first micro-batch, each document's first token left out), folded back into fc's weights at export, so vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean |x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's step, the same size for every weight, moves the output far more through them than through the rest.")
     teacher_temperature: float = Field(
         1.0, gt=0.0, description="The loss's target is softmax(target logits / this): below 1 sharpens the target's distribution towards its argmax, which is all that greedy verification checks; 1 is the target's own distribution.")
+    feature_noise: float = Field(
+        0.0, ge=0.0, description="Add Gaussian noise to the target's aux states while training, with a std of this times each state's RMS (per token and layer); 0: none. Why: EAGLE-1's regulariser against fitting the exact states of few training answers; serving is unchanged.")
     init_layer: int | None = Field(
         None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; None: random init. Why: with little data a random layer spends its first epochs relearning what the target's layers compute.")
     freeze_lm_head: bool = Field(

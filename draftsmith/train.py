@@ -419,7 +419,8 @@ def _objective_class():
         target_head: W_d [Dv, H], the target lm_head's rows at the draft ids.
         """
 
-        def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None, teacher_temperature: float = 1.0):
+        def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None, teacher_temperature: float = 1.0,
+                     feature_noise: float = 0.0):
             super().__init__()
             self.drafter = drafter
             self.register_buffer("target_head", target_head, persistent=False)
@@ -427,6 +428,7 @@ def _objective_class():
             self.register_buffer("fc_input_scale", fc_input_scale, persistent=False)
             self.steps, self.gamma = steps, gamma
             self.teacher_temperature = teacher_temperature
+            self.feature_noise = feature_noise
 
         def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0):
             """Returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
@@ -441,6 +443,13 @@ def _objective_class():
             R, T = input_ids.shape
             H = d.config.hidden_size
             masks = ttt_masks(input_ids, loss_mask, doc_ids, d.t2d, self.steps)
+            if self.feature_noise > 0 and self.training:
+                # train.feature_noise: Gaussian noise of std feature_noise x each state's own RMS
+                # (per token and aux layer), so the noise follows the residual stream's scale
+                A = aux_hidden.shape[-1] // H
+                a = aux_hidden.float().reshape(R, T, A, H)
+                rms = a.pow(2).mean(-1, keepdim=True).sqrt()  # [R, T, A, 1]
+                aux_hidden = (a + self.feature_noise * rms * torch.randn_like(a)).reshape(R, T, A * H).to(aux_hidden.dtype)
             if self.fc_input_scale is not None:
                 aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
             states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=position_ids,
@@ -972,7 +981,8 @@ def _train(run, cfg, **opts) -> dict:
             drafter.lm_head.weight.requires_grad_(False)  # stays the target's rows; still saved and exported
             say("draft LM head frozen at the target's rows")
         Objective = _objective_class()
-        objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature).to(device)
+        objective = Objective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
+                              tc.feature_noise).to(device)
 
         drafter_meta = {
             "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),

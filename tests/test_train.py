@@ -238,6 +238,23 @@ def test_teacher_temperature_sharpens_the_target_distribution():
     assert abs(plain.item() - expected) > 1e-3  # the temperature is not a no-op
 
 
+def test_feature_noise_perturbs_training_only():
+    d, W_d = tiny_drafter()
+    d.eval()
+    aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
+    denom = [2.0, 1.0, 1.0]
+    plain, _ = _objective_class()(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    noisy = _objective_class()(d, W_d, 3, 1.0, feature_noise=0.5)
+    torch.manual_seed(0)
+    a, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    torch.manual_seed(1)
+    b, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    assert a.item() != pytest.approx(plain.item(), rel=1e-4) and a.item() != pytest.approx(b.item(), rel=1e-4)
+    noisy.eval()  # not while evaluating: the states are what serving will see
+    c, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    assert c.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
 def test_return_hidden_gives_the_states_behind_the_logits():
     d, _ = tiny_drafter()
     aux = torch.randn(2, 9, 48)
