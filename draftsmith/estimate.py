@@ -161,14 +161,15 @@ def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: i
     return concurrency / (max(mem_s, compute_s) + overhead)
 
 
-def _drafter_params(t: TargetShape, draft_vocab: int) -> tuple[float, float]:
-    """(trainable parameters, parameters used per token per TTT step) of the one-layer drafter:
-    the fc over 3 fused layers, one Llama decoder layer at the target's widths whose q/k/v read
-    [embedding; hidden] (2h), and the draft LM head."""
+def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1) -> tuple[float, float]:
+    """(trainable parameters, parameters used per token per TTT step) of the drafter: the fc over
+    3 fused layers, a first Llama decoder layer at the target's widths whose q/k/v read
+    [embedding; hidden] (2h), num_layers - 1 plain ones (q/k/v read h), and the draft LM head."""
     h = t.hidden_size
-    layer = 2 * h * (h + 2 * t.kv_dim) + h * h + 3 * h * t.intermediate_size
+    mlp_o = h * h + 3 * h * t.intermediate_size
+    layers = 2 * h * (h + 2 * t.kv_dim) + mlp_o + (num_layers - 1) * (h * (h + 2 * t.kv_dim) + mlp_o)
     fc, head = 3 * h * h, h * draft_vocab
-    return fc + layer + head, layer + head
+    return fc + layers + head, layers + head
 
 
 # Backend dataset tokenizes each reply and its templated prompt: ~770 samples/s measured on the
@@ -206,7 +207,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
                              "seconds": tokens / min(prefill, hw.disk_bw / bytes_per_token)}
 
-    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size)
+    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers)
     flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)
     train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
     # an optimizer step takes batch_tokens x grad_accum from every rank: the devices on GPUs,

@@ -4,12 +4,13 @@ The output, RUN/export/, is in the speculators format that vLLM's `eagle3` metho
 (vllm/transformers_utils/configs/speculators/ and vllm/model_executor/models/llama_eagle3.py):
 
     config.json        speculators config: `speculators_model_type: "eagle3"`,
-                       `transformer_layer_config` (a one-layer Llama: shapes, eps, plain RoPE),
+                       `transformer_layer_config` (a Llama of train.num_layers layers, one by
+                       default: shapes, eps, plain RoPE),
                        `draft_vocab_size`, `norm_before_residual: false`, `target_hidden_size`,
                        `eagle_aux_hidden_state_layer_ids`, `speculators_config` (proposal method
                        and verifier = the target folder), plus a `draftsmith` block (target name
                        and fingerprint, checkpoint, step)
-    model.safetensors  fc, layers.0.*, norm, lm_head, d2t, t2d (no embed_tokens: vLLM then
+    model.safetensors  fc, layers.N.*, norm, lm_head, d2t, t2d (no embed_tokens: vLLM then
                        shares the target's embeddings, which is what the drafter trained with)
 
     vllm serve TARGET --speculative-config '{"model": "RUN/export", "method": "eagle3", "num_speculative_tokens": 3}'
@@ -52,20 +53,27 @@ FC_INPUT_SCALE = "fc_input_scale"
 # the stage's bookkeeping files, carried over when the built folder replaces RUN/export/
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
-# Model parameter name -> name in the exported safetensors. One-to-one today (model.py names its
-# parameters after vLLM's), but spelled out so that a rename on either side is one edit here and
-# so that the exported key set is fixed: embed_tokens is left out on purpose (see module doc).
-EXPORT_KEYS: dict[str, str] = {
-    "fc.weight": "fc.weight",
-    **{f"layers.0.self_attn.{p}_proj.weight": f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"},
-    **{f"layers.0.mlp.{p}_proj.weight": f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
-    **{f"layers.0.{n}.weight": f"layers.0.{n}.weight"
-       for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
-    "t2d": "t2d",
-}
+
+
+def export_keys(num_layers: int = 1) -> dict[str, str]:
+    """Model parameter name -> name in the exported safetensors, for a drafter of `num_layers`
+    decoder layers. One-to-one today (model.py names its parameters after vLLM's), but spelled
+    out so that a rename on either side is one edit here and so that the exported key set is
+    fixed: embed_tokens is left out on purpose (see module doc). Layers after the first have no
+    hidden_norm (vLLM builds one there but never uses it, and its eagle3 loader leaves it at ones)."""
+    keys = {"fc.weight": "fc.weight"}
+    for n in range(num_layers):
+        norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm") if n == 0 else (
+            "input_layernorm", "post_attention_layernorm")
+        keys.update({f"layers.{n}.self_attn.{p}_proj.weight": f"layers.{n}.self_attn.{p}_proj.weight" for p in "qkvo"})
+        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")})
+        keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
+    keys.update({"norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"})
+    return keys
+
+
+# the one-layer drafter's keys (the default recipe's)
+EXPORT_KEYS: dict[str, str] = export_keys(1)
 # optional in an export (vLLM uses the target's embeddings when it is absent)
 OPTIONAL_KEYS = {"embed_tokens.weight": "embed_tokens.weight"}
 # tensors that keep their integer/bool dtype; every other tensor is cast to export.dtype
@@ -168,7 +176,7 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
-        out[EXPORT_KEYS.get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
+        out[export_keys(config.num_hidden_layers).get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
     return out
 
 
@@ -193,14 +201,15 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
             found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in keys}
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         raise DraftsmithError(f"{path}: not a readable safetensors file ({e})") from None
-    for key in EXPORT_KEYS.values():
+    names = export_keys(config.num_hidden_layers)
+    for key in names.values():
         if key not in keys:
             raise DraftsmithError(f"{path}: missing tensor '{key}'")
-    extra = sorted(keys - set(EXPORT_KEYS.values()) - set(OPTIONAL_KEYS.values()) - set(allow_extra))
+    extra = sorted(keys - set(names.values()) - set(OPTIONAL_KEYS.values()) - set(allow_extra))
     if extra:
         raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
     st_kind = {"I64": "int64", "BOOL": "bool", "F32": "float", "F16": "float", "BF16": "float", "F64": "float"}
-    for key in [*EXPORT_KEYS.values(), *OPTIONAL_KEYS.values()]:  # a fixed order: the same error every time
+    for key in [*names.values(), *OPTIONAL_KEYS.values()]:  # a fixed order: the same error every time
         if key not in found or key not in shapes:
             continue
         (shape, dtype), (want, kind) = found[key], shapes[key]
@@ -237,7 +246,7 @@ def speculators_config(config, aux_layers: list[int], *, target_path: str, targe
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
@@ -299,8 +308,9 @@ def _config_from_export(cj: dict, where: str):
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         if key not in layer:
             raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be 1, got {layer.get('num_hidden_layers')}")
+    num_layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, got {num_layers!r}")
     if cj.get("norm_before_residual", True):
         raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
                               "the raw hidden state as the residual; vLLM's default is true)")
@@ -335,6 +345,7 @@ def _config_from_export(cj: dict, where: str):
             draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
             num_aux_layers=len(aux),
             hidden_act=layer.get("hidden_act", "silu"),
+            num_hidden_layers=num_layers,
         )
     except (TypeError, ValueError) as e:
         raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
@@ -391,7 +402,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
             sd["embed_tokens.weight"] = embed_weight.detach().to("cpu", torch.float32)
         else:
             sd["embed_tokens.weight"] = model.embed_tokens.weight.detach().zero_()
-    param_sd = {name: sd[export] for name, export in {**EXPORT_KEYS, **OPTIONAL_KEYS}.items()}
+    param_sd = {name: sd[export] for name, export in {**export_keys(config.num_hidden_layers), **OPTIONAL_KEYS}.items()}
     model.load_state_dict(param_sd, strict=True)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     # to(dtype) casts floating tensors only: d2t (int64) and t2d (bool) keep theirs
@@ -489,7 +500,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                                       f"expected [{sd['fc.weight'].shape[1]}]")
             sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
         tensors = {}
-        for name, export_name in EXPORT_KEYS.items():
+        for name, export_name in export_keys(config.num_hidden_layers).items():
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
         cj = speculators_config(

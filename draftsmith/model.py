@@ -1,10 +1,11 @@
 """The EAGLE-3 draft model, written to match vLLM's `llama_eagle3` exactly.
 
-One decoder layer sits on top of the target model: at every position it reads
-the embedding of the next token and a hidden state (at the first draft step:
-`fc` applied to three of the target's intermediate hidden states; at later
-steps: the drafter's own previous output), and predicts the token after that
-over a reduced "draft vocabulary".
+One decoder layer (or a few, `num_hidden_layers`) sits on top of the target
+model: at every position the first layer reads the embedding of the next token
+and a hidden state (at the first draft step: `fc` applied to three of the
+target's intermediate hidden states; at later steps: the drafter's own previous
+output), each later layer the output of the one before, and the last predicts
+the token after that over a reduced "draft vocabulary".
 
 Parameter and buffer names map one-to-one to the checkpoint format vLLM loads:
 
@@ -14,6 +15,7 @@ Parameter and buffer names map one-to-one to the checkpoint format vLLM loads:
     layers.0.self_attn.o_proj.weight         [H, heads*head_dim]
     layers.0.mlp.{gate,up,down}_proj.weight
     layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+    layers.N.*  (N >= 1)  the same without hidden_norm; q/k/v read [H] (the previous layer's output)
     norm.weight, lm_head.weight              [Dv, H]
     d2t  int64 [Dv]   target_id = draft_id + d2t[draft_id]
     t2d  bool  [V]    True where a target token is in the draft vocabulary
@@ -57,6 +59,9 @@ class Eagle3Config:
     num_aux_layers: int = 3
     # the MLP activation; vLLM's LlamaMLP only supports SiLU
     hidden_act: str = "silu"
+    # decoder layers: the first reads [emb | hidden] (2H), each later one only the
+    # previous layer's output (H), as vLLM's llama_eagle3 builds them
+    num_hidden_layers: int = 1
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -91,11 +96,13 @@ class Eagle3Config:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not isinstance(self.num_hidden_layers, int) or self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be an int >= 1, got {self.num_hidden_layers!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, draft_vocab_size: int) -> Eagle3Config:
+    def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1) -> Eagle3Config:
         """Size a drafter for a transformers LlamaConfig-like target config.
 
         Only the target's shapes are copied. The drafter always uses SiLU and
@@ -120,6 +127,7 @@ class Eagle3Config:
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 8192),
             vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
+            num_hidden_layers=num_hidden_layers,
         )
 
 
@@ -212,14 +220,14 @@ class TTTMask:
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read a 2H-wide input ([emb | hidden])."""
+    """Llama attention whose q/k/v read `in_dim` wide inputs: 2H ([emb | hidden]) in the first
+    layer, H in later ones."""
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: Eagle3Config, in_dim: int) -> None:
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        in_dim = 2 * config.hidden_size
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -233,7 +241,7 @@ class Eagle3Attention(nn.Module):
         mask: "torch.Tensor | TTTMask",
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [B, T, 2H]; cos, sin [B, T, head_dim]; past: keys/values
+        """x [B, T, in_dim]; cos, sin [B, T, head_dim]; past: keys/values
         [B, kv_heads, P, head_dim] placed before the new ones; mask bool
         [B or 1, 1, T, P+T], True = may attend, or a TTTMask.
 
@@ -280,15 +288,24 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """vLLM llama_eagle3 `LlamaDecoderLayer` (layer 0, norm_before_residual=False)."""
+    """vLLM llama_eagle3 `LlamaDecoderLayer` (norm_before_residual=False).
 
-    def __init__(self, config: Eagle3Config) -> None:
+    The first layer (first=True) reads the next token's embedding beside the hidden state:
+    q/k/v take [input_layernorm(emb) | hidden_norm(hidden)] (2H). A later layer is a plain
+    Llama layer over the previous layer's output: q/k/v take input_layernorm(hidden) (H) and
+    it has no hidden_norm (vLLM builds one for every layer but only layer 0 uses it; its
+    loader keeps the default of ones where an export has none).
+    """
+
+    def __init__(self, config: Eagle3Config, first: bool = True) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Eagle3Attention(config)
+        self.first = first
+        self.self_attn = Eagle3Attention(config, in_dim=2 * H if first else H)
         self.mlp = Eagle3MLP(config)
-        self.input_layernorm = RMSNorm(H, eps)  # over the token embeddings
-        self.hidden_norm = RMSNorm(H, eps)  # over the incoming hidden state
+        self.input_layernorm = RMSNorm(H, eps)  # over the token embeddings (first) or the hidden state
+        if first:
+            self.hidden_norm = RMSNorm(H, eps)  # over the incoming hidden state
         self.post_attention_layernorm = RMSNorm(H, eps)
 
     def forward(
@@ -301,11 +318,15 @@ class Eagle3DecoderLayer(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """embeds, hidden [B, T, H] -> pre-norm output state [B, T, H] (what
-        the next draft step reads) and this call's keys/values."""
+        the next layer or draft step reads) and this call's keys/values. A later
+        layer ignores `embeds`."""
         # gotcha: the residual is the raw incoming state, not hidden_norm of it
         # (that would be vLLM's norm_before_residual=True variant)
         residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        if self.first:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        else:
+            x = self.input_layernorm(hidden)  # [B, T, H]
         x, kv = self.self_attn(x, cos, sin, mask, past)
         x = x + residual
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -313,36 +334,38 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class DrafterCache:
-    """Keys/values of the drafter's single layer, for chain drafting.
+    """Keys/values of the drafter's layers, for chain drafting.
 
-    keys, values: [B, kv_heads, length, head_dim] (None while empty). Every row
-    of the batch has the same length. After the target rejects drafted tokens,
-    `crop(n)` rolls back to the first n entries.
+    layers[l] = (keys, values) of layer l, each [B, kv_heads, length, head_dim]
+    (empty list while empty). Every layer and every row of the batch has the same
+    length. After the target rejects drafted tokens, `crop(n)` rolls back to the
+    first n entries.
     """
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if not self.layers else self.layers[0][0].shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.keys is None:
-            self.keys, self.values = keys, values
+    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.layers[layer] if layer < len(self.layers) else None
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """kv: one (keys, values) per layer, the same new length in each."""
+        if not self.layers:
+            self.layers = list(kv)
         else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
+            if len(kv) != len(self.layers):
+                raise ValueError(f"cache holds {len(self.layers)} layers, got {len(kv)}")
+            self.layers = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
+                           for (k0, v0), (k, v) in zip(self.layers, kv)]
 
     def crop(self, n: int) -> None:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {n}")
-        if n == 0:
-            self.keys = self.values = None
-        else:
-            self.keys = self.keys[:, :, :n]
-            self.values = self.values[:, :, :n]
+        self.layers = [] if n == 0 else [(k[:, :, :n], v[:, :, :n]) for k, v in self.layers]
 
 
 def check_target_layer(cfg: Eagle3Config, layer: dict[str, torch.Tensor]) -> None:
@@ -380,7 +403,8 @@ class Eagle3Drafter(nn.Module):
         # the drafter reads the target's embeddings and never updates them
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(config.num_aux_layers * H, H, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config, first=i == 0)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         # default mapping until init_from_target: draft id i is target id i
@@ -429,14 +453,16 @@ class Eagle3Drafter(nn.Module):
         self.t2d[draft_ids] = True
 
     @torch.no_grad()
-    def init_layer_from_target(self, layer: dict[str, torch.Tensor], aux_index: int,
-                               input_scale: torch.Tensor | None = None) -> None:
-        """Start the decoder layer from one of the target's decoder layers and `fc`
-        as a pass-through of one aux state, instead of from random weights.
+    def init_layer_from_target(self, layer: "dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]",
+                               aux_index: int, input_scale: torch.Tensor | None = None) -> None:
+        """Start the decoder layers from consecutive decoder layers of the target and
+        `fc` as a pass-through of one aux state, instead of from random weights.
 
         layer: the target layer's tensors by their names inside the layer
         (`self_attn.q_proj.weight` [heads*hd, H], `mlp.gate_proj.weight`, ...,
-        `input_layernorm.weight`, `post_attention_layernorm.weight`).
+        `input_layernorm.weight`, `post_attention_layernorm.weight`), or a list of
+        num_hidden_layers such dicts, one per drafter layer. A later drafter layer
+        is a plain Llama layer and takes its target layer whole.
         aux_index: which of the fused aux states fc passes on (e.g. the last).
         input_scale: [num_aux*H] factors the aux states are multiplied by before
         fc (training's fc_input_norm), undone by fc so it still passes the state on.
@@ -455,7 +481,12 @@ class Eagle3Drafter(nn.Module):
         H, A = cfg.hidden_size, cfg.num_aux_layers
         if not -A <= aux_index < A:
             raise ValueError(f"aux_index must be in [-{A}, {A}), got {aux_index}")
-        check_target_layer(cfg, layer)
+        layers = layer if isinstance(layer, list) else [layer]
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"got {len(layers)} target layers for a drafter of {cfg.num_hidden_layers}")
+        for one in layers:
+            check_target_layer(cfg, one)
+        layer = layers[0]
         d = self.layers[0]
         for proj in ("q_proj", "k_proj", "v_proj"):
             getattr(d.self_attn, proj).weight[:, H:].copy_(layer[f"self_attn.{proj}.weight"])
@@ -472,6 +503,9 @@ class Eagle3Drafter(nn.Module):
             block = torch.diag(1.0 / input_scale[j * H:(j + 1) * H].to(block))
         self.fc.weight.zero_()
         self.fc.weight[:, j * H:(j + 1) * H].copy_(block)
+        for d, src in zip(self.layers[1:], layers[1:]):
+            for name, p in d.named_parameters():
+                p.copy_(src[name])
 
     def draft_ids(self) -> torch.Tensor:
         """The target token id of every draft id, [Dv] int64."""
@@ -541,8 +575,8 @@ class Eagle3Drafter(nn.Module):
             blocked = TTTMask(step0_mask, attn_block)
 
         hidden = self.fuse(aux_hidden)  # [B, L, H]
-        layer = self.layers[0]
-        past: tuple[torch.Tensor, torch.Tensor] | None = None
+        # per layer: keys/values of steps 0..k-1, [B, kv_heads, kL, head_dim]
+        pasts: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
         logits = []
         for k in range(steps):
             # step k reads t_{i+1+k} at index i; the tail has no token (fill 0)
@@ -554,9 +588,12 @@ class Eagle3Drafter(nn.Module):
                 mask = torch.cat([step0_mask] + [diag] * k, dim=-1)  # [B, 1, L, (k+1)L]
             else:
                 mask = blocked
-            hidden, (k_new, v_new) = layer(self.embed_tokens(ids), hidden, cos, sin, mask, past)
-            past = (k_new, v_new) if past is None else (
-                torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))
+            embeds = self.embed_tokens(ids)
+            for n, layer in enumerate(self.layers):
+                past = pasts[n]
+                hidden, (k_new, v_new) = layer(embeds, hidden, cos, sin, mask, past)
+                pasts[n] = (k_new, v_new) if past is None else (
+                    torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))
             logits.append(hidden if return_hidden else self.lm_head(self.norm(hidden)))
         return logits
 
@@ -586,15 +623,17 @@ class Eagle3Drafter(nn.Module):
                              f"{self.config.num_aux_layers * H}, got {hidden.shape[-1]}")
         T = input_ids.shape[1]
         P = 0 if cache is None else cache.length
-        past = None if P == 0 else (cache.keys, cache.values)
         # [T, P+T]: every cached entry, then causal among the new tokens
         j = torch.arange(P + T, device=input_ids.device)
         i = torch.arange(T, device=input_ids.device)
         mask = (j[None, :] <= (i[:, None] + P))[None, None]  # [1, 1, T, P+T]
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        out, (k, v) = self.layers[0](self.embed_tokens(input_ids), hidden, cos, sin, mask, past)
+        embeds, out, kv = self.embed_tokens(input_ids), hidden, []
+        for n, layer in enumerate(self.layers):
+            out, new = layer(embeds, out, cos, sin, mask, None if P == 0 else cache.past(n))
+            kv.append(new)
         if cache is not None:
-            cache.append(k, v)
+            cache.append(kv)
         return self.lm_head(self.norm(out)), out
 
     def num_trainable_parameters(self) -> int:

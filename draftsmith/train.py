@@ -885,16 +885,23 @@ def _train(run, cfg, **opts) -> dict:
 
         hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
         hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-        dcfg = Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=int(d2t.numel()))
+        dcfg = Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=int(d2t.numel()), num_hidden_layers=tc.num_layers)
         init_layer = None
         if tc.init_layer is not None:
+            # drafter layer n starts from target layer init_layer - (num_layers - 1) + n: the last from init_layer
+            first = tc.init_layer - (tc.num_layers - 1)
             if not 0 <= tc.init_layer < info.num_layers:
                 raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target (0..{info.num_layers - 1})")
-            init_layer = {k: v.float() for k, v in read_target_layer(info, tc.init_layer).items()}
-            try:
-                check_target_layer(dcfg, init_layer)
-            except ValueError as e:
-                raise DraftsmithError(f"train.init_layer: layer {tc.init_layer} of {info.name}: {e}") from None
+            if first < 0:
+                raise DraftsmithError(f"train.init_layer: {tc.init_layer} with train.num_layers {tc.num_layers} needs target "
+                                      f"layers {first}..{tc.init_layer}; the target has 0..{info.num_layers - 1}")
+            init_layer = []
+            for n in range(first, tc.init_layer + 1):
+                init_layer.append({k: v.float() for k, v in read_target_layer(info, n).items()})
+                try:
+                    check_target_layer(dcfg, init_layer[-1])
+                except ValueError as e:
+                    raise DraftsmithError(f"train.init_layer: layer {n} of {info.name}: {e}") from None
 
         # -- rank 0 prepares the folder; the others wait ---------------------------------------------
         if rank == 0:
@@ -976,7 +983,8 @@ def _train(run, cfg, **opts) -> dict:
         if init_layer is not None:
             # after the fc input scale: fc's block is diag(1 / scale), so it passes on (aux * scale) / scale = aux
             drafter.init_layer_from_target(init_layer, aux_index=-1, input_scale=scale)
-            say(f"decoder layer initialised from the target's layer {tc.init_layer}; fc passes aux layer {layers[-1]} through")
+            which = f"layer {tc.init_layer}" if tc.num_layers == 1 else f"layers {first}..{tc.init_layer}"
+            say(f"decoder layers initialised from the target's {which}; fc passes aux layer {layers[-1]} through")
         if tc.freeze_lm_head:
             drafter.lm_head.weight.requires_grad_(False)  # stays the target's rows; still saved and exported
             say("draft LM head frozen at the target's rows")
@@ -1019,7 +1027,8 @@ def _train(run, cfg, **opts) -> dict:
         if world > 1 and tc.fsdp:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(drafter.layers[0])
+            for layer in drafter.layers:
+                fully_shard(layer)
             fully_shard(objective)
         elif world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP

@@ -108,7 +108,7 @@ def cli():
 
 def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int] | None = None,
                              draft_vocab_size: int | None = None, seed: int = 0, step: int = 10,
-                             ttt_steps: int = 3) -> Path:
+                             ttt_steps: int = 3, num_layers: int = 1) -> Path:
     """A training checkpoint folder as `train` writes it (model.safetensors without embed_tokens,
     drafter.json, state.json last), holding a randomly initialised Eagle3Drafter for `target`
     (initialised from the target's embeddings, lm_head rows and final norm)."""
@@ -127,7 +127,7 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     hf = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32)
     V = info.vocab_size
     dv = draft_vocab_size or V
-    config = Eagle3Config.from_target_config(hf.config, dv)
+    config = Eagle3Config.from_target_config(hf.config, dv, num_hidden_layers=num_layers)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(config)
     with torch.no_grad():

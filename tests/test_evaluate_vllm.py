@@ -328,16 +328,19 @@ def trained_run(smol_target, tmp_path_factory, one_thread) -> RunDir:
     from draftsmith.vocab import run_vocab
 
     run = RunDir(tmp_path_factory.mktemp("agree") / "run").ensure()
-    cfg = load_config(None, [
-        f"target={smol_target}", "dtype=float32",
-        "generate.prompts=mt-bench", f"generate.limit={AGREE_PROMPTS}", "generate.first_turn_only=true",
-        f"generate.max_tokens={AGREE_TOKENS}", "generate.batch_size=1",
-        "prepare.max_length=512", "vocab.draft_vocab_size=2048",
-        "train.mode=offline", "train.max_steps=60", "train.lr=5e-3", "train.warmup_steps=2", "train.seq_len=512",
-        "train.batch_tokens=512", "train.checkpoint_every=1000"])
+    cfg = load_config(None, train_sets(smol_target))
     for stage in (run_generate, run_prepare, run_vocab, run_extract, run_train, run_export):
         stage(run, cfg)
     return run
+
+
+def train_sets(smol_target, *more):
+    return [f"target={smol_target}", "dtype=float32",
+            "generate.prompts=mt-bench", f"generate.limit={AGREE_PROMPTS}", "generate.first_turn_only=true",
+            f"generate.max_tokens={AGREE_TOKENS}", "generate.batch_size=1",
+            "prepare.max_length=512", "vocab.draft_vocab_size=2048",
+            "train.mode=offline", "train.max_steps=60", "train.lr=5e-3", "train.warmup_steps=2", "train.seq_len=512",
+            "train.batch_tokens=512", "train.checkpoint_every=1000", *more]
 
 
 def eval_sets(smol_target, *more):
@@ -418,3 +421,33 @@ def test_vllm_report_counts_speedup_and_server(evals, trained_run):
     assert {"vllm.log", "vllm_baseline.log", "vllm_baseline.jsonl", "engine.json"} <= set(m["outputs"])
     md = (d / "report.md").read_text()
     assert "vLLM 0.32.0" in md and "--enforce-eager" in md
+
+
+@pytest.mark.vllm
+def test_two_layer_drafter_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, one_thread):
+    """train.num_layers=2: vLLM's llama_eagle3 loads the export (layer 1 without hidden_norm) and
+    drafts what draftsmith's own engine drafts, in float32 at temperature 0."""
+    import shutil
+
+    from draftsmith.train import run_train
+
+    run = RunDir(tmp_path / "run").ensure()
+    for name in ("generate", "prepare", "vocab", "extract"):
+        shutil.copytree(trained_run.path / name, run.path / name, symlinks=True)
+    cfg = load_config(None, train_sets(smol_target, "train.num_layers=2", "train.init_layer=29"))
+    run_train(run, cfg)
+    run_export(run, cfg)
+    assert json.loads((run.path / "export/config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
+    reps = {}
+    for name, sets in (("local", ["dtype=float32", "eval.baseline=false"]),
+                       ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"])):
+        run_eval(run, load_config(None, eval_sets(smol_target, *sets)))
+        reps[name] = json.loads((run.path / "eval" / "report.json").read_text()), answers(run)
+    (lrep, lans), (vrep, vans) = reps["local"], reps["vllm"]
+    l_tau, v_tau = lrep["acceptance_length"], vrep["acceptance_length"]
+    print(f"\ntwo layers, float32: acceptance length local {l_tau:.4f}, vLLM {v_tau:.4f}; identical answers "
+          f"{sum(a['token_ids'] == b['token_ids'] for a, b in zip(lans, vans))}/{AGREE_PROMPTS}")
+    assert l_tau > 1.5, "the drafter should have clearly non-zero acceptance"
+    assert abs(v_tau - l_tau) <= 0.05 * l_tau
+    for j in range(3):
+        assert abs(vrep["acceptance_per_position"][j] - lrep["acceptance_per_position"][j]) <= 0.05

@@ -115,6 +115,27 @@ def test_round_trip_equals_checkpoint(trained_run, tiny_target):
         assert torch.equal(model.state_dict()[name], want), name
 
 
+def test_two_layer_drafter_exports_and_reads_back(tmp_path, tiny_target):
+    run = RunDir(tmp_path / "run").ensure()
+    write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV,
+                             num_layers=2)
+    run_export(run, cfg_for(tiny_target, "export.dtype=float32"))
+    cj = json.loads((run.path / "export" / "config.json").read_text())
+    assert cj["transformer_layer_config"]["num_hidden_layers"] == 2
+    with safe_open(str(run.path / "export" / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        q1 = tuple(f.get_slice("layers.1.self_attn.q_proj.weight").get_shape())
+    # layer 1 as vLLM's llama_eagle3 builds it: q/k/v over H, no hidden_norm (it stays at ones there)
+    assert keys == VLLM_KEYS | {k.replace("layers.0.", "layers.1.") for k in VLLM_KEYS
+                                if k.startswith("layers.0.") and "hidden_norm" not in k}
+    assert q1 == (64, 64)
+    ckpt = load_file(str(run.path / "train" / "final" / "model.safetensors"))
+    model, info = load_exported(run.path / "export")
+    assert info["config"].num_hidden_layers == 2 and len(model.layers) == 2
+    for name, t in ckpt.items():
+        assert torch.equal(model.state_dict()[name], t), name
+
+
 def test_checkpoint_choice(tmp_path, tiny_target):
     run = RunDir(tmp_path / "run").ensure()
     with pytest.raises(DraftsmithError, match="no complete checkpoint"):

@@ -22,9 +22,9 @@ def make_config(**overrides) -> Eagle3Config:
     return Eagle3Config(**kwargs)
 
 
-def make_drafter(seed: int = 0) -> Eagle3Drafter:
+def make_drafter(seed: int = 0, layers: int = 1) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    model = Eagle3Drafter(make_config())
+    model = Eagle3Drafter(make_config(num_hidden_layers=layers))
     # random norm weights too, so a swapped or skipped norm changes the output
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,6 +59,18 @@ def test_state_dict_names_match_vllm_export():
     assert sd["lm_head.weight"].shape == (DV, H)
     assert sd["d2t"].dtype == torch.long and sd["d2t"].shape == (DV,)
     assert sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (V,)
+
+
+def test_later_layers_read_only_the_previous_output():
+    # vLLM's llama_eagle3 builds layer n >= 1 with q/k/v over H and uses no hidden_norm there
+    sd = Eagle3Drafter(make_config(num_hidden_layers=3)).state_dict()
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (HEADS * 8, 2 * H)
+    for n in (1, 2):
+        assert sd[f"layers.{n}.self_attn.q_proj.weight"].shape == (HEADS * 8, H)
+        assert sd[f"layers.{n}.self_attn.k_proj.weight"].shape == (KV_HEADS * 8, H)
+        assert f"layers.{n}.hidden_norm.weight" not in sd and f"layers.{n}.input_layernorm.weight" in sd
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        make_config(num_hidden_layers=0)
 
 
 def test_embeddings_frozen():
@@ -142,10 +154,11 @@ def test_decoder_layer_follows_vllm_residual_structure():
 # --- training-time test == inference -----------------------------------------
 
 @torch.no_grad()
-def test_ttt_matches_cached_chain_drafting():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_ttt_matches_cached_chain_drafting(layers):
     """The central guarantee: ttt_forward's step-k logits at index i are what
     chain drafting with a KV cache produces after the prefix t_0..t_{i+1}."""
-    model = make_drafter()
+    model = make_drafter(layers=layers)
     B, L, steps = 2, 12, 3
     ids, aux = make_batch(B, L)
     # a non-zero position offset per row, as if the sequence continued a prompt
@@ -175,8 +188,9 @@ def test_ttt_matches_cached_chain_drafting():
 
 
 @torch.no_grad()
-def test_cache_prefill_in_chunks_matches_one_shot():
-    model = make_drafter()
+@pytest.mark.parametrize("layers", [1, 2])
+def test_cache_prefill_in_chunks_matches_one_shot(layers):
+    model = make_drafter(layers=layers)
     ids, aux = make_batch(L=10)
     pos = torch.arange(10).expand(2, 10)
     full, _ = model(ids, aux, pos, DrafterCache())
@@ -193,8 +207,9 @@ def test_cache_prefill_in_chunks_matches_one_shot():
 
 
 @torch.no_grad()
-def test_packed_documents_match_separate_documents():
-    model = make_drafter()
+@pytest.mark.parametrize("layers", [1, 2])
+def test_packed_documents_match_separate_documents(layers):
+    model = make_drafter(layers=layers)
     steps, La, Lb = 3, 7, 6
     ids, aux = make_batch(B=1, L=La + Lb)
     pos = torch.cat([torch.arange(La), torch.arange(Lb)])[None]
@@ -322,32 +337,34 @@ def _llama_layer_tensors(cfg: Eagle3Config, seed: int = 3) -> dict[str, torch.Te
 
 
 @torch.no_grad()
-def test_init_layer_from_target_is_the_target_layer_on_the_passed_aux_state():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_init_layer_from_target_is_the_target_layer_on_the_passed_aux_state(layers):
     # With the embedding half of q/k/v zeroed, the drafter's step 0 on aux state 2 is exactly
-    # transformers' Llama decoder layer on that state: fc passes it through, the layer is a copy.
+    # transformers' Llama decoder layers on that state: fc passes it through, the layers are copies.
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     cfg = make_config(rope_theta=10000.0)
-    model = make_drafter()
-    tensors = _llama_layer_tensors(cfg)
-    model.init_layer_from_target(tensors, aux_index=-1)
+    model = make_drafter(layers=layers)
+    tensors = [_llama_layer_tensors(cfg, seed=3 + n) for n in range(layers)]
+    model.init_layer_from_target(tensors if layers > 1 else tensors[0], aux_index=-1)
     for proj in ("q_proj", "k_proj", "v_proj"):
         getattr(model.layers[0].self_attn, proj).weight[:, :H] = 0
 
     hf_cfg = LlamaConfig(hidden_size=H, intermediate_size=cfg.intermediate_size, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, rope_theta=10000.0, rms_norm_eps=cfg.rms_norm_eps)
     hf_cfg._attn_implementation = "eager"
-    ref = LlamaDecoderLayer(hf_cfg, layer_idx=0)
-    ref.load_state_dict(tensors)
-
     ids, aux = make_batch(B=2, L=7)
     L = ids.shape[1]
     pos = torch.arange(L).expand(2, L)
     causal = torch.full((L, L), float("-inf")).triu(1)[None, None]
-    out = ref(aux[..., 2 * H:], attention_mask=causal, position_ids=pos,
-              position_embeddings=LlamaRotaryEmbedding(hf_cfg)(aux, pos))
-    out = out[0] if isinstance(out, tuple) else out
+    out = aux[..., 2 * H:]
+    for n in range(layers):
+        ref = LlamaDecoderLayer(hf_cfg, layer_idx=n)
+        ref.load_state_dict(tensors[n])
+        out = ref(out, attention_mask=causal, position_ids=pos,
+                  position_embeddings=LlamaRotaryEmbedding(hf_cfg)(aux, pos))
+        out = out[0] if isinstance(out, tuple) else out
     _, prenorm = model(ids, aux, pos)
     torch.testing.assert_close(prenorm, out, rtol=1e-4, atol=1e-5)
 
@@ -366,5 +383,7 @@ def test_init_layer_from_target_undoes_an_input_scale_and_refuses_foreign_layers
         model.init_layer_from_target({**tensors, "self_attn.q_proj.bias": torch.zeros(H)}, aux_index=-1)
     with pytest.raises(ValueError, match="no mlp.up_proj.weight"):
         model.init_layer_from_target({k: v for k, v in tensors.items() if k != "mlp.up_proj.weight"}, aux_index=-1)
+    with pytest.raises(ValueError, match="got 1 target layers for a drafter of 2"):
+        make_drafter(layers=2).init_layer_from_target(tensors, aux_index=-1)
     with pytest.raises(ValueError, match=r"o_proj.weight must be \[32, 32\]"):
         model.init_layer_from_target({**tensors, "self_attn.o_proj.weight": torch.zeros(H, 2 * H)}, aux_index=-1)

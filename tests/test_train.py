@@ -431,6 +431,26 @@ def test_init_layer_starts_from_the_target_layer_and_a_bad_value_keeps_the_run(s
     assert not (run.path / "train/previous").exists()
 
 
+def test_two_layers_start_from_the_target_layers_before_init_layer(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    run_train(run, cfg_for(tiny8, max_steps=2, checkpoint_every=2, lr=1e-12, init_layer=7, num_layers=2))
+    meta = json.loads((run.path / "train/final/drafter.json").read_text())
+    assert meta["config"]["num_hidden_layers"] == 2
+    w = final_weights(run)
+    target = {k: v.float() for k, v in load_file(str(tiny8 / "model.safetensors")).items()}
+    H = 64
+    # drafter layer 0 <- target layer 6 (its hidden half), layer 1 <- target layer 7, whole
+    torch.testing.assert_close(w["layers.0.self_attn.q_proj.weight"][:, H:], target["model.layers.6.self_attn.q_proj.weight"])
+    torch.testing.assert_close(w["layers.0.mlp.up_proj.weight"], target["model.layers.6.mlp.up_proj.weight"])
+    for name in ("self_attn.k_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+        torch.testing.assert_close(w[f"layers.1.{name}"], target[f"model.layers.7.{name}"])
+    assert "layers.1.hidden_norm.weight" not in w
+
+    r = run_cli(*cli_args(run, tiny8, max_steps=2, checkpoint_every=2, init_layer=0, num_layers=2), env=THREADS)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "train.init_layer: 0 with train.num_layers 2 needs target layers -1..0" in r.stderr
+
+
 def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
     m0 = run_train(run, cfg_for(tiny8, max_steps=3, checkpoint_every=3, lr=1e-2))
