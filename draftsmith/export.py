@@ -54,7 +54,6 @@ FC_INPUT_SCALE = "fc_input_scale"
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
 
-
 def export_keys(num_layers: int = 1) -> dict[str, str]:
     """Model parameter name -> name in the exported safetensors, for a drafter of `num_layers`
     decoder layers. One-to-one today (model.py names its parameters after vLLM's), but spelled
@@ -72,8 +71,6 @@ def export_keys(num_layers: int = 1) -> dict[str, str]:
     return keys
 
 
-# the one-layer drafter's keys (the default recipe's)
-EXPORT_KEYS: dict[str, str] = export_keys(1)
 # optional in an export (vLLM uses the target's embeddings when it is absent)
 OPTIONAL_KEYS = {"embed_tokens.weight": "embed_tokens.weight"}
 # tensors that keep their integer/bool dtype; every other tensor is cast to export.dtype
@@ -173,10 +170,10 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
 
     with torch.device("meta"):
         model = Eagle3Drafter(config)
-    out = {}
+    out, names = {}, export_keys(config.num_hidden_layers)
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
-        out[export_keys(config.num_hidden_layers).get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
+        out[names.get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
     return out
 
 

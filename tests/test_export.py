@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.export import EXPORT_KEYS, find_checkpoint, load_exported, run_export
+from draftsmith.export import export_keys, find_checkpoint, load_exported, run_export
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
 
@@ -75,7 +75,7 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
         keys = set(f.keys())
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
         dtypes = {k: f.get_slice(k).get_dtype() for k in keys}
-    assert keys == VLLM_KEYS == set(EXPORT_KEYS.values())  # no embed_tokens: vLLM shares the target's
+    assert keys == VLLM_KEYS == set(export_keys(1).values())  # no embed_tokens: vLLM shares the target's
     assert shapes["fc.weight"] == (64, 3 * 64)
     assert shapes["layers.0.self_attn.q_proj.weight"] == (64, 128)
     assert shapes["layers.0.self_attn.k_proj.weight"] == (32, 128)
@@ -259,6 +259,11 @@ def _edit_weights(folder: Path, fn) -> None:
     (lambda d: _edit_config(d, lambda c: c["transformer_layer_config"].pop("hidden_size")),
      r"config\.json: missing 'transformer_layer_config\.hidden_size'"),
     (lambda d: _edit_config(d, lambda c: c.pop("speculators_config")), r"config\.json: 'speculators_config' needs"),
+    (lambda d: _edit_config(d, lambda c: c["transformer_layer_config"].__setitem__("num_hidden_layers", 0)),
+     r"config\.json: 'transformer_layer_config\.num_hidden_layers' must be an int >= 1, got 0"),
+    # a two-layer config over one-layer weights
+    (lambda d: _edit_config(d, lambda c: c["transformer_layer_config"].__setitem__("num_hidden_layers", 2)),
+     r"model\.safetensors: missing tensor 'layers\.1\.self_attn\.q_proj\.weight'"),
 ])
 def test_load_exported_rejects_broken_folders(exported, break_it, message):
     load_exported(exported)  # intact first
