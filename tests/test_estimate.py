@@ -130,3 +130,28 @@ def test_cpu_training_ranks_take_their_share_of_each_step():
     cfg.train.processes = 2
     gpu_two = estimate(cfg, shape, HARDWARE["h200"], 1, prompt_tokens=100, answer_tokens=218)
     assert gpu_two["stages"]["train"] == gpu_one["stages"]["train"]
+
+
+def test_drafter_size_follows_train_num_layers():
+    """The estimate's drafter is the model.py drafter: its trainable parameters for 1 and 2 decoder
+    layers (norm weights aside), and a second layer slows the training estimate accordingly."""
+    import torch
+    from transformers import AutoConfig
+
+    from draftsmith.model import Eagle3Config, Eagle3Drafter
+    from draftsmith.target import resolve_target
+
+    folder, name = resolve_target("smollm2-135m", log=lambda *a, **k: None)
+    shape = target_shape(folder / "config.json", name)
+    cfg = load_config(REPO / "configs" / "smollm2-cpu-400.yaml")
+    hf = AutoConfig.from_pretrained(folder)
+    got = {}
+    for n in (1, 2):
+        cfg.train.num_layers = n
+        got[n] = estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=218)
+        with torch.device("meta"):
+            model = Eagle3Drafter(Eagle3Config.from_target_config(hf, cfg.vocab.draft_vocab_size, num_hidden_layers=n))
+        real = sum(p.numel() for name_, p in model.named_parameters() if p.requires_grad and "norm" not in name_)
+        assert got[n]["drafter_params"] == real
+    assert got[2]["tokens_per_s"]["train"] < 0.8 * got[1]["tokens_per_s"]["train"]
+    assert got[2]["stages"]["train"]["seconds"] > got[1]["stages"]["train"]["seconds"]
