@@ -124,6 +124,13 @@ class TrainConfig(_Section):
         False, description="Keep the draft LM head at the target's own rows (no gradient): the drafter then has to produce a state the target's head reads as the target would, 4.7M fewer parameters to fit from little data (SmolLM2, 8,192 draft tokens) and no weight gradient for the head to compute. Measured on SmolLM2 at 295k tokens it lost a little (replayed tau 1.366 -> 1.345, docs/benchmarks.md): off by default.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    max_minutes: float | None = Field(
+        None, gt=0.0, description="Stop training once this many minutes of training steps have run (summed over resumes; "
+        "loading the model and data before the first step not counted), and run the cosine decay on the share of this time "
+        "spent (or of the steps, whichever is further), so the run ends at min_lr whether the machine is fast or slow; "
+        "epochs or max_steps still cap the steps. Why: a step count fitted to a time budget overruns it when the machine "
+        "runs slow and leaves time unused when it runs fast (this 2-core VM varied between ~1,000 and ~1,400 tokens/s). "
+        "The number of steps then depends on the machine's speed, so two runs need not end with the same weights.")
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")

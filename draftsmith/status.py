@@ -98,6 +98,7 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     last = events[-1] if events else start
     row: dict[str, Any] = {
         "rank": start.get("rank", 0),
+        "world_size": start.get("world_size", 1),
         "done": last.get("done", start.get("done", 0)),
         "total": last.get("total", start.get("total")),
         "unit": start.get("unit"),
@@ -253,6 +254,12 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         return row
     journals = sorted(p for p in d.glob("progress*.jsonl") if ".prev." not in p.name)
     ranks = [r for r in (journal_state(p, now, host) for p in journals) if r is not None]
+    if ranks:
+        # only the latest attempt's journals: one with another number of ranks (a two-rank train rerun in
+        # one process, say) leaves journals under other names that would otherwise be read as its ranks
+        latest = max(ranks, key=lambda r: r["started"] or 0.0)
+        w = latest["world_size"] or 1
+        ranks = [r for r in ranks if (r["world_size"] or 1) == w and r["rank"] < w]
     manifest_done = (d / MANIFEST).is_file()
     if ranks:
         ranks.sort(key=lambda r: r["rank"])

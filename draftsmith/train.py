@@ -59,7 +59,7 @@ CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes")
 # knobs added after runs were made, with their defaults
-LATER_KNOBS = {"freeze_lm_head": False}
+LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None}
 ADAM_BETAS = (0.9, 0.95)
 
 EPILOG = """Examples:
@@ -379,7 +379,10 @@ class Prefetcher:
         return item
 
     def close(self) -> None:
+        # Join, not just signal: a daemon thread still inside torch when the interpreter exits can
+        # abort the process ("terminate called without an active exception") after the work is done.
         self._stop.set()
+        self._thread.join(timeout=60)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -515,12 +518,18 @@ def step_counts(batch: Batch, t2d, steps: int):
     return torch.stack([v.sum() for _, v in masks]).double()
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """LR multiplier at optimizer step s (0-based): linear warm-up, then cosine to min_ratio."""
+def lr_lambda(warmup: int, total: int, min_ratio: float, time_share=None):
+    """LR multiplier at optimizer step s (0-based): linear warm-up, then cosine to min_ratio.
+
+    `time_share()`, when given, returns the share of a time budget spent (0..1); the cosine then
+    follows whichever of steps and time is further along.
+    """
     def f(s: int) -> float:
         if s < warmup:
             return (s + 1) / warmup
         progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        if time_share is not None:
+            progress = max(progress, min(1.0, time_share()))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
@@ -1015,6 +1024,8 @@ def _train(run, cfg, **opts) -> dict:
                 raise DraftsmithError(f"{resume_dir / CKPT_WEIGHTS}: tensors do not match the drafter "
                                       f"(missing {sorted(set(missing) - {'embed_tokens.weight'})[:3]}, unexpected {unexpected[:3]})")
         start_step = int(state.get("step", 0))
+        if state and int(state.get("total_steps", -1)) == start_step:
+            total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
         position = (int(state.get("epoch", 0)), int(state.get("micro_batch", 0)))
         tokens_seen = int(state.get("tokens_seen", 0))
         samples_seen = int(state.get("samples_seen", 0))
@@ -1037,7 +1048,13 @@ def _train(run, cfg, **opts) -> dict:
         params = [p for p in objective.parameters() if p.requires_grad]
         fused = device.type in ("cpu", "cuda") and not (world > 1 and tc.fsdp)
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay, fused=fused)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
+        # train.max_minutes: rank 0's seconds of training so far, summed over attempts, shared with every
+        # rank once per step (so all ranks take the same learning rate and stop at the same step)
+        budget_s = None if tc.max_minutes is None else tc.max_minutes * 60.0
+        train_s0 = float(state.get("train_s", 0.0))
+        clock = [train_s0]
+        time_share = None if budget_s is None else (lambda: clock[0] / budget_s)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, time_share))
         sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if resume_dir is not None:
             saved = torch.load(resume_dir / CKPT_OPTIM, weights_only=True, map_location="cpu")
@@ -1071,7 +1088,8 @@ def _train(run, cfg, **opts) -> dict:
                 st = {"step": step, "total_steps": total_steps, "epoch": position[0], "micro_batch": position[1],
                       "tokens_seen": tokens_seen, "samples_seen": samples_seen, "world_size": world,
                       "grad_accum": tc.grad_accum, "train_fingerprint": fp, "time": time.time(),
-                      "elapsed_s": round(time.time() - started, 3), "metrics": metrics}
+                      "elapsed_s": round(time.time() - started, 3), "metrics": metrics,
+                      "train_s": round(train_s0 + time.perf_counter() - loop_t0, 3)}
                 write_checkpoint(dest, model_sd, {**drafter_meta, "step": step}, {"optimizer": osd, "scheduler": scheduler.state_dict()},
                                  rng, st)
                 if dest.parent == ck_dir:
@@ -1093,7 +1111,8 @@ def _train(run, cfg, **opts) -> dict:
                 from torch.utils.tensorboard import SummaryWriter
 
                 tb = SummaryWriter(str(d / "tb"), purge_step=start_step + 1)
-        say(f"{tc.mode} training: {len(lengths)} samples, {total_steps} steps of {per_step} micro-batches "
+        budget_note = "" if budget_s is None else f" or {tc.max_minutes:g} min of steps ({train_s0 / 60:.1f} done)"
+        say(f"{tc.mode} training: {len(lengths)} samples, {total_steps} steps{budget_note} of {per_step} micro-batches "
             f"({rows_per_batch} x {row_len} tokens), {tc.ttt_steps} TTT steps, {precision}, {world} rank(s) on {device}, "
             f"draft vocab {d2t.numel()}, aux layers {layers}")
 
@@ -1111,6 +1130,8 @@ def _train(run, cfg, **opts) -> dict:
         grad_norm = float("nan")
         metrics: dict | None = state.get("metrics")
         step = start_step
+        planned = total_steps  # what the log and status show: with a time budget, the steps it is expected to allow
+        loop_t0 = time.perf_counter()
         with Progress(run, STAGE, total=total_steps, unit="steps", done=start_step, stall_after_s=cfg.stall_after_s,
                       console=False, shared=True) as prog:
             try:
@@ -1125,14 +1146,19 @@ def _train(run, cfg, **opts) -> dict:
                     # positions per TTT step over the whole step (all ranks), plus the step's tokens and
                     # samples and rank 0's "log after this step" decision, in one all-reduce
                     head = torch.stack([step_counts(b, t2d_dev, steps_n) for b in mbs]).sum(0)
-                    want_log = rank == 0 and (time.time() - last_log >= tc.log_every_s or step + 1 == total_steps)
-                    extra = torch.tensor([sum(b.tokens for b in mbs), sum(len(b.samples) for b in mbs), float(want_log)],
-                                         dtype=torch.float64, device=device)
+                    # with a time budget, rank 0 ends the run at the last step that fits in it, by the mean step time so far
+                    now_s = train_s0 + time.perf_counter() - loop_t0 if rank == 0 else 0.0
+                    step_s = (now_s - train_s0) / (step - start_step) if step > start_step else 0.0
+                    last_by_time = rank == 0 and budget_s is not None and now_s + step_s >= budget_s
+                    want_log = rank == 0 and (time.time() - last_log >= tc.log_every_s or step + 1 == total_steps or last_by_time)
+                    extra = torch.tensor([sum(b.tokens for b in mbs), sum(len(b.samples) for b in mbs), float(want_log),
+                                          now_s, float(last_by_time)], dtype=torch.float64, device=device)
                     shared = torch.cat([head, extra])
                     if world > 1:
                         dist.all_reduce(shared)
                     shared = shared.tolist()
-                    denom, step_tokens, step_samples, do_log = shared[:steps_n], int(shared[-3]), int(shared[-2]), shared[-1] > 0
+                    denom, step_tokens, step_samples = shared[:steps_n], int(shared[-5]), int(shared[-4])
+                    do_log, clock[0], stop_now = shared[-3] > 0, shared[-2], shared[-1] > 0
 
                     bad: list[str] = []
                     for j, b in enumerate(mbs):
@@ -1179,6 +1205,9 @@ def _train(run, cfg, **opts) -> dict:
                     samples_seen += step_samples
                     win_tokens += step_tokens
                     win_steps += 1
+                    if stop_now:
+                        total_steps = planned = step  # the time budget ends the run here
+                        prog.set_total(step)
                     prog.advance(1)
 
                     if do_log:
@@ -1190,9 +1219,14 @@ def _train(run, cfg, **opts) -> dict:
                         dt = time.perf_counter() - win_t0
                         tps = win_tokens / dt if dt > 0 else 0.0
                         eta = (total_steps - step) * dt / max(1, win_steps)
+                        if budget_s is not None and not stop_now:
+                            left_s = max(0.0, budget_s - clock[0])
+                            eta = min(eta, left_s)
+                            planned = min(total_steps, step + int(left_s * win_steps / dt)) if dt > 0 else planned
+                            prog.set_total(planned)
                         tau = acceptance_length([a if a == a else 0.0 for a in acc_k])
                         metrics = {
-                            "step": step, "total_steps": total_steps, "epoch": position[0], "loss": loss_k, "acc": acc_k,
+                            "step": step, "total_steps": planned, "epoch": position[0], "loss": loss_k, "acc": acc_k,
                             "acceptance_length": tau, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                             "tokens_per_s": tps, "tokens": tokens_seen, "samples": samples_seen,
                             "elapsed_s": time.time() - started, "cpu_s": time.process_time() - cpu0,
@@ -1207,7 +1241,7 @@ def _train(run, cfg, **opts) -> dict:
                                 for key in ("acceptance_length", "lr", "grad_norm", "tokens_per_s"):
                                     tb.add_scalar(f"train/{key}", metrics[key], step)
                                 tb.flush()
-                            say(f"step {step}/{total_steps} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
+                            say(f"step {step}/{planned} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
                                 + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k) + f" | tau {tau:.2f}"
                                 + f" | {tps:,.0f} tok/s | lr {metrics['lr']:.2e} | gnorm {grad_norm:.2f} | ETA {fmt_duration(eta)}")
                         stats_sum.zero_()
@@ -1215,6 +1249,8 @@ def _train(run, cfg, **opts) -> dict:
                         win_tokens, win_steps, win_t0 = 0, 0, time.perf_counter()
                         last_log = time.time()
 
+                    if stop_now:
+                        break
                     if step % tc.checkpoint_every == 0 and step < total_steps:
                         checkpoint(ck_dir / f"step_{step}", step, metrics)
             finally:
@@ -1232,7 +1268,8 @@ def _train(run, cfg, **opts) -> dict:
                 final_metrics = metrics or {}
                 counts = {"done": step, "total": total_steps, "unit": "steps", "tokens": tokens_seen, "samples": samples_seen,
                           "acceptance_length": final_metrics.get("acceptance_length"),
-                          "loss": final_metrics.get("loss"), "acc": final_metrics.get("acc")}
+                          "loss": final_metrics.get("loss"), "acc": final_metrics.get("acc"),
+                          "train_minutes": round((train_s0 + time.perf_counter() - loop_t0) / 60.0, 2)}
                 inputs = {**{k: (m or {}).get("fingerprint") for k, m in upstream.items()},
                           "target": info.name, "target_fingerprint": info.fingerprint}
                 outputs = sorted(str(p.relative_to(d)) for p in final_dir.iterdir()) + ["metrics.jsonl"]

@@ -272,3 +272,19 @@ def test_train_journals_from_before_the_shared_flag_count_once(tmp_path):
             + json.dumps({"ev": "p", "t": now, "done": done, "pt": now, "total": 9}) + "\n")
     row = stage_row(tmp_path, "train")
     assert (row["done"], row["total"]) == (5, 9)
+
+
+def test_journals_of_an_earlier_attempt_with_other_ranks_are_left_out(tmp_path):
+    """A two-rank train run, then a one-process rerun: the rank journals of the first are not the
+    second's ranks (status once showed the old run's 104 steps as the live run's progress)."""
+    run = RunDir(tmp_path)
+    old = [Progress(run, "train", total=104, unit="steps", rank=r, world_size=2, console=False, shared=True) for r in (0, 1)]
+    for p in old:
+        p.__enter__()
+        p.advance(104)
+        p.__exit__(None, None, None)
+    time.sleep(0.01)
+    with Progress(run, "train", total=500, unit="steps", console=False, shared=True) as live:
+        live.advance(321)
+        row = stage_row(tmp_path, "train")
+        assert (row["state"], row["done"], row["total"]) == ("running", 321, 500) and "ranks" not in row

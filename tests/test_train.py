@@ -295,6 +295,14 @@ def test_acceptance_length_and_schedule():
     f = lr_lambda(warmup=4, total=20, min_ratio=0.1)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
+    # with a time budget the cosine follows whichever of steps and time is further along; warm-up stays in steps
+    share = [0.0]
+    g = lr_lambda(warmup=4, total=1000, min_ratio=0.1, time_share=lambda: share[0])
+    assert g(1) == 0.5 and g(4) == pytest.approx(1.0)
+    share[0] = 0.5
+    assert g(1) == 0.5 and g(10) == pytest.approx(0.55) and g(998) == pytest.approx(0.1, abs=1e-4)
+    share[0] = 1.3
+    assert g(10) == pytest.approx(0.1)
 
 
 def test_packing_places_every_sample_once_within_rows():
@@ -359,6 +367,44 @@ def test_training_learns_a_synthetic_signal_and_writes_the_documented_files(synt
     t0 = time.time()
     assert run_train(run, cfg_for(tiny8, max_steps=80, checkpoint_every=30, keep_checkpoints=2))["finished"] == m["finished"]
     assert time.time() - t0 < 5
+
+
+def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resumes(synth_run, tiny8, tmp_path):
+    run = copy_run(synth_run, tmp_path / "run")
+    budget_s = 3.0
+    sets = dict(max_steps=100000, max_minutes=budget_s / 60, checkpoint_every=5, keep_checkpoints=100000)
+    m = run_train(run, cfg_for(tiny8, **sets))
+    done = m["counts"]["done"]
+    assert 10 < done < 100000 and m["counts"]["total"] == done  # stopped by the clock, reported as complete
+    d = run.path / "train"
+    final = json.loads((d / "final" / "state.json").read_text())
+    assert final["step"] == done and final["total_steps"] == done
+    assert 0.5 * budget_s < final["train_s"] < budget_s + 30 and m["counts"]["train_minutes"] * 60 >= 0.5 * budget_s
+    last = metrics(run)[-1]
+    assert last["step"] == done and last["total_steps"] == done
+    assert last["lr"] < 0.25 * 3e-3  # the cosine reached (near) its floor of 0.1 x lr with the time, not the step cap
+    ck = sorted(((int(p.name[5:]), json.loads((p / "state.json").read_text())["train_s"])
+                 for p in (d / "checkpoints").iterdir()))
+    assert [t for _, t in ck] == sorted(t for _, t in ck)
+
+    import shutil
+
+    # cut after the last step's checkpoint: the rerun ends there, whatever time that checkpoint recorded
+    shutil.rmtree(d / "final")
+    (d / "manifest.json").unlink()
+    assert run_train(run, cfg_for(tiny8, **sets))["counts"]["done"] == done
+
+    # resume from an early checkpoint whose recorded time is the whole budget: one more step, then done
+    k = ck[1][0]
+    shutil.rmtree(d / "final")
+    for n, _ in ck[2:]:
+        shutil.rmtree(d / "checkpoints" / f"step_{n}")
+    state_path = d / "checkpoints" / f"step_{k}" / "state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({**state, "train_s": budget_s}))
+    m2 = run_train(run, cfg_for(tiny8, **sets))
+    assert m2["counts"]["done"] == k + 1 == m2["counts"]["total"]
+    assert json.loads((d / "final" / "state.json").read_text())["train_s"] >= budget_s
 
 
 def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run, tiny8, tmp_path):
@@ -659,6 +705,16 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
 
 
 @pytest.mark.integration
+def test_two_ranks_stop_together_at_the_time_budget(synth_run, tiny8, tmp_path):
+    # rank 0's clock decides for both; a rank that stopped alone would leave the other in an all-reduce
+    run = copy_run(synth_run, tmp_path / "run")
+    p = torchrun(run, tiny8, 2, max_steps=100000, max_minutes=0.05, checkpoint_every=100000)
+    m = json.loads((run.path / "train" / "manifest.json").read_text())
+    done = m["counts"]["done"]
+    assert 0 < done < 100000 and m["counts"]["total"] == done and m["world_size"] == 2
+    assert f"step {done}/{done} " in p.stdout + p.stderr
+
+
 def test_online_training_on_smollm2_lowers_the_loss(smol_target, tmp_path):
     from draftsmith.target import load_tokenizer
 
