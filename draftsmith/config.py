@@ -126,8 +126,9 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(
         None, gt=0.0, description="Stop training once this many minutes of training steps have run (summed over resumes; "
-        "loading the model and data before the first step not counted), and run the cosine decay on the share of this time "
-        "spent (or of the steps, whichever is further), so the run ends at min_lr whether the machine is fast or slow; "
+        "loading the model and data before the first step not counted; the last step is the one after which the next would "
+        "not fit, by the mean step time), and run the cosine decay on the share of the time after warm-up spent (or of the "
+        "steps, whichever is further), so the run ends at min_lr whether the machine is fast or slow; "
         "epochs or max_steps still cap the steps. Why: a step count fitted to a time budget overruns it when the machine "
         "runs slow and leaves time unused when it runs fast (this 2-core VM varied between ~1,000 and ~1,400 tokens/s). "
         "The number of steps then depends on the machine's speed, so two runs need not end with the same weights.")

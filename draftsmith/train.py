@@ -366,8 +366,13 @@ class Prefetcher:
                         continue
                 if self._stop.is_set():
                     return
-        except BaseException as e:  # handed to the consumer, raised there
-            self._q.put(("error", e))
+        except BaseException as e:  # handed to the consumer, raised there (unless it has stopped reading)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(("error", e), timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
 
     def __iter__(self):
         return self
@@ -1050,11 +1055,21 @@ def _train(run, cfg, **opts) -> dict:
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay, fused=fused)
         # train.max_minutes: rank 0's seconds of training so far, summed over attempts, shared with every
         # rank once per step (so all ranks take the same learning rate and stop at the same step)
+        # The time share counts from the end of warm-up, as the step share does: at a steady pace that ends
+        # the steps inside the budget the clock never leads, and the schedule is the step-count one.
         budget_s = None if tc.max_minutes is None else tc.max_minutes * 60.0
         train_s0 = float(state.get("train_s", 0.0))
         clock = [train_s0]
-        time_share = None if budget_s is None else (lambda: clock[0] / budget_s)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, time_share))
+        warm_end = [state.get("warmup_end_s", 0.0 if tc.warmup_steps == 0 else None)]
+
+        def time_share() -> float:
+            if warm_end[0] is None:
+                return 0.0
+            left = budget_s - warm_end[0]
+            return 1.0 if left <= 0 else (clock[0] - warm_end[0]) / left
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio,
+                                                                                None if budget_s is None else time_share))
         sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if resume_dir is not None:
             saved = torch.load(resume_dir / CKPT_OPTIM, weights_only=True, map_location="cpu")
@@ -1089,7 +1104,7 @@ def _train(run, cfg, **opts) -> dict:
                       "tokens_seen": tokens_seen, "samples_seen": samples_seen, "world_size": world,
                       "grad_accum": tc.grad_accum, "train_fingerprint": fp, "time": time.time(),
                       "elapsed_s": round(time.time() - started, 3), "metrics": metrics,
-                      "train_s": round(train_s0 + time.perf_counter() - loop_t0, 3)}
+                      "train_s": round(train_s0 + time.perf_counter() - loop_t0, 3), "warmup_end_s": warm_end[0]}
                 write_checkpoint(dest, model_sd, {**drafter_meta, "step": step}, {"optimizer": osd, "scheduler": scheduler.state_dict()},
                                  rng, st)
                 if dest.parent == ck_dir:
@@ -1146,10 +1161,11 @@ def _train(run, cfg, **opts) -> dict:
                     # positions per TTT step over the whole step (all ranks), plus the step's tokens and
                     # samples and rank 0's "log after this step" decision, in one all-reduce
                     head = torch.stack([step_counts(b, t2d_dev, steps_n) for b in mbs]).sum(0)
-                    # with a time budget, rank 0 ends the run at the last step that fits in it, by the mean step time so far
+                    # with a time budget, rank 0 makes this the last step when the next would not fit, by the mean step
+                    # time so far (a resume whose checkpoint already spent the budget still takes one step)
                     now_s = train_s0 + time.perf_counter() - loop_t0 if rank == 0 else 0.0
                     step_s = (now_s - train_s0) / (step - start_step) if step > start_step else 0.0
-                    last_by_time = rank == 0 and budget_s is not None and now_s + step_s >= budget_s
+                    last_by_time = rank == 0 and budget_s is not None and (now_s + 2 * step_s > budget_s or now_s >= budget_s)
                     want_log = rank == 0 and (time.time() - last_log >= tc.log_every_s or step + 1 == total_steps or last_by_time)
                     extra = torch.tensor([sum(b.tokens for b in mbs), sum(len(b.samples) for b in mbs), float(want_log),
                                           now_s, float(last_by_time)], dtype=torch.float64, device=device)
@@ -1196,6 +1212,8 @@ def _train(run, cfg, **opts) -> dict:
                                 if ids else f"non-finite gradient norm ({grad_norm})")
                         raise DraftsmithError(f"train: {what} at step {step + 1}; stopped without updating the weights; {kept}")
                     optimizer.step()
+                    if step + 1 == tc.warmup_steps:
+                        warm_end[0] = clock[0]  # before the scheduler computes the first post-warm-up rate
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                     times["optimizer"] += time.perf_counter() - t

@@ -371,14 +371,15 @@ def test_training_learns_a_synthetic_signal_and_writes_the_documented_files(synt
 
 def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resumes(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
-    budget_s = 3.0
+    budget_s = 5.0
     sets = dict(max_steps=100000, max_minutes=budget_s / 60, checkpoint_every=5, keep_checkpoints=100000)
     m = run_train(run, cfg_for(tiny8, **sets))
     done = m["counts"]["done"]
-    assert 10 < done < 100000 and m["counts"]["total"] == done  # stopped by the clock, reported as complete
+    assert 5 < done < 100000 and m["counts"]["total"] == done  # stopped by the clock, reported as complete
     d = run.path / "train"
     final = json.loads((d / "final" / "state.json").read_text())
     assert final["step"] == done and final["total_steps"] == done
+    assert 0 < final["warmup_end_s"] < final["train_s"]  # the time share counts from the end of warm-up
     assert 0.5 * budget_s < final["train_s"] < budget_s + 30 and m["counts"]["train_minutes"] * 60 >= 0.5 * budget_s
     last = metrics(run)[-1]
     assert last["step"] == done and last["total_steps"] == done
@@ -395,9 +396,9 @@ def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resu
     assert run_train(run, cfg_for(tiny8, **sets))["counts"]["done"] == done
 
     # resume from an early checkpoint whose recorded time is the whole budget: one more step, then done
-    k = ck[1][0]
+    k = ck[0][0]
     shutil.rmtree(d / "final")
-    for n, _ in ck[2:]:
+    for n, _ in ck[1:]:
         shutil.rmtree(d / "checkpoints" / f"step_{n}")
     state_path = d / "checkpoints" / f"step_{k}" / "state.json"
     state = json.loads(state_path.read_text())
@@ -700,11 +701,6 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     assert load_file(str(fsdp.path / "train/checkpoints/step_2/model.safetensors")).keys() == ref.keys()
 
 
-# -------------------------------------------------------------------------------------------------
-# The real target
-
-
-@pytest.mark.integration
 def test_two_ranks_stop_together_at_the_time_budget(synth_run, tiny8, tmp_path):
     # rank 0's clock decides for both; a rank that stopped alone would leave the other in an all-reduce
     run = copy_run(synth_run, tmp_path / "run")
@@ -715,6 +711,12 @@ def test_two_ranks_stop_together_at_the_time_budget(synth_run, tiny8, tmp_path):
     assert f"step {done}/{done} " in p.stdout + p.stderr
 
 
+
+# -------------------------------------------------------------------------------------------------
+# The real target
+
+
+@pytest.mark.integration
 def test_online_training_on_smollm2_lowers_the_loss(smol_target, tmp_path):
     from draftsmith.target import load_tokenizer
 
