@@ -355,24 +355,23 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._work, args=(it,), name="train-data", daemon=True)
         self._thread.start()
 
+    def _put(self, entry: tuple) -> bool:
+        """Queue an entry unless the consumer has stopped reading (then drop it: close() joins us)."""
+        while not self._stop.is_set():
+            try:
+                self._q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def _work(self, it: Iterator) -> None:
         try:
             for item in it:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(("ok", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(("ok", item)):
                     return
         except BaseException as e:  # handed to the consumer, raised there (unless it has stopped reading)
-            while not self._stop.is_set():
-                try:
-                    self._q.put(("error", e), timeout=0.1)
-                    return
-                except queue.Full:
-                    continue
+            self._put(("error", e))
 
     def __iter__(self):
         return self

@@ -25,6 +25,7 @@ from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
 from draftsmith.target import target_info
 from draftsmith.train import (
     NOT_FINGERPRINTED,
+    Prefetcher,
     _objective_class,
     acceptance_length,
     lr_lambda,
@@ -303,6 +304,27 @@ def test_acceptance_length_and_schedule():
     assert g(1) == 0.5 and g(10) == pytest.approx(0.55) and g(998) == pytest.approx(0.1, abs=1e-4)
     share[0] = 1.3
     assert g(10) == pytest.approx(0.1)
+
+
+def test_prefetcher_hands_on_items_and_errors_and_its_thread_ends_on_close():
+    def items(fail_at=None):
+        for i in range(100):
+            if i == fail_at:
+                raise ValueError(f"bad item {i}")
+            yield i
+
+    p = Prefetcher(items(fail_at=3), depth=2)
+    assert [next(p) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad item 3"):
+        next(p)
+    p.close()
+    assert not p._thread.is_alive()
+    # closed while the worker waits on a full queue: it stops instead of outliving the run
+    p = Prefetcher(items(), depth=2)
+    assert next(p) == 0
+    time.sleep(0.3)
+    p.close()
+    assert not p._thread.is_alive()
 
 
 def test_packing_places_every_sample_once_within_rows():
