@@ -255,8 +255,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
     journals = sorted(p for p in d.glob("progress*.jsonl") if ".prev." not in p.name)
     ranks = [r for r in (journal_state(p, now, host) for p in journals) if r is not None]
     if ranks:
-        # only the latest attempt's journals: one with another number of ranks (a two-rank train rerun in
-        # one process, say) leaves journals under other names that would otherwise be read as its ranks
+        # only journals of the latest attempt's rank layout: an attempt with another number of ranks (a
+        # two-rank train rerun in one process, say) leaves journals under other names that are not its ranks
         latest = max(ranks, key=lambda r: r["started"] or 0.0)
         w = latest["world_size"] or 1
         ranks = [r for r in ranks if (r["world_size"] or 1) == w and r["rank"] < w]
