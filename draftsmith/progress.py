@@ -77,6 +77,18 @@ def env_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def attempt_id() -> str | None:
+    """What all ranks of one launch share and the next launch does not: torchrun's run id (a fresh uuid
+    under --standalone, which draftsmith's own launches use) with its restart count; this process's pid
+    outside torchrun. None under a torchrun whose run id is the default "none" (not unique)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None and "RANK" not in os.environ:
+        return f"{socket.gethostname()}:{os.getpid()}"
+    if run_id in (None, "", "none"):
+        return None
+    return f"{run_id}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 _current_log: list[Path] = []  # stage.log of the innermost active Progress
 
 
@@ -109,6 +121,7 @@ class Progress:
         world_size: int | None = None,
         console: bool = True,
         shared: bool = False,
+        attempt: str | None = None,
     ):
         env_r, env_w = env_rank()
         self.run, self.stage, self.unit = run, stage, unit
@@ -125,6 +138,8 @@ class Progress:
         # shared: every rank counts the same work (train's global optimizer steps), so status shows
         # one count for the stage; otherwise ranks split the work and their counts add up
         self.shared = shared
+        # which launch this journal belongs to, so status does not read an earlier launch's ranks as this one's
+        self.attempt = attempt or attempt_id()
         d = run.stage_dir(stage)
         self.journal_path = d / journal_name(self.rank, self.world_size)
         self.log_path = d / "stage.log"
@@ -172,6 +187,7 @@ class Progress:
             "total": self.total, "unit": self.unit, "done": self.done,
             "stall_after_s": self.stall_after_s, "heartbeat_s": self.heartbeat_s,
             "log": str(self.log_path), "argv": sys.argv[1:3], **({"shared": True} if self.shared else {}),
+            **({"attempt": self.attempt} if self.attempt else {}),
         })
         _current_log.append(self.log_path)
         self._thread = threading.Thread(target=self._heartbeat, name=f"{self.stage}-heartbeat", daemon=True)

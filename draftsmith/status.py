@@ -99,6 +99,7 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     row: dict[str, Any] = {
         "rank": start.get("rank", 0),
         "world_size": start.get("world_size", 1),
+        "attempt": start.get("attempt"),
         "done": last.get("done", start.get("done", 0)),
         "total": last.get("total", start.get("total")),
         "unit": start.get("unit"),
@@ -255,11 +256,13 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
     journals = sorted(p for p in d.glob("progress*.jsonl") if ".prev." not in p.name)
     ranks = [r for r in (journal_state(p, now, host) for p in journals) if r is not None]
     if ranks:
-        # only journals of the latest attempt's rank layout: an attempt with another number of ranks (a
-        # two-rank train rerun in one process, say) leaves journals under other names that are not its ranks
+        # only the latest attempt's journals: an attempt with another number of ranks (a two-rank train rerun
+        # in one process, say) leaves journals under other names, and a restart of as many ranks leaves a
+        # crashed rank's journal in place until that rank starts again
         latest = max(ranks, key=lambda r: r["started"] or 0.0)
         w = latest["world_size"] or 1
-        ranks = [r for r in ranks if (r["world_size"] or 1) == w and r["rank"] < w]
+        ranks = [r for r in ranks if (r["world_size"] or 1) == w and r["rank"] < w
+                 and (latest["attempt"] is None or r["attempt"] == latest["attempt"])]
     manifest_done = (d / MANIFEST).is_file()
     if ranks:
         ranks.sort(key=lambda r: r["rank"])

@@ -288,3 +288,35 @@ def test_journals_of_an_earlier_attempt_with_other_ranks_are_left_out(tmp_path):
         live.advance(321)
         row = stage_row(tmp_path, "train")
         assert (row["state"], row["done"], row["total"]) == ("running", 321, 500) and "ranks" not in row
+
+
+def test_a_restarted_rank_that_has_not_started_yet_is_not_read_from_the_crashed_attempt(tmp_path):
+    """Two ranks crash; on restart rank 0 journals first: status shows the new attempt's rank 0, not the
+    old attempt's dead rank 1 (journals name their launch: torchrun's run id, or the pid)."""
+    run = RunDir(tmp_path)
+    old = Progress(run, "train", total=50, unit="steps", rank=1, world_size=2, console=False, shared=True, attempt="launch-1")
+    old.__enter__()
+    old.advance(7)
+    old.__exit__(RuntimeError, RuntimeError("rank 1 crashed"), None)
+    time.sleep(0.01)
+    with Progress(run, "train", total=50, unit="steps", rank=0, world_size=2, console=False, shared=True,
+                  attempt="launch-2") as live:
+        live.advance(3)
+        row = stage_row(tmp_path, "train")
+        assert (row["state"], row["done"], row["error"]) == ("running", 3, None)
+    start = json.loads((tmp_path / "train" / "progress.rank0.jsonl").read_text().splitlines()[0])
+    assert start["attempt"] == "launch-2"
+
+
+def test_attempt_ids_come_from_torchrun_or_the_process(monkeypatch):
+    from draftsmith.progress import attempt_id
+
+    for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert attempt_id() == f"{socket.gethostname()}:{os.getpid()}"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert attempt_id() is None  # torchrun without --standalone: not unique, status falls back to the layout
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "aba3bf35")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert attempt_id() == "aba3bf35.2"
