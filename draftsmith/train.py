@@ -1059,6 +1059,10 @@ def _train(run, cfg, **opts) -> dict:
         budget_s = None if tc.max_minutes is None else tc.max_minutes * 60.0
         train_s0 = float(state.get("train_s", 0.0))
         clock = [train_s0]
+
+        def trained_s() -> float:
+            """This rank's seconds of training steps so far, earlier attempts included (loop_t0: the loop's start)."""
+            return train_s0 + time.perf_counter() - loop_t0
         warm_end = [state.get("warmup_end_s", 0.0 if tc.warmup_steps == 0 else None)]
 
         def time_share() -> float:
@@ -1103,7 +1107,7 @@ def _train(run, cfg, **opts) -> dict:
                       "tokens_seen": tokens_seen, "samples_seen": samples_seen, "world_size": world,
                       "grad_accum": tc.grad_accum, "train_fingerprint": fp, "time": time.time(),
                       "elapsed_s": round(time.time() - started, 3), "metrics": metrics,
-                      "train_s": round(train_s0 + time.perf_counter() - loop_t0, 3), "warmup_end_s": warm_end[0]}
+                      "train_s": round(trained_s(), 3), "warmup_end_s": warm_end[0]}
                 write_checkpoint(dest, model_sd, {**drafter_meta, "step": step}, {"optimizer": osd, "scheduler": scheduler.state_dict()},
                                  rng, st)
                 if dest.parent == ck_dir:
@@ -1162,7 +1166,7 @@ def _train(run, cfg, **opts) -> dict:
                     head = torch.stack([step_counts(b, t2d_dev, steps_n) for b in mbs]).sum(0)
                     # with a time budget, rank 0 makes this the last step when the next would not fit, by the mean step
                     # time so far (a resume whose checkpoint already spent the budget still takes one step)
-                    now_s = train_s0 + time.perf_counter() - loop_t0 if rank == 0 else 0.0
+                    now_s = trained_s() if rank == 0 else 0.0
                     step_s = (now_s - train_s0) / (step - start_step) if step > start_step else 0.0
                     last_by_time = rank == 0 and budget_s is not None and (now_s + 2 * step_s > budget_s or now_s >= budget_s)
                     want_log = rank == 0 and (time.time() - last_log >= tc.log_every_s or step + 1 == total_steps or last_by_time)
@@ -1286,7 +1290,7 @@ def _train(run, cfg, **opts) -> dict:
                 counts = {"done": step, "total": total_steps, "unit": "steps", "tokens": tokens_seen, "samples": samples_seen,
                           "acceptance_length": final_metrics.get("acceptance_length"),
                           "loss": final_metrics.get("loss"), "acc": final_metrics.get("acc"),
-                          "train_minutes": round((train_s0 + time.perf_counter() - loop_t0) / 60.0, 2)}
+                          "train_minutes": round(trained_s() / 60.0, 2)}
                 inputs = {**{k: (m or {}).get("fingerprint") for k, m in upstream.items()},
                           "target": info.name, "target_fingerprint": info.fingerprint}
                 outputs = sorted(str(p.relative_to(d)) for p in final_dir.iterdir()) + ["metrics.jsonl"]

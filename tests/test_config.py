@@ -52,6 +52,7 @@ def test_override_values_parse_as_yaml():
         (["generate.limit=abc"], r"generate\.limit: .*integer.*'abc'"),
         (["train.mode=sideways"], r"train\.mode: .*'sideways'"),
         (["generate.temperature=-1"], r"generate\.temperature: .*greater than or equal"),
+        (["train.max_minutes=0"], r"train\.max_minutes: .*greater than 0"),
         (["train=3"], r"train: .*"),
     ],
 )
