@@ -7,6 +7,8 @@ a traceback means a bug in draftsmith.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,6 +17,11 @@ import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
 from draftsmith import DraftsmithError, one_line
+from draftsmith.estimate import HARDWARE
+from draftsmith.progress import env_rank, log
+from draftsmith.rundir import RunDir, is_disk_full
+from draftsmith.status import render_table, run_status
+from draftsmith.status import watch as watch_run
 
 app = typer.Typer(
     name="draftsmith",
@@ -36,13 +43,300 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a c
 
 def stage_config(config: Path | None, sets: list[str] | None, **options):
     """Config from YAML + --set + the command's own options (which win), validated."""
-    from draftsmith.config import load_config
+    from draftsmith.config import load_config  # pydantic costs ~0.1 s that `status` must not pay
 
     overrides = list(sets or [])
     for key, value in options.items():
         if value is not None:
             overrides.append(f"{key}={value}")
     return load_config(config, overrides)
+
+
+# -------------------------------------------------------------------------------------------------
+# Stage commands. Each imports its stage inside its body: the stages pull in torch and
+# transformers, which `--help` and `status` must not pay for.
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith generate --run runs/r1 --limit 100
+
+  draftsmith generate --run runs/r1 --backend openai --server http://127.0.0.1:8000/v1 --concurrency 32
+
+  draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 --prompts chats.jsonl --max-tokens 1024
+
+  draftsmith generate --run runs/r1 --retry-failed
+
+  draftsmith generate --run runs/r1 --set generate.backend=openai --set generate.servers=[http://127.0.0.1:8000/v1] --set generate.api_key_env=MY_KEY
+
+  draftsmith generate --run runs/r1 --backend vllm --concurrency 64   (starts and stops its own vLLM server)
+""")
+def generate(
+    run: RunOpt,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="local (in-process, the default), openai (served model at --server), vllm (a vLLM server generate starts itself) or dataset (the prompt file's own replies, no decoding).")] = None,
+    server: Annotated[Optional[list[str]], typer.Option("--server", help="Base URL of an OpenAI-compatible server (repeatable).")] = None,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file, or sharegpt / mt-bench / humaneval.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Maximum new tokens per answer.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests in flight (backends openai, vllm).")] = None,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
+):
+    """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible servers), or keep the file's own (--backend dataset)."""
+    from draftsmith.generate import run_generate
+
+    cfg = stage_config(
+        config, sets,
+        **{"generate.backend": backend,
+           "generate.servers": json.dumps(server) if server else None,
+           "generate.prompts": json.dumps(prompts) if prompts is not None else None,
+           "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
+           "generate.concurrency": concurrency},
+    )
+    run_generate(RunDir(run), cfg, retry_failed=retry_failed)
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith prepare --run runs/r1
+
+  draftsmith prepare --run runs/r1 --max-length 4096 --overflow drop
+
+  draftsmith prepare --run runs/r1 --config my.yaml --set prepare.max_length=1024
+""")
+def prepare(
+    run: RunOpt,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
+    overflow: Annotated[Optional[str], typer.Option("--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
+):
+    """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
+    from draftsmith.prepare import run_prepare
+
+    cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
+    run_prepare(RunDir(run), cfg)
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith vocab --run runs/r1
+
+  draftsmith vocab --run runs/r1 --draft-vocab-size 32000
+""")
+def vocab(
+    run: RunOpt,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    draft_vocab_size: Annotated[Optional[int], typer.Option("--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
+):
+    """Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage."""
+    from draftsmith.vocab import run_vocab
+
+    cfg = stage_config(config, sets, **{"vocab.draft_vocab_size": draft_vocab_size})
+    run_vocab(RunDir(run), cfg)
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith extract --run runs/r1
+
+  draftsmith extract --run runs/r1 --set extract.layers='[2, 15, 27]' --set extract.batch_tokens=16384
+
+  draftsmith extract --run runs/r1 --verify
+
+  draftsmith extract --run runs/r1 --set extract.backend=vllm
+
+  draftsmith extract --run runs/r1 --set extract.backend=vllm --set extract.servers='[http://gpu-node:8000/v1]'
+
+  draftsmith extract --run runs/r1 --rank 1 --world-size 2
+
+  torchrun --nproc-per-node 8 -m draftsmith extract --run runs/r1
+""")
+def extract(
+    run: RunOpt,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Open every finished file (and check shard.json checksums); redo corrupt or truncated ones.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Go on even when the free disk space looks too small.")] = False,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="This process's rank (shard i goes to rank i % world-size); default $RANK or 0.")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
+):
+    """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
+    from draftsmith.extract import run_extract
+
+    cfg = stage_config(config, sets)
+    manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
+    if manifest is None:
+        log("this rank is done; extract/manifest.json is written when the other ranks finish", stage="extract")
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith train --run runs/r1
+
+  draftsmith train --run runs/r1 --mode online --max-steps 200
+
+  draftsmith train --run runs/r1 --mode online --set extract.backend=vllm   (states streamed from a vLLM server)
+
+  draftsmith train --run runs/r1 --set train.lr=3e-4 --set train.ttt_steps=5
+
+  torchrun --nproc-per-node 2 -m draftsmith -- train --run runs/r1
+
+  (the `--` stops torchrun from reading `--run` as an abbreviation of its own `--run-path`)
+""")
+def train(
+    run: RunOpt,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    mode: Annotated[Optional[str], typer.Option("--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) (train.mode).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
+):
+    """Train the EAGLE-3 drafter with training-time test; checkpoints resume exactly."""
+    from draftsmith.train import run_train
+
+    cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
+    rank = env_rank()[0]
+    m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
+    if rank == 0:
+        c = m.get("counts", {})
+        tau = c.get("acceptance_length")
+        print(f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
+              + (f", implied acceptance length {tau:.2f}" if tau else "") + f" -> {m.get('final')}")
+
+
+@app.command(epilog="""Examples:
+
+  draftsmith export --run runs/r1
+
+  draftsmith export --run runs/r1 --checkpoint runs/r1/train/checkpoints/step_400
+
+  vllm serve TARGET --speculative-config '{"model": "runs/r1/export", "method": "eagle3", "num_speculative_tokens": 3}'
+""")
+def export(
+    run: RunOpt,
+    checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+):
+    """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by vLLM as is."""
+    from draftsmith.export import run_export
+
+    cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
+    m = run_export(RunDir(run), cfg)
+    print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir('export')}")
+
+
+@app.command("eval", epilog="""Examples:
+
+  draftsmith eval --run runs/r1
+
+  draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128
+
+  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl
+
+  draftsmith eval --run runs/r1 --engine vllm   (starts vLLM with the export, and one without it for the baseline)
+
+  draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server with the drafter)
+
+  draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)
+""")
+def eval_(
+    run: RunOpt,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM server, counts from its /metrics.")] = None,
+    server: Annotated[Optional[str], typer.Option("--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of starting one (eval.server).")] = None,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
+    offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens per answer.")] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+):
+    """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
+    from draftsmith.evaluate import REPORT_JSON, fmt_value, run_eval
+
+    cfg = stage_config(config, sets, **{
+        "eval.engine": engine, "eval.server": server, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
+        "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
+        "eval.max_tokens": max_tokens})
+    m = run_eval(RunDir(run), cfg)
+    r = m["report"]
+    print(f"acceptance length {fmt_value(r['acceptance_length'])}, speedup {fmt_value(r['speedup'])}; "
+          f"report: {RunDir(run).stage_dir('eval') / REPORT_JSON}")
+
+
+# -------------------------------------------------------------------------------------------------
+# The whole pipeline
+
+
+@app.command(
+    "run",
+    epilog="Examples:\n\n  draftsmith run configs/demo.yaml --run runs/demo\n\n"
+    "  draftsmith run configs/smollm2-cpu.yaml --run runs/cpu --set train.max_steps=2000\n\n"
+    "  draftsmith run my.yaml --run runs/x --from train   (generate..vocab/extract must be done)\n\n"
+    "  nohup draftsmith run my.yaml --run runs/x > runs/x.log 2>&1 &   then: draftsmith watch runs/x",
+)
+def run_cmd(
+    config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
+    run: Annotated[Path, typer.Option("--run", help="The run directory.")],
+    sets: SetOpt = None,
+    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
+    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
+):
+    """Run the stages in order; a stage whose inputs and settings are unchanged is skipped."""
+    from draftsmith.pipeline import run_pipeline, summarize
+
+    cfg = stage_config(config, sets)
+    rd = RunDir(run)
+    run_pipeline(rd, cfg, from_stage, until_stage)
+    print(summarize(rd))
+
+
+@app.command(
+    "demo",
+    epilog="Examples:\n\n  draftsmith demo\n\n  draftsmith demo --run runs/my-demo\n\n"
+    "  draftsmith demo --set eval.limit=10   (a quicker look)",
+)
+def demo_cmd(
+    run: Annotated[Path, typer.Option("--run", help="The run directory.")] = Path("runs/demo"),
+    sets: SetOpt = None,
+):
+    """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
+    from draftsmith.pipeline import demo_config, run_demo, summarize
+
+    rd = RunDir(run)
+    run_demo(rd, demo_config(list(sets or [])))
+    print(summarize(rd))
+
+
+@app.command(
+    "estimate",
+    epilog="Examples:\n\n  draftsmith estimate configs/demo.yaml\n\n"
+    "  draftsmith estimate configs/llama-8b-1xh100.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b-instruct.json\n\n"
+    "  draftsmith estimate configs/kimi-k2-8xh200.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2-instruct.json --json",
+)
+def estimate_cmd(
+    config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
+    sets: SetOpt = None,
+    hardware: Annotated[str, typer.Option(help=f"Hardware profile: {', '.join(HARDWARE)}.")] = "cpu",
+    devices: Annotated[int, typer.Option(help="Devices (GPUs) the target and training use.")] = 1,
+    target_config: Annotated[Optional[Path], typer.Option(
+        help="The target's config.json, when the target is not on this machine (else read from `target`).")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Average prompt tokens per sample, chat template included.")] = 100,
+    answer_tokens: Annotated[Optional[int], typer.Option(
+        help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on ShareGPT).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Estimate disk, memory per device and time of each stage, before running it."""
+    from draftsmith.estimate import estimate_config, render
+
+    cfg = stage_config(config, sets)
+    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens)
+    print(json.dumps(e) if json_out else render(e))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -55,10 +349,6 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (the shape in SPEC.md).")] = False,
 ):
     """Show each stage's state (pending, running, stalled, dead, failed, done), progress, rate, ETA and files on disk."""
-    import json
-
-    from draftsmith.status import render_table, run_status
-
     st = run_status(run)
     print(json.dumps(st) if json_out else render_table(st))
 
@@ -69,29 +359,17 @@ def watch(
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,
 ):
     """Refresh the status table until every stage is done or failed (a snapshot per interval when piped)."""
-    from draftsmith.status import watch as _watch
-
-    _watch(str(run), interval_s=interval)
+    watch_run(str(run), interval_s=interval)
 
 
 # -------------------------------------------------------------------------------------------------
 # Entry point
 
 
-def _register_stage_commands() -> None:
-    """Stage commands live beside their stage modules (draftsmith/commands.py) to keep this file short."""
-    from draftsmith.commands import register_all
-
-    register_all(app)
-
-
 def _fast_status(args: list[str]) -> None:
     """`draftsmith status` without importing Typer (~0.2 s): status must answer instantly, and
     monitoring scripts call it in loops. Same arguments and output as the Typer command."""
-    import argparse
-    import json
-
-    from draftsmith.status import render_table, run_status
+    import argparse  # only this fast path parses by hand
 
     ap = argparse.ArgumentParser(prog="draftsmith status", add_help=False)
     ap.add_argument("run")
@@ -115,7 +393,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args[:1] == ["status"] and len(args) > 1 and not {"-h", "--help"} & set(args):
             return _fast_status(args[1:])
-        _register_stage_commands()
         app(args=args, standalone_mode=False, prog_name="draftsmith")
     except DraftsmithError as e:
         print(f"draftsmith: error: {one_line(e)}", file=sys.stderr)
@@ -140,15 +417,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except BrokenPipeError:
         # `draftsmith status RUN | head`: the reader left; not an error worth a traceback.
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     except Exception as e:
         # A full disk where no stage code named the file (stages raise rundir.DiskFull, above):
         # still one line, not a traceback.
-        from draftsmith.rundir import is_disk_full
-
         if not is_disk_full(e):
             raise
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""

@@ -26,12 +26,9 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
-
-import typer
+from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.cli import SetOpt, stage_config
 
 
 @dataclass(frozen=True)
@@ -249,6 +246,25 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     }
 
 
+def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None, prompt_tokens: int,
+                    answer_tokens: int | None) -> dict[str, Any]:
+    """`estimate` for a validated config on a named hardware profile; the target's shape from
+    `target_config` (a config.json) or, when None, from the target the config names."""
+    if hardware not in HARDWARE:
+        raise DraftsmithError(f"--hardware {hardware}: unknown profile (one of {', '.join(HARDWARE)})")
+    if devices < 1:
+        raise DraftsmithError("--devices must be at least 1")
+    if target_config is None:
+        from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
+
+        folder, name = resolve_target(cfg.target, log=lambda *a, **k: None)
+        shape = target_shape(folder / "config.json", name)
+    else:
+        shape = target_shape(target_config)
+    answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
+    return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer)
+
+
 def _bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
@@ -291,44 +307,3 @@ def render(e: dict) -> str:
     t = e["total"]
     lines.append(f"{'total':<9} {'':>8} {_bytes(t['disk']):>10} {_bytes(t['memory_per_device']):>11} {_seconds(t['seconds']):>8}")
     return "\n".join(lines)
-
-
-# -------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "estimate",
-        epilog="Examples:\n\n  draftsmith estimate configs/demo.yaml\n\n"
-        "  draftsmith estimate configs/llama-8b-1xh100.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b-instruct.json\n\n"
-        "  draftsmith estimate configs/kimi-k2-8xh200.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2-instruct.json --json",
-    )
-    def estimate_cmd(
-        config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
-        sets: SetOpt = None,
-        hardware: Annotated[str, typer.Option(help=f"Hardware profile: {', '.join(HARDWARE)}.")] = "cpu",
-        devices: Annotated[int, typer.Option(help="Devices (GPUs) the target and training use.")] = 1,
-        target_config: Annotated[Optional[Path], typer.Option(
-            help="The target's config.json, when the target is not on this machine (else read from `target`).")] = None,
-        prompt_tokens: Annotated[int, typer.Option(help="Average prompt tokens per sample, chat template included.")] = 100,
-        answer_tokens: Annotated[Optional[int], typer.Option(
-            help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on ShareGPT).")] = None,
-        json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    ):
-        """Estimate disk, memory per device and time of each stage, before running it."""
-        if hardware not in HARDWARE:
-            raise DraftsmithError(f"--hardware {hardware}: unknown profile (one of {', '.join(HARDWARE)})")
-        if devices < 1:
-            raise DraftsmithError("--devices must be at least 1")
-        cfg = stage_config(config, sets)
-        if target_config is None:
-            from draftsmith.target import resolve_target
-
-            folder, name = resolve_target(cfg.target, log=lambda *a, **k: None)
-            shape = target_shape(folder / "config.json", name)
-        else:
-            shape = target_shape(target_config)
-        answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
-        e = estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer)
-        print(json.dumps(e) if json_out else render(e))

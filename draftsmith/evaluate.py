@@ -37,12 +37,9 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
-
-import typer
+from typing import Any, Callable, Iterator
 
 from draftsmith import DraftsmithError
-from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
 from draftsmith.progress import journal_failures
 from draftsmith.rundir import (RunDir, atomic_path, atomic_write_json, atomic_write_text, stage_fingerprint,
                                write_stage_config)
@@ -618,7 +615,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
                     _append_line(d / BASELINE_FILE, b)
                     baseline[prompt.id] = b
                     prog.log(f"baseline {n + 1}/{len(missing)} {prompt.id}: {b['output_tokens']} tokens, "
-                             f"{_fmt(b['tokens_per_s'], '.1f')} tok/s")
+                             f"{fmt_value(b['tokens_per_s'], '.1f')} tok/s")
             finally:
                 client.close()
 
@@ -788,7 +785,7 @@ def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
         plt.close(fig)
 
 
-def _fmt(x, spec: str = ".2f") -> str:
+def fmt_value(x, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
@@ -804,11 +801,11 @@ def report_markdown(report: dict) -> str:
         "",
         "| metric | value |",
         "| --- | --- |",
-        f"| acceptance length (tau = 1 + accepted/drafts) | {_fmt(report['acceptance_length'])} |",
-        f"| acceptance per position | {', '.join(_fmt(a) for a in acc)} |",
-        f"| tokens/s with drafting | {_fmt(report['tokens_per_s'], '.1f')} |",
-        f"| tokens/s plain decoding | {_fmt(report['baseline_tokens_per_s'], '.1f')} |",
-        f"| speedup | {_fmt(report['speedup'])} |",
+        f"| acceptance length (tau = 1 + accepted/drafts) | {fmt_value(report['acceptance_length'])} |",
+        f"| acceptance per position | {', '.join(fmt_value(a) for a in acc)} |",
+        f"| tokens/s with drafting | {fmt_value(report['tokens_per_s'], '.1f')} |",
+        f"| tokens/s plain decoding | {fmt_value(report['baseline_tokens_per_s'], '.1f')} |",
+        f"| speedup | {fmt_value(report['speedup'])} |",
         f"| drafts / accepted tokens | {report['num_drafts']} / {report['num_accepted_tokens']} |",
         f"| output tokens | {report['output_tokens']} |",
     ]
@@ -932,9 +929,9 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
                 rec = {**rec, "engine": ec.engine, "fingerprint": record_fp}
                 _append_line(answers, rec)
                 done[rec["id"]] = rec
-                prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {_fmt(rec.get('acceptance_length'))}, "
-                         f"{_fmt(rec.get('tokens_per_s'), '.1f')} tok/s"
-                         + (f" (plain {_fmt(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
+                prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {fmt_value(rec.get('acceptance_length'))}, "
+                         f"{fmt_value(rec.get('tokens_per_s'), '.1f')} tok/s"
+                         + (f" (plain {fmt_value(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
                 prog.advance(1)
             if ctx.info is not None:
                 atomic_write_json(d / ENGINE_INFO, {**ctx.info, "fingerprint": record_fp})
@@ -962,10 +959,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         atomic_write_json(d / REPORT_JSON, report)
         atomic_write_text(d / REPORT_MD, report_markdown(report))
         write_plot(d / PLOT, report, read_train_metrics(run.path / "train" / "metrics.jsonl"))
-        prog.log(f"tau {_fmt(report['acceptance_length'])}, acceptance per position "
-                 f"[{', '.join(_fmt(a) for a in report['acceptance_per_position'])}], "
-                 f"{_fmt(report['tokens_per_s'], '.1f')} tok/s vs {_fmt(report['baseline_tokens_per_s'], '.1f')} plain "
-                 f"(speedup {_fmt(report['speedup'])})")
+        prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
+                 f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
+                 f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs {fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
+                 f"(speedup {fmt_value(report['speedup'])})")
     return run.write_manifest(
         folder, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
                                        "prompts": ec.prompts},
@@ -976,35 +973,3 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
                                                  "baseline_tokens_per_s", "speedup")}},
     )
-
-
-def register(app) -> None:
-    @app.command("eval", epilog="Examples:\n\n"
-                 "  draftsmith eval --run runs/r1\n\n"
-                 "  draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128\n\n"
-                 "  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl\n\n"
-                 "  draftsmith eval --run runs/r1 --engine vllm   (starts vLLM with the export, and one without it for the baseline)\n\n"
-                 "  draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server with the drafter)\n\n"
-                 "  draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)")
-    def eval_(
-        run: RunOpt,
-        engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM server, counts from its /metrics.")] = None,
-        server: Annotated[Optional[str], typer.Option("--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of starting one (eval.server).")] = None,
-        prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
-        limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
-        offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
-        num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
-        temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
-        max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens per answer.")] = None,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-    ):
-        """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
-        cfg = stage_config(config, sets, **{
-            "eval.engine": engine, "eval.server": server, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
-            "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
-            "eval.max_tokens": max_tokens})
-        m = run_eval(RunDir(run), cfg)
-        r = m["report"]
-        print(f"acceptance length {_fmt(r['acceptance_length'])}, speedup {_fmt(r['speedup'])}; "
-              f"report: {RunDir(run).stage_dir(STAGE) / REPORT_JSON}")

@@ -34,12 +34,9 @@ import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any, Optional
-
-import typer
+from typing import Any
 
 from draftsmith import DraftsmithError, __version__
-from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
 from draftsmith.progress import journal_failures
 from draftsmith.rundir import RunDir, file_sha256, stage_fingerprint, write_stage_config
 
@@ -530,20 +527,3 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         started=started, outputs=[CONFIG_FILE, WEIGHTS_FILE],
         extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name},
     )
-
-
-def register(app) -> None:
-    @app.command(epilog="Examples:\n\n"
-                 "  draftsmith export --run runs/r1\n\n"
-                 "  draftsmith export --run runs/r1 --checkpoint runs/r1/train/checkpoints/step_400\n\n"
-                 "  vllm serve TARGET --speculative-config '{\"model\": \"runs/r1/export\", \"method\": \"eagle3\", \"num_speculative_tokens\": 3}'")
-    def export(
-        run: RunOpt,
-        checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-    ):
-        """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by vLLM as is."""
-        cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
-        m = run_export(RunDir(run), cfg)
-        print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir(STAGE)}")

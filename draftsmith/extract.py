@@ -43,9 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
-
-import typer
+from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
@@ -808,42 +806,3 @@ class ExtractStore:
 
 # -------------------------------------------------------------------------------------------------
 # CLI
-
-
-EPILOG = """Examples:
-
-  draftsmith extract --run runs/r1
-
-  draftsmith extract --run runs/r1 --set extract.layers='[2, 15, 27]' --set extract.batch_tokens=16384
-
-  draftsmith extract --run runs/r1 --verify
-
-  draftsmith extract --run runs/r1 --set extract.backend=vllm
-
-  draftsmith extract --run runs/r1 --set extract.backend=vllm --set extract.servers='[http://gpu-node:8000/v1]'
-
-  draftsmith extract --run runs/r1 --rank 1 --world-size 2
-
-  torchrun --nproc-per-node 8 -m draftsmith extract --run runs/r1
-"""
-
-
-def register(app) -> None:
-    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
-    from draftsmith.progress import log
-
-    @app.command(epilog=EPILOG)
-    def extract(
-        run: RunOpt,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-        verify: Annotated[bool, typer.Option("--verify", help="Open every finished file (and check shard.json checksums); redo corrupt or truncated ones.")] = False,
-        force: Annotated[bool, typer.Option("--force", help="Go on even when the free disk space looks too small.")] = False,
-        rank: Annotated[Optional[int], typer.Option("--rank", help="This process's rank (shard i goes to rank i % world-size); default $RANK or 0.")] = None,
-        world_size: Annotated[Optional[int], typer.Option("--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
-    ):
-        """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
-        cfg = stage_config(config, sets)
-        manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
-        if manifest is None:
-            log("this rank is done; extract/manifest.json is written when the other ranks finish", stage=STAGE)

@@ -53,9 +53,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
-
-import typer
+from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import journal_failures
@@ -970,48 +968,3 @@ def _reuse_unselected(d: Path, store: SampleStore, selected: set[str], say) -> N
 
 # -------------------------------------------------------------------------------------------------
 # CLI
-
-
-EPILOG = """Examples:
-
-  draftsmith generate --run runs/r1 --limit 100
-
-  draftsmith generate --run runs/r1 --backend openai --server http://127.0.0.1:8000/v1 --concurrency 32
-
-  draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 --prompts chats.jsonl --max-tokens 1024
-
-  draftsmith generate --run runs/r1 --retry-failed
-
-  draftsmith generate --run runs/r1 --set generate.backend=openai --set generate.servers=[http://127.0.0.1:8000/v1] --set generate.api_key_env=MY_KEY
-
-  draftsmith generate --run runs/r1 --backend vllm --concurrency 64   (starts and stops its own vLLM server)
-"""
-
-
-def register(app) -> None:
-    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
-
-    @app.command(epilog=EPILOG)
-    def generate(
-        run: RunOpt,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-        backend: Annotated[Optional[str], typer.Option("--backend", help="local (in-process, the default), openai (served model at --server), vllm (a vLLM server generate starts itself) or dataset (the prompt file's own replies, no decoding).")] = None,
-        server: Annotated[Optional[list[str]], typer.Option("--server", help="Base URL of an OpenAI-compatible server (repeatable).")] = None,
-        prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file, or sharegpt / mt-bench / humaneval.")] = None,
-        limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
-        max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Maximum new tokens per answer.")] = None,
-        temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
-        concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests in flight (backends openai, vllm).")] = None,
-        retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
-    ):
-        """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible servers), or keep the file's own (--backend dataset)."""
-        cfg = stage_config(
-            config, sets,
-            **{"generate.backend": backend,
-               "generate.servers": json.dumps(server) if server else None,
-               "generate.prompts": json.dumps(prompts) if prompts is not None else None,
-               "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
-               "generate.concurrency": concurrency},
-        )
-        run_generate(RunDir(run), cfg, retry_failed=retry_failed)

@@ -14,17 +14,26 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
 
 from draftsmith import DraftsmithError
-from draftsmith.cli import SetOpt, stage_config
+from draftsmith.config import load_config
+from draftsmith.evaluate import run_eval
+from draftsmith.export import run_export
+from draftsmith.extract import run_extract
+from draftsmith.generate import run_generate
+from draftsmith.prepare import run_prepare
 from draftsmith.progress import log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
+from draftsmith.train import run_train
+from draftsmith.vllm_server import vllm_python
+from draftsmith.vocab import run_vocab
+
+STAGE_FUNCTIONS = {"generate": run_generate, "prepare": run_prepare, "vocab": run_vocab, "extract": run_extract,
+                   "train": run_train, "export": run_export, "eval": run_eval}
 
 DEMO_RECIPE = "demo.yaml"
 
@@ -40,13 +49,6 @@ def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None =
     if lo >= hi:
         raise DraftsmithError(f"--from {from_stage} comes after --until {until_stage}")
     return stages[lo:hi]
-
-
-def _stage_fn(stage: str):
-    import importlib
-
-    module = importlib.import_module(f"draftsmith.{'evaluate' if stage == 'eval' else stage}")
-    return getattr(module, f"run_{stage}")
 
 
 def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None,
@@ -72,11 +74,11 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             atomic_write_json(run.path / "pipeline.json", state)
             ts = time.time()
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
-            stage_cfg, fn = cfg, (_stage_fn(stage) if stage in STAGES else None)
+            stage_cfg, fn = cfg, STAGE_FUNCTIONS.get(stage)
             if fn is None:  # eval-<engine>
                 stage_cfg = cfg.model_copy(deep=True)
                 stage_cfg.eval.engine = stage.split("-", 1)[1]
-                fn = functools.partial(_stage_fn("eval"), folder=stage)
+                fn = functools.partial(run_eval, folder=stage)
             if stage == "extract" and not cfg.extract.overwrite:
                 # `run` promises that a changed input reruns every later stage; a store built from
                 # other prepared samples or settings is useless to them, so it is replaced (a
@@ -125,60 +127,25 @@ def _summary_line(run: RunDir, folder: str) -> str:
             f"{speedup} on {r['prompts']} prompts; report {run.path / folder / 'report.md'}")
 
 
-# -------------------------------------------------------------------------------------------------
-# CLI
+def demo_config(overrides: list[str]):
+    """The embedded demo recipe with `--set` overrides, validated."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(demo_recipe_text())
+    try:
+        return load_config(Path(f.name), overrides)
+    finally:
+        os.unlink(f.name)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "run",
-        epilog="Examples:\n\n  draftsmith run configs/demo.yaml --run runs/demo\n\n"
-        "  draftsmith run configs/smollm2-cpu.yaml --run runs/cpu --set train.max_steps=2000\n\n"
-        "  draftsmith run my.yaml --run runs/x --from train   (generate..vocab/extract must be done)\n\n"
-        "  nohup draftsmith run my.yaml --run runs/x > runs/x.log 2>&1 &   then: draftsmith watch runs/x",
-    )
-    def run_cmd(
-        config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
-        run: Annotated[Path, typer.Option("--run", help="The run directory.")],
-        sets: SetOpt = None,
-        from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
-        until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
-    ):
-        """Run the stages in order; a stage whose inputs and settings are unchanged is skipped."""
-        cfg = stage_config(config, sets)
-        rd = RunDir(run)
-        run_pipeline(rd, cfg, from_stage, until_stage)
-        print(summarize(rd))
-
-    @app.command(
-        "demo",
-        epilog="Examples:\n\n  draftsmith demo\n\n  draftsmith demo --run runs/my-demo\n\n"
-        "  draftsmith demo --set eval.limit=10   (a quicker look)",
-    )
-    def demo_cmd(
-        run: Annotated[Path, typer.Option("--run", help="The run directory.")] = Path("runs/demo"),
-        sets: SetOpt = None,
-    ):
-        """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
-        import tempfile
-
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write(demo_recipe_text())
-        try:
-            cfg = stage_config(Path(f.name), sets)
-        finally:
-            os.unlink(f.name)
-        rd = RunDir(run)
-        extra: tuple[str, ...] = ()
-        if cfg.eval.engine == "local":
-            from draftsmith.vllm_server import vllm_python
-
-            try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
-                vllm_python(install=False)
-                extra = ("vllm",)
-            except DraftsmithError:
-                log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")
-        log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts} "
-            f"({', '.join(('local', *extra))} engine); run dir {rd.path}", stage="demo")
-        run_pipeline(rd, cfg, extra_engines=extra)
-        print(summarize(rd))
+def run_demo(run: RunDir, cfg) -> None:
+    """The whole pipeline with the demo recipe; also evaluated with vLLM when it is installed."""
+    extra: tuple[str, ...] = ()
+    if cfg.eval.engine == "local":
+        try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
+            vllm_python(install=False)
+            extra = ("vllm",)
+        except DraftsmithError:
+            log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")
+    log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts} "
+        f"({', '.join(('local', *extra))} engine); run dir {run.path}", stage="demo")
+    run_pipeline(run, cfg, extra_engines=extra)

@@ -51,14 +51,6 @@ THINK_FORMAT = "<think>\n{reasoning}\n</think>\n\n{content}"
 ROLES = ("system", "user", "assistant")
 NOTE_KEYS = ("reasoning_dropped_by_template", "turns_without_end_token", "boundary_retokenized", "boundary_overlap")
 
-EPILOG = """Examples:
-
-  draftsmith prepare --run runs/r1
-
-  draftsmith prepare --run runs/r1 --max-length 4096 --overflow drop
-
-  draftsmith prepare --run runs/r1 --config my.yaml --set prepare.max_length=1024
-"""
 
 
 class TemplateProblem(DraftsmithError):
@@ -534,27 +526,3 @@ def iter_prepared(run: RunDir):
                 yield i, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DraftsmithError(f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
-
-
-# -------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register(app) -> None:
-    from typing import Annotated, Optional
-
-    import typer
-
-    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
-
-    @app.command(epilog=EPILOG)
-    def prepare(
-        run: RunOpt,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-        max_length: Annotated[Optional[int], typer.Option("--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
-        overflow: Annotated[Optional[str], typer.Option("--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
-    ):
-        """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
-        cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
-        run_prepare(RunDir(run), cfg)

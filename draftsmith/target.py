@@ -310,7 +310,6 @@ class Target:
 
 def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, log=print) -> Target:
     """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     info = target_info(spec, trust_remote_code, log=log)

@@ -62,20 +62,6 @@ NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_che
 LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None}
 ADAM_BETAS = (0.9, 0.95)
 
-EPILOG = """Examples:
-
-  draftsmith train --run runs/r1
-
-  draftsmith train --run runs/r1 --mode online --max-steps 200
-
-  draftsmith train --run runs/r1 --mode online --set extract.backend=vllm   (states streamed from a vLLM server)
-
-  draftsmith train --run runs/r1 --set train.lr=3e-4 --set train.ttt_steps=5
-
-  torchrun --nproc-per-node 2 -m draftsmith -- train --run runs/r1
-
-  (the `--` stops torchrun from reading `--run` as an abbreviation of its own `--run-path`)
-"""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -505,7 +491,6 @@ def fc_input_scale(batch: Batch, eps: float = 1e-3):
     """[3H] float32: 1 / the RMS of each aux-state dimension over the batch's real tokens, leaving
     out each document's first token (an attention sink whose states are orders of magnitude larger:
     24,832 in SmolLM2's layers 15 and 27)."""
-    import torch
 
     keep = (batch.doc_ids >= 0) & (batch.position_ids > 0)
     if not bool(keep.any()):
@@ -1313,36 +1298,3 @@ def _json_step(line: str) -> int | None:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-# -------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register(app) -> None:
-    from typing import Annotated, Optional
-
-    import typer
-
-    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
-
-    @app.command(epilog=EPILOG)
-    def train(
-        run: RunOpt,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-        mode: Annotated[Optional[str], typer.Option("--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) (train.mode).")] = None,
-        max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
-    ):
-        """Train the EAGLE-3 drafter with training-time test; checkpoints resume exactly."""
-        from draftsmith.rundir import RunDir
-
-        cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
-        m = run_train(RunDir(run).ensure() if int(os.environ.get("RANK", 0)) == 0 else RunDir(run), cfg)
-        from draftsmith.progress import env_rank
-
-        if env_rank()[0] == 0:
-            c = m.get("counts", {})
-            tau = c.get("acceptance_length")
-            print(f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
-                  + (f", implied acceptance length {tau:.2f}" if tau else "") + f" -> {m.get('final')}")

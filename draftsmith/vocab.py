@@ -30,12 +30,6 @@ VOCAB_VERSION = 1
 # would allocate a target-vocab-sized array each time).
 COUNT_CHUNK = 1 << 20
 
-EPILOG = """Examples:
-
-  draftsmith vocab --run runs/r1
-
-  draftsmith vocab --run runs/r1 --draft-vocab-size 32000
-"""
 
 
 def select_draft_vocab(counts, draft_vocab_size: int):
@@ -213,26 +207,3 @@ def load_vocab(run: RunDir, expect_target_fingerprint: str | None = None, expect
     if not np.array_equal(np.arange(dv) + d2t, np.flatnonzero(t2d)):
         raise DraftsmithError(f"{st_path}: d2t and t2d disagree; {rerun}")
     return torch.from_numpy(d2t.astype(np.int64)), torch.from_numpy(t2d.astype(bool)), info
-
-
-# -------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register(app) -> None:
-    from typing import Annotated, Optional
-
-    import typer
-
-    from draftsmith.cli import ConfigOpt, RunOpt, SetOpt, stage_config
-
-    @app.command(epilog=EPILOG)
-    def vocab(
-        run: RunOpt,
-        config: ConfigOpt = None,
-        sets: SetOpt = None,
-        draft_vocab_size: Annotated[Optional[int], typer.Option("--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
-    ):
-        """Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage."""
-        cfg = stage_config(config, sets, **{"vocab.draft_vocab_size": draft_vocab_size})
-        run_vocab(RunDir(run), cfg)

@@ -101,7 +101,6 @@ def test_cli_reports_any_other_full_disk_in_one_line(monkeypatch, capsys):
     def app(**kw):
         raise OSError(errno.ENOSPC, "No space left on device", "/runs/r1/eval/report.md")
 
-    monkeypatch.setattr(cli, "_register_stage_commands", lambda: None)
     monkeypatch.setattr(cli, "app", app)
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", "--run", "/runs/r1"])
