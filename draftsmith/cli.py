@@ -18,7 +18,8 @@ from typer._click import exceptions as click_exc  # typer vendors its own click
 
 from draftsmith import DraftsmithError, one_line
 from draftsmith.estimate import HARDWARE
-from draftsmith.progress import env_rank, log
+from draftsmith.journal import env_rank
+from draftsmith.progress import log
 from draftsmith.rundir import RunDir, is_disk_full
 from draftsmith.status import render_table, run_status
 from draftsmith.status import watch as watch_run

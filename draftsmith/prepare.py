@@ -385,7 +385,8 @@ def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None
 @journal_failures(STAGE)
 def run_prepare(run: RunDir, cfg, **opts) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
-    from draftsmith.progress import Progress, fmt_count, log
+    from draftsmith.journal import fmt_count
+    from draftsmith.progress import Progress, log
     from draftsmith.target import load_tokenizer, target_info
 
     started = time.time()

@@ -40,53 +40,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, one_line
+from draftsmith.journal import (append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
+                               journal_state, read_journal)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
-
-
-def journal_name(rank: int, world_size: int) -> str:
-    return "progress.jsonl" if world_size <= 1 else f"progress.rank{rank}.jsonl"
-
-
-def fmt_duration(s: float | None) -> str:
-    if s is None or s != s or s == float("inf"):
-        return "?"
-    s = int(round(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-def fmt_rate(r: float | None) -> str:
-    if r is None:
-        return "?"
-    return f"{r:.3g}" if r < 100 else f"{r:,.0f}"
-
-
-def fmt_count(n: float) -> str:
-    """1234567 -> '1.2M': counts in log lines."""
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(int(n))
-
-
-def env_rank() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's environment, (0, 1) otherwise."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def attempt_id() -> str | None:
-    """What all ranks of one launch share and the next launch does not: torchrun's run id (a fresh uuid
-    under --standalone, which draftsmith's own launches use) with its restart count; this process's pid
-    outside torchrun. None under a torchrun whose run id is the default "none" (not unique)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None and "RANK" not in os.environ:
-        return f"{socket.gethostname()}:{os.getpid()}"
-    if run_id in (None, "", "none"):
-        return None
-    return f"{run_id}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 _current_log: list[Path] = []  # stage.log of the innermost active Progress
@@ -349,8 +305,6 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
       progress.prev.jsonl, as Progress does) holds a start line and the error; `done` is null
       because the attempt did no counted work.
     A run folder that does not exist is not created (a mistyped --run has no stage to mark)."""
-    from draftsmith.status import journal_state, read_journal
-
     if not run.is_run():
         return
     if rank is None or world_size is None or not 0 <= rank < world_size:
@@ -363,7 +317,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
     if start is not None and start.get("pid") == os.getpid() and float(start.get("t", 0)) >= round(since, 3):
         last = events[-1] if events else start
         if last.get("ev") != "error":
-            _append_line(path, {"ev": "error", "t": round(now, 3), "done": last.get("done"),
+            append_event(path, {"ev": "error", "t": round(now, 3), "done": last.get("done"),
                                 "pt": last.get("pt", round(now, 3)), "error": msg})
             _log_line(path.parent / "stage.log", stage, f"FAILED: {msg}")
         return
@@ -376,24 +330,16 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
         os.replace(path, path.with_suffix(".prev.jsonl"))
     log_path = path.parent / "stage.log"
     t = round(now, 3)
-    _append_line(path, {"ev": "start", "t": round(since, 3), "pid": os.getpid(), "host": socket.gethostname(),
+    append_event(path, {"ev": "start", "t": round(since, 3), "pid": os.getpid(), "host": socket.gethostname(),
                         "stage": stage, "rank": rank, "world_size": world_size, "total": None, "unit": None,
                         "done": None, "log": str(log_path), "argv": sys.argv[1:3]})
-    _append_line(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg})
+    append_event(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg})
     _log_line(log_path, stage, f"FAILED before the stage started: {msg}")
 
 
 def _log_line(path: Path, stage: str, msg: str) -> None:
     with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
         f.write(f"{time.strftime('%H:%M:%S')} [{stage}] {msg}\n")
-
-
-def _append_line(path: Path, ev: dict[str, Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(ev, separators=(",", ":")) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def journal_failures(stage: str):

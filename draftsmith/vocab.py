@@ -95,7 +95,8 @@ def run_vocab(run: RunDir, cfg, **opts) -> dict:
     from safetensors.numpy import save_file
 
     from draftsmith.prepare import check_upstream_target
-    from draftsmith.progress import Progress, fmt_count, log
+    from draftsmith.journal import fmt_count
+    from draftsmith.progress import Progress, log
     from draftsmith.target import target_info
 
     started = time.time()

@@ -14,7 +14,8 @@ import pytest
 
 from draftsmith.progress import Progress
 from draftsmith.rundir import RunDir
-from draftsmith.status import read_journal, render_table, run_status
+from draftsmith.journal import read_journal
+from draftsmith.status import render_table, run_status
 
 SIM = str(Path(__file__).with_name("sim_stage.py"))
 
@@ -309,7 +310,7 @@ def test_a_restarted_rank_that_has_not_started_yet_is_not_read_from_the_crashed_
 
 
 def test_attempt_ids_come_from_torchrun_or_the_process(monkeypatch):
-    from draftsmith.progress import attempt_id
+    from draftsmith.journal import attempt_id
 
     for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK"):
         monkeypatch.delenv(k, raising=False)

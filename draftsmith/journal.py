@@ -1,0 +1,195 @@
+"""The progress journal: its format, its writer's one primitive, and its reader.
+
+`RUN/<stage>/progress.jsonl` (`progress.rank{r}.jsonl` for rank r of several) holds one JSON
+object per line: a `start` line (pid, host, time, total, unit, stall threshold, log path, the
+launch's attempt id), `p` lines with the count done (`t`: time of the line, `pt`: time of the
+last progress), then `end` or `error`. progress.py writes it; status.py reads it; neither imports
+the other, and nothing here imports torch (`status` must answer in well under a second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+TAIL_BYTES = 64 * 1024
+RATE_WINDOW_S = 60.0
+# A journal on another host is only judged by its heartbeats: this many stall thresholds
+# without one and it counts as dead rather than stalled.
+REMOTE_DEAD_FACTOR = 3.0
+
+
+def journal_name(rank: int, world_size: int) -> str:
+    return "progress.jsonl" if world_size <= 1 else f"progress.rank{rank}.jsonl"
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment, (0, 1) otherwise."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def attempt_id() -> str | None:
+    """What all ranks of one launch share and the next launch does not: torchrun's run id (a fresh uuid
+    under --standalone, which draftsmith's own launches use) with its restart count; this process's pid
+    outside torchrun. None under a torchrun whose run id is the default "none" (not unique)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None and "RANK" not in os.environ:
+        return f"{socket.gethostname()}:{os.getpid()}"
+    if run_id in (None, "", "none"):
+        return None
+    return f"{run_id}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def append_event(path: Path, ev: dict[str, Any]) -> None:
+    """Append one event line with a single write(2) on an O_APPEND descriptor, so lines of
+    concurrent writers (a heartbeat thread, the stage) never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(ev, separators=(",", ":")) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _parse_lines(blob: bytes) -> list[dict]:
+    out = []
+    for line in blob.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # a line cut by a crash, or a partial first line of the tail
+        if isinstance(ev, dict) and "ev" in ev:
+            out.append(ev)
+    return out
+
+
+def read_journal(path: Path) -> tuple[dict | None, list[dict]]:
+    """(start event, tail events) of a journal; tolerant of a cut last line."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - TAIL_BYTES))
+            tail = f.read()
+    except OSError:
+        return None, []
+    start = next((e for e in _parse_lines(first) if e.get("ev") == "start"), None)
+    events = _parse_lines(tail)
+    if start is None:
+        start = next((e for e in events if e.get("ev") == "start"), None)
+    return start, events
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (killed, not yet reaped by its parent) is not alive.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _rate(events: list[dict], start: dict) -> float | None:
+    prog = [e for e in events if "done" in e and "t" in e]
+    if not prog:
+        return None
+    last = prog[-1]
+    window = [e for e in prog if e["t"] >= last["t"] - RATE_WINDOW_S]
+    first = window[0]
+    if last["t"] - first["t"] >= 2.0 and last["done"] > first["done"]:
+        return (last["done"] - first["done"]) / (last["t"] - first["t"])
+    # Too short a window: fall back to the rate since this attempt started.
+    dt = last["t"] - start.get("t", last["t"])
+    dn = last["done"] - start.get("done", 0)
+    return dn / dt if dt > 0 and dn > 0 else None
+
+
+def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
+    start, events = read_journal(path)
+    if start is None:
+        return None
+    last = events[-1] if events else start
+    row: dict[str, Any] = {
+        "rank": start.get("rank", 0),
+        "world_size": start.get("world_size", 1),
+        "attempt": start.get("attempt"),
+        "done": last.get("done", start.get("done", 0)),
+        "total": last.get("total", start.get("total")),
+        "unit": start.get("unit"),
+        "pid": start.get("pid"),
+        "host": start.get("host"),
+        "started": start.get("t"),
+        "heartbeat_age_s": round(max(0.0, now - last.get("t", now)), 1),
+        "phase": last.get("phase"),
+        "error": None,
+        "log": start.get("log"),
+        "rate_per_s": None,
+        "eta_s": None,
+        # every rank counts the same steps (journals of train written before the flag existed are too)
+        "shared": bool(start.get("shared", start.get("stage") == "train" and start.get("unit") == "steps")),
+    }
+    stall = float(start.get("stall_after_s", 300.0))
+    kind = last.get("ev")
+    if kind == "end":
+        row["state"] = "done"
+    elif kind == "error":
+        row["state"] = "failed"
+        row["error"] = last.get("error")
+    else:
+        same_host = start.get("host") == host
+        alive = pid_alive(int(start["pid"])) if same_host and start.get("pid") else None
+        hb_age = row["heartbeat_age_s"]
+        progress_age = now - float(last.get("pt", last.get("t", now)))
+        if alive is False:
+            row["state"] = "dead"
+        elif hb_age > stall * (REMOTE_DEAD_FACTOR if alive is None else 1.0) and alive is None:
+            row["state"] = "dead"
+        elif hb_age > stall or (progress_age > stall and not last.get("phase")):
+            row["state"] = "stalled"
+        else:
+            row["state"] = "running"
+        if row["state"] in ("running", "stalled"):
+            r = _rate(events, start)
+            row["rate_per_s"] = round(r, 4) if r else None
+            if r and row["total"]:
+                row["eta_s"] = round(max(0.0, (row["total"] - row["done"]) / r), 1)
+    return row
+
+
+# Formatting shared by log lines and `status`
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None or s != s or s == float("inf"):
+        return "?"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def fmt_rate(r: float | None) -> str:
+    if r is None:
+        return "?"
+    return f"{r:.3g}" if r < 100 else f"{r:,.0f}"
+
+
+def fmt_count(n: float) -> str:
+    """1234567 -> '1.2M': counts in log lines."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(int(n))

@@ -1,0 +1,101 @@
+"""The one stage bookkeeping every `run_<stage>` uses: upstream checks, fingerprint, the
+up-to-date rule, the resolved config beside the outputs, and the manifest written last.
+
+A stage reads like this (vocab, in short):
+
+    prep = upstream(run, "prepare", by="draftsmith vocab", target=info)
+    book = StageBook(run, "vocab", cfg, settings={...}, upstream={"prepare": prep}, target=info)
+    if (done := book.up_to_date(outputs_ok=st_path.is_file())) is not None:
+        return done                      # same inputs and settings, outputs present: skip
+    book.begin()                         # manifest gone (not done meanwhile), config.yaml written
+    ...                                  # the work
+    return book.finish(counts={...}, outputs=[...])
+
+The fingerprint covers the stage's settings, what identifies its inputs that are not another
+stage (`fingerprint_extra`: a prompt file's hash, the dtype), the target's fingerprint and the
+fingerprints of the upstream manifests; `run` reruns a stage, and through its fingerprint every
+later one, whenever any of these changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftsmith import DraftsmithError
+from draftsmith.rundir import RunDir, stage_fingerprint, write_stage_config
+
+
+def check_target(run: RunDir, stage: str, manifest: dict, target) -> None:
+    """Refuse an upstream stage built for another target than `target` (a TargetInfo)."""
+    fp = (manifest.get("inputs") or {}).get("target_fingerprint")
+    if fp is not None and fp != target.fingerprint:
+        raise DraftsmithError(
+            f"{run.manifest_path(stage)}: built for another target (fingerprint {fp}) than the configured "
+            f"target {target.name} ({target.fingerprint}); use the same `target` for every stage of a run")
+
+
+def upstream(run: RunDir, stage: str, by: str, target=None) -> dict:
+    """The completed manifest of `stage`, which `by` (a command line) needs; when `target` is
+    given, refused if that stage was built for another target."""
+    manifest = run.require_manifest(stage, by=by)
+    if target is not None:
+        check_target(run, stage, manifest, target)
+    return manifest
+
+
+@dataclass
+class StageBook:
+    """One stage's bookkeeping in a run directory. `name` is the stage folder ("eval-vllm" for
+    a second evaluation); `settings` is what the manifest records (usually the config section
+    with the stage's format version)."""
+
+    run: RunDir
+    name: str
+    cfg: Any
+    settings: dict[str, Any]
+    upstream: dict[str, dict | None] = field(default_factory=dict)
+    target: Any = None
+    fingerprint_extra: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def fingerprint(self) -> str:
+        own = {**self.settings, **self.fingerprint_extra}
+        if self.target is not None:
+            own["target_fingerprint"] = self.target.fingerprint
+        return stage_fingerprint(own, self.upstream)
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """What the manifest records as this stage's inputs."""
+        inputs: dict[str, Any] = {k: (m or {}).get("fingerprint") for k, m in self.upstream.items()}
+        if self.target is not None:
+            inputs.update(target=self.target.name, target_fingerprint=self.target.fingerprint)
+        return inputs
+
+    def previous(self) -> dict | None:
+        """The manifest of the last completed build of this stage, if any."""
+        return self.run.read_manifest(self.name)
+
+    def up_to_date(self, outputs_ok: bool = True) -> dict | None:
+        """The previous manifest when it was built from the same inputs and settings and its
+        outputs are in place (`outputs_ok`, checked by the stage); else None."""
+        old = self.previous()
+        if old is not None and old.get("fingerprint") == self.fingerprint and outputs_ok:
+            return old
+        return None
+
+    def begin(self) -> None:
+        """From here until `finish` the stage counts as not done (its files stay, for resume);
+        the resolved config goes beside what it writes."""
+        self.run.invalidate(self.name)
+        write_stage_config(self.run, self.name, self.cfg)
+
+    def finish(self, counts: dict[str, Any], outputs: list[str] | None = None, extra: dict[str, Any] | None = None,
+               inputs: dict[str, Any] | None = None) -> dict:
+        """Write the manifest (the record that the stage completed) and return it."""
+        return self.run.write_manifest(self.name, fingerprint=self.fingerprint, inputs={**self.inputs, **(inputs or {})},
+                                       settings=self.settings, counts=counts, started=self.started,
+                                       outputs=outputs, extra=extra)
