@@ -869,7 +869,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
     Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
     `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
-    from draftsmith.export import CONFIG_FILE, _read_json
+    from draftsmith.export import CONFIG_FILE
+    from draftsmith.rundir import read_json_object
     from draftsmith.progress import Progress
     from draftsmith.prompts import load_prompts
     from draftsmith.target import pick_device, pick_dtype, target_info
@@ -881,7 +882,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     started = time.time()
     export_manifest = run.require_manifest("export", by="draftsmith eval")
     export_dir = run.path / "export"
-    cj = _read_json(export_dir / CONFIG_FILE)
+    cj = read_json_object(export_dir / CONFIG_FILE)
     info = target_info(cfg.target, cfg.trust_remote_code)
     ds = cj.get("draftsmith") or {}
     if ds.get("target_fingerprint") not in (None, info.fingerprint):

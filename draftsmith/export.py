@@ -36,9 +36,16 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from draftsmith import DraftsmithError, __version__
-from draftsmith.progress import journal_failures
-from draftsmith.rundir import RunDir, file_sha256, stage_fingerprint, write_stage_config
+from draftsmith.model import Eagle3Config, Eagle3Drafter
+from draftsmith.progress import Progress, journal_failures
+from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
+from draftsmith.stage import StageBook
+from draftsmith.target import target_info
 
 STAGE = "export"
 CONFIG_FILE = "config.json"
@@ -113,23 +120,9 @@ def find_checkpoint(run: RunDir, explicit: str | None = None) -> Path:
     return max(steps)[1].resolve()
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DraftsmithError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftsmithError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DraftsmithError(f"{path}: expected a JSON object")
-    return data
-
-
 def drafter_config_from_meta(meta: dict, where: str):
     """Eagle3Config from a checkpoint's drafter.json: its Eagle3Config fields, at the top level
     or under "config"."""
-    from draftsmith.model import Eagle3Config
-
     src = meta.get("config") if isinstance(meta.get("config"), dict) else meta
     names = {f.name for f in fields(Eagle3Config)}
     kwargs = {k: v for k, v in src.items() if k in names}
@@ -161,10 +154,6 @@ def _meta_target(meta: dict) -> tuple[str | None, str | None]:
 def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
     Built on the meta device: no memory, always in step with model.py."""
-    import torch
-
-    from draftsmith.model import Eagle3Drafter
-
     with torch.device("meta"):
         model = Eagle3Drafter(config)
     out, names = {}, export_keys(config.num_hidden_layers)
@@ -175,7 +164,6 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def _kind(dtype) -> str:
-    import torch
 
     return "int64" if dtype == torch.int64 else "bool" if dtype == torch.bool else (
         "float" if dtype.is_floating_point else str(dtype))
@@ -185,8 +173,6 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
                   allow_extra: tuple[str, ...] = ()) -> None:
     """Check the names, shapes and dtypes of a safetensors file against `expected_shapes` without
     loading it; a missing, extra or misshapen tensor is a one-line error naming file and key."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise DraftsmithError(f"{path}: missing")
     try:
@@ -216,8 +202,6 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
 
 def check_vocab_maps(d2t, t2d, where: str) -> None:
     """d2t must map draft ids to strictly increasing target ids in range, and t2d mark exactly them."""
-    import torch
-
     ids = d2t + torch.arange(d2t.numel())
     V = t2d.numel()
     if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
@@ -285,8 +269,6 @@ def speculators_config(config, aux_layers: list[int], *, target_path: str, targe
 
 def _config_from_export(cj: dict, where: str):
     """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
-    from draftsmith.model import Eagle3Config
-
     if cj.get("speculators_model_type") != "eagle3":
         raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", got {cj.get('speculators_model_type')!r}")
     layer = cj.get("transformer_layer_config")
@@ -362,16 +344,11 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     has_embed_tokens, dtype, draftsmith block, path). Every problem is a DraftsmithError naming
     the file and the key.
     """
-    import torch
-    from safetensors.torch import load_file
-
-    from draftsmith.model import Eagle3Drafter
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DraftsmithError(f"{folder}: no such export folder")
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    cj = _read_json(cpath)
+    cj = read_json_object(cpath)
     config, aux = _config_from_export(cj, str(cpath))
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
@@ -423,8 +400,6 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
 def _swap_into_place(built: Path, dest: Path) -> None:
     """Replace `dest` by the folder `built` (same parent): the stage's bookkeeping files move over
     first, then two renames; `dest` is never a mix of old and new exported files."""
-    from draftsmith.rundir import replace_dir
-
     if dest.is_dir():
         for name in BOOKKEEPING:
             if (dest / name).exists():
@@ -436,18 +411,11 @@ def _swap_into_place(built: Path, dest: Path) -> None:
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
     to RUN/export/. Returns the manifest."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from draftsmith.progress import Progress
-    from draftsmith.target import target_info
-
     run.ensure()
-    started = time.time()
     ckpt = find_checkpoint(run, checkpoint or cfg.export.checkpoint)
     meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
-    meta = _read_json(meta_path)
-    state = _read_json(ckpt / CKPT_STATE)
+    meta = read_json_object(meta_path)
+    state = read_json_object(ckpt / CKPT_STATE)
     config = drafter_config_from_meta(meta, str(meta_path))
     aux = _meta_aux_layers(meta, str(meta_path))
     if len(aux) != config.num_aux_layers:
@@ -468,14 +436,12 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     settings = cfg.section(STAGE)
     inputs = {"checkpoint": str(ckpt), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
-    fp = stage_fingerprint({**settings, "inputs": inputs}, {})
-    old = run.read_manifest(STAGE)
+    # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
+    book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
-    if old is not None and old.get("fingerprint") == fp and all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)):
+    if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
-    if old is not None:
-        run.invalidate(STAGE)
-    write_stage_config(run, STAGE, cfg)
+    book.begin()
 
     dtype_name = cfg.export.dtype
     out_dtype = getattr(torch, dtype_name)
@@ -521,9 +487,6 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         prog.end(checkpoint=str(ckpt), bytes=size)
     # after the journal is closed: its file moves with the other bookkeeping into the new folder
     _swap_into_place(built, dest)
-    return run.write_manifest(
-        STAGE, fingerprint=fp, inputs=inputs, settings=settings,
-        counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
-        started=started, outputs=[CONFIG_FILE, WEIGHTS_FILE],
-        extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name},
-    )
+    return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
+                       outputs=[CONFIG_FILE, WEIGHTS_FILE], inputs=inputs,
+                       extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name})

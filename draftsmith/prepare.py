@@ -37,9 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from draftsmith import DraftsmithError
-from draftsmith.progress import journal_failures
-from draftsmith.rundir import RunDir, atomic_write_json, file_sha256, stage_fingerprint, write_stage_config
+from draftsmith.journal import fmt_count
+from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.rundir import RunDir, atomic_write_json, file_sha256
+from draftsmith.stage import StageBook, check_target, upstream
+from draftsmith.target import load_tokenizer, target_info
 
 STAGE = "prepare"
 # Bump when the way ids or masks are built changes: old prepared data then no longer matches.
@@ -188,8 +193,6 @@ class ChatEncoder:
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int], str | None]:
         """Token ids and mask for `text`; the third value names the boundary fix used, if any."""
-        import numpy as np
-
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [T, 2] character ranges
@@ -361,160 +364,145 @@ def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], Tally]:
 # The stage
 
 
-def _upstream_target_fingerprint(manifest: dict) -> str | None:
-    """The target fingerprint an upstream manifest records, under the keys stages use."""
-    inputs = manifest.get("inputs") or {}
-    for holder in (inputs, manifest):
-        fp = holder.get("target_fingerprint")
-        if isinstance(fp, str):
-            return fp
-        t = holder.get("target")
-        if isinstance(t, dict) and isinstance(t.get("fingerprint"), str):
-            return t["fingerprint"]
-    return None
-
-
 def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None:
-    fp = _upstream_target_fingerprint(manifest)
-    if fp is not None and fp != info.fingerprint:
-        raise DraftsmithError(
-            f"{run.manifest_path(stage)}: built for another target (fingerprint {fp}) than the configured "
-            f"target {info.name} ({info.fingerprint}); use the same `target` for every stage of a run")
+    check_target(run, stage, manifest, info)
 
 
 @journal_failures(STAGE)
-def run_prepare(run: RunDir, cfg, **opts) -> dict:
+def run_prepare(run: RunDir, cfg) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
-    from draftsmith.journal import fmt_count
-    from draftsmith.progress import Progress, log
-    from draftsmith.target import load_tokenizer, target_info
-
-    started = time.time()
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
-    gen_manifest = run.require_manifest("generate", by="draftsmith prepare")
+    gen_manifest = upstream(run, "generate", by="draftsmith prepare")
     gen_path = run.stage_dir("generate", create=False) / "samples.jsonl"
     if not gen_path.is_file():
         raise DraftsmithError(f"{gen_path}: missing although generate completed; rerun `draftsmith generate --run {run.path}`")
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-    check_upstream_target(run, "generate", gen_manifest, info)
-    pcfg = cfg.prepare
-    settings = {**cfg.section(STAGE), "version": PREPARE_VERSION}
+    check_target(run, "generate", gen_manifest, info)
     gen_sha = file_sha256(gen_path)
     # The samples file's own hash too: a generate rerun that only added samples keeps its print.
-    fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint, "generate_samples_sha256": gen_sha},
-                           {"generate": gen_manifest})
-    d = run.stage_dir(STAGE)
-    out_path = d / "samples.jsonl"
-    state_path = d / "state.json"
-
-    old = run.read_manifest(STAGE)
-    if old is not None:
-        if old.get("fingerprint") == fp and out_path.is_file():
-            say(f"up to date ({old['counts'].get('done')} samples); nothing to do")
-            return old
-        run.invalidate(STAGE)
-    write_stage_config(run, STAGE, cfg)
+    book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": PREPARE_VERSION},
+                     upstream={"generate": gen_manifest}, target=info,
+                     fingerprint_extra={"generate_samples_sha256": gen_sha})
+    out_path = run.stage_dir(STAGE) / "samples.jsonl"
+    if (old := book.up_to_date(outputs_ok=out_path.is_file())) is not None:
+        say(f"up to date ({old['counts'].get('done')} samples); nothing to do")
+        return old
+    book.begin()
 
     tok = load_tokenizer(info, cfg.trust_remote_code)
     encoder = ChatEncoder.for_target(tok, info)
     keys = scan_generated(gen_path)
-    total = len(keys)
+    done_keys, tally = _resume(run, book, keys, say)
+    with Progress(run, STAGE, total=len(keys), unit="samples", done=len(done_keys), stall_after_s=cfg.stall_after_s) as prog:
+        prog.log(f"target {info.name}; {len(keys)} generated samples, {len(done_keys)} already prepared; "
+                 f"max_length {cfg.prepare.max_length} ({cfg.prepare.overflow}); reasoning "
+                 + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else "written as <think> blocks"))
+        counts, dropped_examples = _encode_samples(gen_path, out_path, keys, done_keys, encoder, tally, cfg.prepare, prog)
+        _log_summary(prog, gen_path, tally, counts, dropped_examples)
+        manifest_counts = {
+            "done": tally.samples, "total": tally.samples, "unit": "samples",
+            "input_samples": len(keys), "samples": tally.samples, "assistant_turns": tally.assistant_turns,
+            "tokens": tally.tokens, "masked_tokens": tally.masked_tokens, "truncated": tally.truncated,
+            "dropped": counts["dropped_too_long"] + counts["dropped_empty_mask"], **counts,
+            **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
+        }
+        manifest = book.finish(counts=manifest_counts, outputs=["samples.jsonl"],
+                               inputs={"generate_samples_sha256": gen_sha},
+                               extra={"reasoning_key": encoder.reasoning_key, "end_tokens": encoder.end_tokens})
+        prog.end(samples=tally.samples, tokens=tally.tokens, masked_tokens=tally.masked_tokens)
+    return manifest
 
-    # Resume only a partial file built with this very fingerprint; anything else starts afresh.
+
+def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "Tally"]:
+    """The keys already in prepare/samples.jsonl and their tally. Only a partial file built with
+    this very fingerprint is resumed; anything else starts afresh."""
+    d = run.stage_dir(STAGE)
+    out_path, state_path = d / "samples.jsonl", d / "state.json"
     state = None
     if state_path.is_file():
         try:
             state = json.loads(state_path.read_text())
         except ValueError:
             state = None
-    if out_path.exists() and not (isinstance(state, dict) and state.get("fingerprint") == fp):
+    if out_path.exists() and not (isinstance(state, dict) and state.get("fingerprint") == book.fingerprint):
         say(f"{out_path.name} was built with other inputs or settings; starting it afresh")
         out_path.unlink()
-    atomic_write_json(state_path, {"fingerprint": fp, "started": started})
+    atomic_write_json(state_path, {"fingerprint": book.fingerprint, "started": book.started})
     cut = repair_jsonl_tail(out_path)
     if cut:
         say(f"dropped an incomplete last line ({cut} bytes) left by an interrupted run")
-    done_keys, tally = read_prepared(out_path, set(keys))
+    return read_prepared(out_path, set(keys))
 
+
+def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, encoder: "ChatEncoder", tally: "Tally",
+                    pcfg, prog) -> tuple[dict[str, int], list[str]]:
+    """Append one prepared line per generated sample not yet done; (drop counts, a few examples)."""
     counts = {"dropped_too_long": 0, "dropped_empty_mask": 0}
     dropped_examples: list[str] = []
     last_sync = time.time()
-    with Progress(run, STAGE, total=total, unit="samples", done=len(done_keys), stall_after_s=cfg.stall_after_s) as prog:
-        prog.log(f"target {info.name}; {total} generated samples, {len(done_keys)} already prepared; "
-                 f"max_length {pcfg.max_length} ({pcfg.overflow}); reasoning "
-                 + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else "written as <think> blocks"))
-        with open(gen_path, encoding="utf-8") as src, open(out_path, "a", encoding="utf-8") as out:
-            n = 0
-            for lineno, line in enumerate(src, 1):
-                if not line.strip():
-                    continue
-                key = keys[n]
-                n += 1
-                if key in done_keys:
-                    continue
-                sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
-                try:
-                    enc = encoder.encode(msgs, finish)
-                except TemplateProblem as e:
-                    raise TemplateProblem(f"{gen_path}:{lineno}: sample {sid!r}: {e}") from None
-                ids, mask, truncated = enc.input_ids, enc.loss_mask, False
-                reason = None
-                if len(ids) > pcfg.max_length:
-                    if pcfg.overflow == "drop":
-                        reason = "dropped_too_long"
-                    else:
-                        ids, mask, truncated = ids[: pcfg.max_length], mask[: pcfg.max_length], True
-                if reason is None and not any(mask):
-                    reason = "dropped_empty_mask"
-                if reason is not None:
-                    counts[reason] += 1
-                    if len(dropped_examples) < 5:
-                        why = ("too long" if reason == "dropped_too_long" else
-                               "no assistant token within max_length" if truncated else "no assistant token")
-                        dropped_examples.append(f"{sid} ({why}, {len(enc.input_ids)} tokens)")
-                    # Dropped samples leave no line: shrink the total so that done == lines on disk.
-                    prog.set_total(prog.total - 1)
-                    continue
-                rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
-                if enc.notes:
-                    rec["notes"] = enc.notes
-                out.write(json.dumps(rec, separators=(",", ":")) + "\n")
-                out.flush()  # a whole line per sample: a kill can only cut the last one
-                tally.add(ids, mask, truncated, enc.notes)
-                prog.advance(1)
-                if time.time() - last_sync > 10:
-                    os.fsync(out.fileno())
-                    last_sync = time.time()
-            os.fsync(out.fileno())
+    with open(gen_path, encoding="utf-8") as src, open(out_path, "a", encoding="utf-8") as out:
+        n = 0
+        for lineno, line in enumerate(src, 1):
+            if not line.strip():
+                continue
+            key = keys[n]
+            n += 1
+            if key in done_keys:
+                continue
+            sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
+            try:
+                enc = encoder.encode(msgs, finish)
+            except TemplateProblem as e:
+                raise TemplateProblem(f"{gen_path}:{lineno}: sample {sid!r}: {e}") from None
+            ids, mask, truncated = enc.input_ids, enc.loss_mask, False
+            reason = None
+            if len(ids) > pcfg.max_length:
+                if pcfg.overflow == "drop":
+                    reason = "dropped_too_long"
+                else:
+                    ids, mask, truncated = ids[: pcfg.max_length], mask[: pcfg.max_length], True
+            if reason is None and not any(mask):
+                reason = "dropped_empty_mask"
+            if reason is not None:
+                counts[reason] += 1
+                if len(dropped_examples) < 5:
+                    why = ("too long" if reason == "dropped_too_long" else
+                           "no assistant token within max_length" if truncated else "no assistant token")
+                    dropped_examples.append(f"{sid} ({why}, {len(enc.input_ids)} tokens)")
+                # Dropped samples leave no line: shrink the total so that done == lines on disk.
+                prog.set_total(prog.total - 1)
+                continue
+            rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
+            if enc.notes:
+                rec["notes"] = enc.notes
+            out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            out.flush()  # a whole line per sample: a kill can only cut the last one
+            tally.add(ids, mask, truncated, enc.notes)
+            prog.advance(1)
+            if time.time() - last_sync > 10:
+                os.fsync(out.fileno())
+                last_sync = time.time()
+        os.fsync(out.fileno())
+    return counts, dropped_examples
 
-        dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
-        if tally.samples == 0:
-            raise DraftsmithError(f"{gen_path}: no sample kept ({dropped} dropped: {', '.join(dropped_examples)})")
-        share = tally.masked_tokens / max(1, tally.tokens)
-        prog.log(f"prepared {tally.samples} samples: {fmt_count(tally.tokens)} tokens, {fmt_count(tally.masked_tokens)} "
-                 f"loss-masked ({share:.1%}); truncated {tally.truncated}; dropped {counts['dropped_too_long']} too long, "
-                 f"{counts['dropped_empty_mask']} with no assistant tokens")
-        if dropped_examples:
-            prog.log("dropped, e.g.: " + "; ".join(dropped_examples))
-        for k, msg in (("reasoning_dropped_by_template", "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
-                       ("turns_without_end_token", "assistant turns with no end-of-turn token after them in the template"),
-                       ("boundary_retokenized", "samples tokenized piecewise because a token straddled a turn boundary"),
-                       ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
-            if tally.notes.get(k):
-                prog.log(f"note: {tally.notes[k]} {msg}")
-        manifest_counts = {
-            "done": tally.samples, "total": tally.samples, "unit": "samples",
-            "input_samples": total, "samples": tally.samples, "assistant_turns": tally.assistant_turns, "tokens": tally.tokens,
-            "masked_tokens": tally.masked_tokens, "truncated": tally.truncated,
-            "dropped": dropped, **counts, **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
-        }
-        inputs = {"generate": gen_manifest.get("fingerprint"), "generate_samples_sha256": gen_sha,
-                  "target": info.name, "target_fingerprint": info.fingerprint}
-        manifest = run.write_manifest(STAGE, fingerprint=fp, inputs=inputs, settings=settings, counts=manifest_counts,
-                                      started=started, outputs=["samples.jsonl"],
-                                      extra={"reasoning_key": encoder.reasoning_key, "end_tokens": encoder.end_tokens})
-        prog.end(samples=tally.samples, tokens=tally.tokens, masked_tokens=tally.masked_tokens)
-    return manifest
+
+def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], dropped_examples: list[str]) -> None:
+    """What was kept and dropped, as log lines; no sample kept is an error."""
+    dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
+    if tally.samples == 0:
+        raise DraftsmithError(f"{gen_path}: no sample kept ({dropped} dropped: {', '.join(dropped_examples)})")
+    share = tally.masked_tokens / max(1, tally.tokens)
+    prog.log(f"prepared {tally.samples} samples: {fmt_count(tally.tokens)} tokens, {fmt_count(tally.masked_tokens)} "
+             f"loss-masked ({share:.1%}); truncated {tally.truncated}; dropped {counts['dropped_too_long']} too long, "
+             f"{counts['dropped_empty_mask']} with no assistant tokens")
+    if dropped_examples:
+        prog.log("dropped, e.g.: " + "; ".join(dropped_examples))
+    for k, msg in (("reasoning_dropped_by_template", "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
+                   ("turns_without_end_token", "assistant turns with no end-of-turn token after them in the template"),
+                   ("boundary_retokenized", "samples tokenized piecewise because a token straddled a turn boundary"),
+                   ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
+        if tally.notes.get(k):
+            prog.log(f"note: {tally.notes[k]} {msg}")
 
 
 def iter_prepared(run: RunDir):

@@ -180,6 +180,20 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON object from `path`; a missing or malformed file is a one-line error naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"{path}: expected a JSON object")
+    return data
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -27,9 +27,23 @@ from draftsmith import DraftsmithError
 from draftsmith.rundir import RunDir, stage_fingerprint, write_stage_config
 
 
+def _target_fingerprint(manifest: dict) -> str | None:
+    """The target fingerprint a manifest records, under the keys stages use (`inputs`, or the
+    manifest itself, as `target_fingerprint` or `target: {fingerprint}`)."""
+    inputs = manifest.get("inputs") or {}
+    for holder in (inputs, manifest):
+        fp = holder.get("target_fingerprint")
+        if isinstance(fp, str):
+            return fp
+        t = holder.get("target")
+        if isinstance(t, dict) and isinstance(t.get("fingerprint"), str):
+            return t["fingerprint"]
+    return None
+
+
 def check_target(run: RunDir, stage: str, manifest: dict, target) -> None:
     """Refuse an upstream stage built for another target than `target` (a TargetInfo)."""
-    fp = (manifest.get("inputs") or {}).get("target_fingerprint")
+    fp = _target_fingerprint(manifest)
     if fp is not None and fp != target.fingerprint:
         raise DraftsmithError(
             f"{run.manifest_path(stage)}: built for another target (fingerprint {fp}) than the configured "

@@ -17,12 +17,20 @@ or prepared data.
 
 
 import json
-import time
 from typing import Any
 
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
 from draftsmith import DraftsmithError
-from draftsmith.progress import journal_failures
-from draftsmith.rundir import RunDir, atomic_path, atomic_write_json, stage_fingerprint, write_stage_config
+from draftsmith.journal import fmt_count
+from draftsmith.prepare import iter_prepared
+from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
+from draftsmith.stage import StageBook, check_target, upstream
+from draftsmith.target import target_info
 
 STAGE = "vocab"
 VOCAB_VERSION = 1
@@ -38,8 +46,6 @@ def select_draft_vocab(counts, draft_vocab_size: int):
     Ties (including the zero counts that fill a vocabulary larger than the tokens seen) go to the
     smaller id.
     """
-    import numpy as np
-
     counts = np.asarray(counts, dtype=np.int64)
     v = counts.shape[0]
     if draft_vocab_size > v:
@@ -56,10 +62,6 @@ def select_draft_vocab(counts, draft_vocab_size: int):
 
 def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     """Frequencies [V] int64 of target tokens under the loss mask of prepare/samples.jsonl."""
-    import numpy as np
-
-    from draftsmith.prepare import iter_prepared
-
     path = run.stage_dir("prepare", create=False) / "samples.jsonl"
     counts = np.zeros(vocab_size, dtype=np.int64)
     buf: list = []
@@ -92,34 +94,23 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
 @journal_failures(STAGE)
 def run_vocab(run: RunDir, cfg, **opts) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""
-    from safetensors.numpy import save_file
-
-    from draftsmith.prepare import check_upstream_target
-    from draftsmith.journal import fmt_count
-    from draftsmith.progress import Progress, log
-    from draftsmith.target import target_info
-
-    started = time.time()
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
-    prep = run.require_manifest("prepare", by="draftsmith vocab")
+    prep = upstream(run, "prepare", by="draftsmith vocab")
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-    check_upstream_target(run, "prepare", prep, info)
+    check_target(run, "prepare", prep, info)
     size = cfg.vocab.draft_vocab_size
     if size > info.vocab_size:
         raise DraftsmithError(
             f"vocab.draft_vocab_size: {size} is larger than the vocabulary of target {info.name} ({info.vocab_size} tokens)")
-    settings = {**cfg.section(STAGE), "version": VOCAB_VERSION}
-    fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, {"prepare": prep})
+    book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": VOCAB_VERSION},
+                     upstream={"prepare": prep}, target=info)
+    fp = book.fingerprint
     d = run.stage_dir(STAGE)
     st_path, json_path = d / "vocab.safetensors", d / "vocab.json"
-
-    old = run.read_manifest(STAGE)
-    if old is not None:
-        if old.get("fingerprint") == fp and st_path.is_file() and json_path.is_file():
-            say(f"up to date (coverage {old['counts'].get('coverage', 0):.1%}); nothing to do")
-            return old
-        run.invalidate(STAGE)
-    write_stage_config(run, STAGE, cfg)
+    if (old := book.up_to_date(outputs_ok=st_path.is_file() and json_path.is_file())) is not None:
+        say(f"up to date (coverage {old['counts'].get('coverage', 0):.1%}); nothing to do")
+        return old
+    book.begin()
 
     n_samples = int(prep.get("counts", {}).get("done") or 0) or None
     with Progress(run, STAGE, total=n_samples, unit="samples", stall_after_s=cfg.stall_after_s) as prog:
@@ -153,10 +144,8 @@ def run_vocab(run: RunDir, cfg, **opts) -> dict:
         atomic_write_json(json_path, vocab_info)
         manifest_counts = {"done": samples, "total": samples, "unit": "samples", "coverage": coverage,
                            "tokens_counted": total, "distinct_tokens": distinct, "filled": filled}
-        inputs = {"prepare": prep.get("fingerprint"), "target": info.name, "target_fingerprint": info.fingerprint}
-        manifest = run.write_manifest(STAGE, fingerprint=fp, inputs=inputs, settings=settings, counts=manifest_counts,
-                                      started=started, outputs=["vocab.safetensors", "vocab.json"],
-                                      extra={"coverage": coverage})
+        manifest = book.finish(counts=manifest_counts, outputs=["vocab.safetensors", "vocab.json"],
+                               extra={"coverage": coverage})
         prog.end(coverage=round(coverage, 6), draft_vocab_size=size)
     return manifest
 
@@ -169,10 +158,6 @@ def load_vocab(run: RunDir, expect_target_fingerprint: str | None = None, expect
     (`expect_target_fingerprint`), of another size (`expect_size`), from other prepared data than
     the current prepare/manifest.json, or whose two files do not come from the same build.
     """
-    import numpy as np
-    import torch
-    from safetensors import safe_open
-
     manifest = run.require_manifest(STAGE, by=by)
     d = run.stage_dir(STAGE, create=False)
     json_path, st_path = d / "vocab.json", d / "vocab.safetensors"
