@@ -196,7 +196,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
     stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
 
-    from draftsmith.extract import bytes_per_token as store_bytes
+    from draftsmith.extract import bytes_per_token as store_bytes  # the store's own rule; extract imports torch
 
     bytes_per_token = store_bytes(3, t.hidden_size)  # 3 auxiliary layers + the last, bf16, + id and mask
     prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)

@@ -12,6 +12,7 @@ and `watch` can follow a whole run.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import tempfile
@@ -117,8 +118,6 @@ def summarize(run: RunDir) -> str:
 
 
 def _summary_line(run: RunDir, folder: str) -> str:
-    import json
-
     r = json.loads((run.path / folder / "report.json").read_text())
     tau = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") is not None else "n/a (no drafts)"
     per_pos = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r.get("acceptance_per_position") or [])

@@ -264,6 +264,7 @@ class Progress:
         log(self.status_line(), stage=self.stage)
 
     def _start_bar(self) -> None:
+        # rich only when a bar is drawn (a terminal): journals and plain log lines do without it
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self._bar = Bar(

@@ -26,6 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
 from draftsmith import DraftsmithError
 
 SHORT_NAMES = {
@@ -42,8 +46,6 @@ def cache_dir() -> Path:
 
 
 def pick_device(spec: str = "auto"):
-    import torch
-
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -62,8 +64,6 @@ def bf16_is_fast(device) -> bool:
     oneDNN's bf16 GEMMs slower than float32 ones (measured 1.7x slower per training step and
     0.6x the target's forward throughput here), so the flag alone is not enough.
     """
-    import torch
-
     if device is not None and device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -73,8 +73,6 @@ def bf16_is_fast(device) -> bool:
 def pick_dtype(spec: str = "auto", device=None):
     """`auto`: bfloat16 where it is the fast path (GPUs with bf16, CPUs with AMX, where it runs
     several times faster than float32), float32 elsewhere."""
-    import torch
-
     if spec != "auto":
         return getattr(torch, spec)
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
@@ -111,8 +109,6 @@ def _file_lock(path: Path):
 def quiet_transformers() -> None:
     """No transformers progress bars ("Loading weights" on stderr): the stage's busy phase and
     journal report the load, and stderr stays free for the one line a failure prints."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
 
 
@@ -128,9 +124,6 @@ def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
         tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
         t0 = time.time()
         log(f"converting {gguf.name} to a bf16 safetensors folder (once): {dest}")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         quiet_transformers()
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -240,8 +233,6 @@ _remote_code_logged: set[str] = set()  # folders whose trust_remote_code warning
 
 def target_info(spec: str, trust_remote_code: bool = False, log=print) -> TargetInfo:
     """Describe a target without loading its weights."""
-    from transformers import AutoConfig
-
     folder, name = resolve_target(spec, log=log)
     if trust_remote_code and str(folder) not in _remote_code_logged:
         # every path to the target's code goes through here first (config, tokenizer, model)
@@ -280,8 +271,6 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
 
 
 def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     info = spec_or_info if isinstance(spec_or_info, TargetInfo) else target_info(spec_or_info, trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code)
@@ -310,8 +299,6 @@ class Target:
 
 def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, log=print) -> Target:
     """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
-    from transformers import AutoModelForCausalLM
-
     info = target_info(spec, trust_remote_code, log=log)
     quiet_transformers()
     dev = pick_device(device)
