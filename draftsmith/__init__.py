@@ -10,6 +10,11 @@ class DraftsmithError(Exception):
     """
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's kill, `kill PID`) raised as an interruption, so that a stage closes its
+    journal as interrupted and the command exits 143 with one line, as Ctrl-C does with 130."""
+
+
 def one_line(text: str) -> str:
     """A message on one line: the lines of `text` joined by spaces (library errors quoted in a
     DraftsmithError can span several)."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
-from draftsmith import DraftsmithError, one_line
+from draftsmith import DraftsmithError, Terminated, one_line
 from draftsmith.estimate import HARDWARE
 from draftsmith.journal import env_rank
 from draftsmith.progress import log
@@ -382,6 +384,15 @@ def _fast_status(args: list[str]) -> None:
     print(json.dumps(st) if ns.json else render_table(st))
 
 
+_received_sigterm = False  # Typer turns any KeyboardInterrupt into the return value 130: this tells which
+
+
+def _raise_terminated(signum, frame) -> None:
+    global _received_sigterm
+    _received_sigterm = True
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
     # Logs must reach a file at once under `nohup cmd > log 2>&1 &`: line-buffer both streams
     # before anything is printed (Python block-buffers them when they are not a terminal).
@@ -391,10 +402,17 @@ def main(argv: list[str] | None = None) -> None:
         except (AttributeError, ValueError):
             pass
     args = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args[:1] == ["status"] and len(args) > 1 and not {"-h", "--help"} & set(args):
             return _fast_status(args[1:])
-        app(args=args, standalone_mode=False, prog_name="draftsmith")
+        # Ctrl-C inside a command comes back from Typer as the return value 130, not as an exception
+        rc = app(args=args, standalone_mode=False, prog_name="draftsmith")
+        if rc == 130:
+            raise Terminated() if _received_sigterm else KeyboardInterrupt()
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except DraftsmithError as e:
         print(f"draftsmith: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
@@ -413,8 +431,11 @@ def main(argv: list[str] | None = None) -> None:
         where = f" ({ctx.command_path})" if ctx is not None else ""
         print(f"draftsmith: error{where}: {msg} (see --help)", file=sys.stderr)
         sys.exit(2)
+    except Terminated:
+        print("draftsmith: terminated (SIGTERM); the same command resumes from the finished work", file=sys.stderr)
+        sys.exit(143)
     except KeyboardInterrupt:
-        print("draftsmith: interrupted", file=sys.stderr)
+        print("draftsmith: interrupted (Ctrl-C); the same command resumes from the finished work", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:
         # `draftsmith status RUN | head`: the reader left; not an error worth a traceback.

@@ -144,7 +144,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     if kind == "end":
         row["state"] = "done"
     elif kind == "error":
-        row["state"] = "failed"
+        # stopped on purpose (Ctrl-C, SIGTERM) is not a failure: the same command resumes it
+        row["state"] = "interrupted" if last.get("interrupted") else "failed"
         row["error"] = last.get("error")
     else:
         same_host = start.get("host") == host

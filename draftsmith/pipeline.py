@@ -27,7 +27,7 @@ from draftsmith.export import run_export
 from draftsmith.extract import run_extract
 from draftsmith.generate import run_generate
 from draftsmith.prepare import run_prepare
-from draftsmith.progress import log
+from draftsmith.progress import error_line, log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
 from draftsmith.train import run_train
 from draftsmith.vllm_server import vllm_python
@@ -90,7 +90,8 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
     except BaseException as e:
-        state["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        state["error"] = error_line(e)
+        state["interrupted"] = isinstance(e, KeyboardInterrupt)
         atomic_write_json(run.path / "pipeline.json", state)
         raise
     state["current"], state["finished"] = None, True

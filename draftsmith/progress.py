@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith import DraftsmithError, one_line
+from draftsmith import DraftsmithError, Terminated, one_line
 from draftsmith.journal import (append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
                                journal_state, read_journal)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
@@ -161,7 +161,7 @@ class Progress:
         if exc is None:
             self.end()
         else:
-            self.fail(error_line(exc))
+            self.fail(error_line(exc), interrupted=isinstance(exc, KeyboardInterrupt))
 
     def _close(self, ev: dict[str, Any]) -> None:
         if self.closed:
@@ -219,10 +219,12 @@ class Progress:
         else:
             log(msg, stage=self.stage, console=self.console)
 
-    def fail(self, msg: str) -> None:
+    def fail(self, msg: str, interrupted: bool = False) -> None:
+        """Close the journal with an error line; `interrupted` marks a stop asked for by the user
+        or the system (Ctrl-C, SIGTERM), which `status` shows as `interrupted`, not `failed`."""
         first_line = _first_line(msg)
-        log(f"FAILED: {first_line}", stage=self.stage, console=False)
-        self._close(self._event("error", error=first_line))
+        log(f"{'INTERRUPTED' if interrupted else 'FAILED'}: {first_line}", stage=self.stage, console=False)
+        self._close(self._event("error", error=first_line, **({"interrupted": True} if interrupted else {})))
 
     def end(self, **summary: Any) -> None:
         if self.closed:
@@ -286,6 +288,8 @@ def _first_line(msg: str) -> str:
 
 def error_line(exc: BaseException) -> str:
     """The one line a journal records for an exception (a user error's own message)."""
+    if isinstance(exc, Terminated):
+        return "interrupted (SIGTERM)"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C)"
     if isinstance(exc, DraftsmithError):
@@ -312,6 +316,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
         rank, world_size = env_rank()
     path = run.path / stage / journal_name(rank, world_size)
     msg = error_line(exc)
+    interrupted = {"interrupted": True} if isinstance(exc, KeyboardInterrupt) else {}
     now = time.time()
     start, events = read_journal(path)
     # (journals store times rounded to the millisecond; rounding keeps the order)
@@ -319,7 +324,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
         last = events[-1] if events else start
         if last.get("ev") != "error":
             append_event(path, {"ev": "error", "t": round(now, 3), "done": last.get("done"),
-                                "pt": last.get("pt", round(now, 3)), "error": msg})
+                                "pt": last.get("pt", round(now, 3)), "error": msg, **interrupted})
             _log_line(path.parent / "stage.log", stage, f"FAILED: {msg}")
         return
     if start is not None:
@@ -334,7 +339,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
     append_event(path, {"ev": "start", "t": round(since, 3), "pid": os.getpid(), "host": socket.gethostname(),
                         "stage": stage, "rank": rank, "world_size": world_size, "total": None, "unit": None,
                         "done": None, "log": str(log_path), "argv": sys.argv[1:3]})
-    append_event(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg})
+    append_event(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg, **interrupted})
     _log_line(log_path, stage, f"FAILED before the stage started: {msg}")
 
 

@@ -121,7 +121,7 @@ ON_DISK: dict[str, Callable[[Path], tuple[int, int]]] = {
 # Status of a run
 
 
-_STATE_ORDER = ["failed", "dead", "stalled", "running", "pending", "done"]
+_STATE_ORDER = ["failed", "dead", "interrupted", "stalled", "running", "pending", "done"]
 
 
 def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, Any]:
@@ -148,7 +148,7 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         ranks.sort(key=lambda r: r["rank"])
         worst = min(ranks, key=lambda r: _STATE_ORDER.index(r["state"]))
         row["state"] = worst["state"]
-        if manifest_done and all(r["state"] in ("done", "dead") for r in ranks):
+        if manifest_done and all(r["state"] in ("done", "dead", "interrupted") for r in ranks):
             row["state"] = "done"  # crashed after writing its manifest: the work is complete
         totals = [r["total"] for r in ranks]
         # done is null in a journal of an attempt that failed before it started (no counted work)
@@ -210,7 +210,7 @@ def pipeline_status(run: RunDir, host: str) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     alive = pid_alive(int(p["pid"])) if p.get("host") == host and p.get("pid") else None
-    state = "done" if p.get("finished") else "failed" if p.get("error") else (
+    state = "done" if p.get("finished") else "interrupted" if p.get("interrupted") else "failed" if p.get("error") else (
         "running" if alive else "dead" if alive is False else "unknown")
     return {"state": state, "pid": p.get("pid"), "current": p.get("current"), "stages": p.get("stages"),
             "error": p.get("error")}
