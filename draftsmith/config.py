@@ -7,17 +7,38 @@ produces (`RUN/<stage>/config.yaml`).
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from draftsmith import DraftsmithError
 
 
+def _kinds(annotation: Any) -> set[type]:
+    """The plain types a field's annotation admits (`float | None` -> {float, NoneType})."""
+    args = typing.get_args(annotation)
+    return set().union(*(_kinds(a) for a in args)) if args and typing.get_origin(annotation) is not Literal else {annotation}
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No infinities or NaN anywhere: `train.lr=inf` would train to non-finite weights.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_surprising_coercion(cls, v: Any, info: ValidationInfo) -> Any:
+        """Refuse the coercions pydantic would make silently but a user would not mean: true/false
+        for a number (`train.lr=true` is 1.0) and anything but true/false for a switch (`1`, "on").
+        Numbers written as strings stay accepted: YAML reads `1e-3` (no dot) as a string."""
+        kinds = _kinds(cls.model_fields[info.field_name].annotation)
+        if isinstance(v, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError("expects a number, not true/false")
+        if kinds & {bool} and not isinstance(v, bool) and not (v is None and type(None) in kinds):
+            raise ValueError("expects true or false")
+        return v
 
 
 class GenerateConfig(_Section):

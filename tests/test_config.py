@@ -84,3 +84,28 @@ def test_resolved_config_written_next_to_stage(tmp_path):
     assert path == run.path / "generate" / "config.yaml"
     again = load_config(path)
     assert again == c
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.lr=inf", r"train\.lr: Input should be a finite number"),
+    ("train.lr=.nan", r"train\.lr: .*finite number|train\.lr: Input should be greater than 0"),
+    ("train.max_minutes=.inf", r"train\.max_minutes: Input should be a finite number"),
+    ("train.epochs=1e309", r"train\.epochs: Input should be a finite number"),
+    ("generate.timeout_s='inf'", r"generate\.timeout_s: Input should be a finite number"),
+    ("train.lr=true", r"train\.lr: expects a number, not true/false"),
+    ("generate.limit=false", r"generate\.limit: expects a number, not true/false"),
+    ("generate.skip_invalid=1", r"generate\.skip_invalid: expects true or false"),
+    ("trust_remote_code='yes'", r"trust_remote_code: expects true or false"),
+])
+def test_no_non_finite_values_or_surprising_coercions(item, message):
+    with pytest.raises(DraftsmithError, match=message) as e:
+        load_config(None, [item])
+    assert "\n" not in str(e.value)
+
+
+def test_numbers_written_as_yaml_strings_still_load(tmp_path):
+    """YAML 1.1 reads `1e-3` (no dot) as a string: that stays a number, as users write it."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: 1e-3\ngenerate:\n  limit: '7'\n  skip_invalid: yes\n")
+    c = load_config(p)
+    assert (c.train.lr, c.generate.limit, c.generate.skip_invalid) == (1e-3, 7, True)
