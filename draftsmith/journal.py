@@ -100,19 +100,22 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _rate(events: list[dict], start: dict) -> float | None:
-    prog = [e for e in events if "done" in e and "t" in e]
-    if not prog:
-        return None
-    last = prog[-1]
-    window = [e for e in prog if e["t"] >= last["t"] - RATE_WINDOW_S]
-    first = window[0]
-    if last["t"] - first["t"] >= 2.0 and last["done"] > first["done"]:
-        return (last["done"] - first["done"]) / (last["t"] - first["t"])
-    # Too short a window: fall back to the rate since this attempt started.
-    dt = last["t"] - start.get("t", last["t"])
-    dn = last["done"] - start.get("done", 0)
-    return dn / dt if dt > 0 and dn > 0 else None
+def recent_rate(points: list[tuple[float, float]], start_done: float) -> tuple[float | None, bool]:
+    """(units per second, warming up) from (time, done) points of one attempt, oldest first: the
+    one rate rule of both the log lines and `status`, so that the two agree.
+
+    The rate is taken over the last RATE_WINDOW_S seconds of work, never over the start-up
+    before the first unit (loading a model, starting a server), which would stretch the ETA for
+    hours. While less than a whole window of work lies behind, the rate is marked as warming up."""
+    if not points:
+        return None, True
+    last_t, last_done = points[-1]
+    # Work began at the last point that still had nothing done in this attempt.
+    began = max((t for t, d in points if d <= start_done), default=points[0][0])
+    first_t, first_done = next(((t, d) for t, d in points if t >= max(began, last_t - RATE_WINDOW_S)), points[-1])
+    if last_t - first_t < 2.0 or last_done <= first_done:
+        return None, True
+    return (last_done - first_done) / (last_t - first_t), last_t - began < RATE_WINDOW_S
 
 
 def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
@@ -141,8 +144,13 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     }
     stall = float(start.get("stall_after_s", 300.0))
     kind = last.get("ev")
+    row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now) - float(start.get("t", now))), 1)
+    row["warming_up"] = False
     if kind == "end":
         row["state"] = "done"
+        # how fast the finished attempt went, over its whole time (what the next run is planned from)
+        work = (row["done"] or 0) - (start.get("done") or 0)
+        row["rate_per_s"] = round(work / row["elapsed_s"], 4) if work > 0 and row["elapsed_s"] > 0 else None
     elif kind == "error":
         # stopped on purpose (Ctrl-C, SIGTERM) is not a failure: the same command resumes it
         row["state"] = "interrupted" if last.get("interrupted") else "failed"
@@ -161,7 +169,9 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
         else:
             row["state"] = "running"
         if row["state"] in ("running", "stalled"):
-            r = _rate(events, start)
+            points = [(float(e["t"]), float(e["done"])) for e in events
+                      if e.get("t") is not None and e.get("done") is not None and float(e["t"]) >= float(start.get("t", 0))]
+            r, row["warming_up"] = recent_rate(points, float(start.get("done") or 0))
             row["rate_per_s"] = round(r, 4) if r else None
             if r and row["total"]:
                 row["eta_s"] = round(max(0.0, (row["total"] - row["done"]) / r), 1)

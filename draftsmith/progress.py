@@ -28,6 +28,7 @@ error rather than `pending` or `done`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -40,8 +41,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line
-from draftsmith.journal import (append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
-                               journal_state, read_journal)
+from draftsmith.journal import (RATE_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
+                               journal_state, read_journal, recent_rate)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
 
@@ -109,6 +110,7 @@ class Progress:
         self._last_line_t = 0.0
         self._last_line_done = done
         self._t0 = time.time()
+        self._points: collections.deque[tuple[float, float]] = collections.deque()  # (t, done) of journal lines
         self._bar = None
         self._bar_task = None
         self.closed = False
@@ -122,6 +124,11 @@ class Progress:
         with self._lock:
             if self._fd is not None:
                 append_bytes(self._fd, data, self.journal_path)
+                if ev.get("done") is not None:
+                    # the points `status` reads back from this journal, for the log's rate
+                    self._points.append((ev["t"], ev["done"]))
+                    while self._points and self._points[0][0] < ev["t"] - 2 * RATE_WINDOW_S:
+                        self._points.popleft()
 
     def _event(self, kind: str, **extra: Any) -> dict[str, Any]:
         ev = {"ev": kind, "t": round(time.time(), 3), "done": self.done, "pt": round(self._last_progress_t, 3)}
@@ -234,18 +241,23 @@ class Progress:
 
     # -- console -----------------------------------------------------------------------------------
     def rate(self) -> float | None:
-        dt = time.time() - self._t0
-        n = self.done - self.start_done
-        return n / dt if dt > 0 and n > 0 else None
+        """Units per second by `status`'s own rule (journal.recent_rate), over this journal's points."""
+        return self._rate()[0]
+
+    def _rate(self) -> tuple[float | None, bool]:
+        with self._lock:
+            points = list(self._points) + [(time.time(), self.done)]
+        return recent_rate(points, self.start_done)
 
     def status_line(self) -> str:
-        r = self.rate()
+        r, warming = self._rate()
+        speed = f"{fmt_rate(r)} {self.unit}/s" + (" (warming up)" if warming and r else "")
+        elapsed = f"elapsed {fmt_duration(time.time() - self._t0)}"
         if self.total:
             pct = 100.0 * self.done / self.total
             eta = (self.total - self.done) / r if r else None
-            return (f"{self.done}/{self.total} {self.unit} ({pct:.1f}%) | {fmt_rate(r)} {self.unit}/s"
-                    f" | ETA {fmt_duration(eta)} | elapsed {fmt_duration(time.time() - self._t0)}")
-        return f"{self.done} {self.unit} | {fmt_rate(r)} {self.unit}/s | elapsed {fmt_duration(time.time() - self._t0)}"
+            return f"{self.done}/{self.total} {self.unit} ({pct:.1f}%) | {speed} | ETA {fmt_duration(eta)} | {elapsed}"
+        return f"{self.done} {self.unit} | {speed} | {elapsed}"
 
     def _maybe_print(self, now: float) -> None:
         if self._bar is not None:

@@ -128,7 +128,7 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
     d = run.path / stage
     row: dict[str, Any] = {
         "name": stage, "state": "pending", "done": None, "total": None, "unit": None,
-        "rate_per_s": None, "eta_s": None, "heartbeat_age_s": None, "pid": None,
+        "rate_per_s": None, "eta_s": None, "elapsed_s": None, "warming_up": False, "heartbeat_age_s": None, "pid": None,
         "on_disk": 0, "bytes_on_disk": 0, "error": None, "log": None,
     }
     if not d.is_dir():
@@ -163,6 +163,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["rate_per_s"] = round(add(rates), 4) if rates else None
         etas = [r["eta_s"] for r in ranks if r["eta_s"] is not None]
         row["eta_s"] = max(etas) if etas else None
+        row["elapsed_s"] = max(r["elapsed_s"] for r in ranks)
+        row["warming_up"] = any(r["warming_up"] for r in ranks)
         row["heartbeat_age_s"] = min(r["heartbeat_age_s"] for r in ranks)
         row["pid"] = ranks[0]["pid"]
         row["error"] = next((r["error"] for r in ranks if r["error"]), None)
@@ -174,11 +176,15 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["state"] = "done"
     if manifest_done and row["done"] is None:
         try:
-            counts = json.loads((d / MANIFEST).read_text()).get("counts", {})
+            manifest = json.loads((d / MANIFEST).read_text())
+            counts = manifest.get("counts", {})
             row["done"] = counts.get("done")
             row["total"] = counts.get("total")
             row["unit"] = counts.get("unit")
-        except (OSError, json.JSONDecodeError):
+            row["elapsed_s"] = manifest.get("seconds")
+            if row["done"] and row["elapsed_s"]:
+                row["rate_per_s"] = round(row["done"] / row["elapsed_s"], 4)
+        except (OSError, json.JSONDecodeError, AttributeError, TypeError):
             pass
     row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage.split("-")[0]](d)  # eval-vllm counts like eval
     return row
@@ -237,8 +243,9 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
     state = r["state"] + (f" ({r['phase']})" if r.get("phase") and r["state"] in ("running", "stalled") else "")
     return [
         name, state, done or "-",
-        f"{fmt_rate(r['rate_per_s'])}/s" if r["rate_per_s"] else "-",
+        f"{fmt_rate(r['rate_per_s'])}/s" + (" (warming up)" if r.get("warming_up") else "") if r["rate_per_s"] else "-",
         fmt_duration(r["eta_s"]) if r["eta_s"] is not None else "-",
+        fmt_duration(r["elapsed_s"]) if r.get("elapsed_s") is not None else "-",
         f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending") else "-",
         str(r["pid"] or "-"),
         f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])})" if r["bytes_on_disk"] else str(r["on_disk"] or "-"),
@@ -246,7 +253,7 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
 
 
 def render_table(status: dict[str, Any]) -> str:
-    headers = ["stage", "state", "done", "rate", "ETA", "heartbeat", "pid", "on disk"]
+    headers = ["stage", "state", "done", "rate", "ETA", "elapsed", "heartbeat", "pid", "on disk"]
     rows = []
     notes = []
     for r in status["stages"]:

@@ -20,9 +20,10 @@ from draftsmith.status import render_table, run_status
 SIM = str(Path(__file__).with_name("sim_stage.py"))
 
 
-def start(run, stage, total, per_item, mode="ok", stall=300.0, log=None):
+def start(run, stage, total, per_item, mode="ok", stall=300.0, log=None, busy_s=None):
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, SIM, str(run), stage, str(total), str(per_item), mode, str(stall)],
+    extra = [] if busy_s is None else [str(busy_s)]
+    return subprocess.Popen([sys.executable, SIM, str(run), stage, str(total), str(per_item), mode, str(stall), *extra],
                             stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -321,3 +322,33 @@ def test_attempt_ids_come_from_torchrun_or_the_process(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "aba3bf35")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert attempt_id() == "aba3bf35.2"
+
+
+def test_log_and_status_use_the_same_rate_after_a_long_start_up(tmp_path):
+    """A stage that spends 6 s loading before its first unit: the log's rate and ETA must not count
+    the start-up (it printed "ETA 12h" against status's 2h41m), and both say so while warming up."""
+    p = start(tmp_path, "generate", 400, 0.02, mode="busy", busy_s=6.0)
+    try:
+        row = wait_for(lambda: (r := stage_row(tmp_path, "generate"))["done"] and r["done"] >= 150 and r, timeout=60)
+        log_lines = [ln for ln in (tmp_path / "generate" / "stage.log").read_text().splitlines() if "/s" in ln and "ETA" in ln]
+    finally:
+        p.kill()
+        p.wait()
+    last = log_lines[-1]
+    # "... | 45.2 samples/s (warming up) | ETA 8s | elapsed 10s"
+    log_rate = float(last.split(" | ")[1].split()[0].replace(",", ""))
+    assert "(warming up)" in last and row["warming_up"]
+    assert row["rate_per_s"] == pytest.approx(log_rate, rel=0.2), (row, last)
+    # the work itself goes at ~50/s; a rate over the whole attempt would be about half that
+    assert log_rate > 30, last
+
+
+def test_finished_stage_shows_how_long_it_took_and_how_fast(tmp_path):
+    p = start(tmp_path, "extract", 40, 0.02)
+    assert p.wait(60) == 0
+    row = stage_row(tmp_path, "extract")
+    assert row["state"] == "done" and row["elapsed_s"] > 0.5
+    assert row["rate_per_s"] == pytest.approx(40 / row["elapsed_s"], rel=0.05)
+    table = render_table(run_status(tmp_path))
+    header = next(line for line in table.splitlines() if line.startswith("stage"))
+    assert "elapsed" in header
