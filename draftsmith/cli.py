@@ -7,6 +7,7 @@ a traceback means a bug in draftsmith.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -25,6 +26,9 @@ from draftsmith.progress import log
 from draftsmith.rundir import RunDir, is_disk_full
 from draftsmith.status import render_table, run_status
 from draftsmith.status import watch as watch_run
+
+# errors of a path the system will not write: the user's to fix, so one line naming the path
+REFUSED_BY_THE_SYSTEM = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 
 app = typer.Typer(
     name="draftsmith",
@@ -442,14 +446,17 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     except Exception as e:
-        # A full disk where no stage code named the file (stages raise rundir.DiskFull, above):
-        # still one line, not a traceback.
-        if not is_disk_full(e):
-            raise
+        # A full disk, or a file the system refuses (read-only file system, no permission, a folder
+        # where a file should be), where no stage code named it: still one line, not a traceback.
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"draftsmith: error: {where}no space left on device ({type(e).__name__}: {one_line(e)}); "
-              "free some space and run the same command again", file=sys.stderr)
-        sys.exit(2)
+        if is_disk_full(e):
+            print(f"draftsmith: error: {where}no space left on device ({type(e).__name__}: {one_line(e)}); "
+                  "free some space and run the same command again", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(e, OSError) and e.errno in REFUSED_BY_THE_SYSTEM and where:
+            print(f"draftsmith: error: {where}{e.strerror}", file=sys.stderr)
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

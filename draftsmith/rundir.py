@@ -77,6 +77,20 @@ def naming_full_disk(path: str | os.PathLike) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def cannot_write(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """One line naming `path` for a folder or file that cannot be made (a path under a file, a
+    read-only file system, no permission), instead of a traceback from deep in the write."""
+    try:
+        with naming_full_disk(path):
+            yield
+    except DraftsmithError:
+        raise
+    except OSError as e:
+        where = e.filename if getattr(e, "filename", None) else path
+        raise DraftsmithError(f"{where}: cannot {what} ({e.strerror or type(e).__name__})") from None
+
+
 def append_bytes(fd: int, data: bytes, path: str | os.PathLike) -> None:
     """Append `data` (whole lines) to the O_APPEND file `fd`, opened on `path`.
 
@@ -220,13 +234,14 @@ class RunDir:
         """Create the run folder (and its marker) if needed."""
         if self.path.exists() and not self.path.is_dir():
             raise DraftsmithError(f"{self.path}: exists and is not a folder")
-        self.path.mkdir(parents=True, exist_ok=True)
         marker = self.path / RUN_MARKER
-        if not marker.exists():
-            atomic_write_json(
-                marker,
-                {"created": time.time(), "host": socket.gethostname(), "draftsmith": __version__},
-            )
+        with cannot_write(self.path, "create the run directory"):
+            self.path.mkdir(parents=True, exist_ok=True)
+            if not marker.exists():
+                atomic_write_json(
+                    marker,
+                    {"created": time.time(), "host": socket.gethostname(), "draftsmith": __version__},
+                )
         return self
 
     def is_run(self) -> bool:
@@ -239,7 +254,8 @@ class RunDir:
         d = self.path / stage
         if create:
             self.ensure()
-            d.mkdir(parents=True, exist_ok=True)
+            with cannot_write(d, "create the stage folder"):
+                d.mkdir(parents=True, exist_ok=True)
         return d
 
     def manifest_path(self, stage: str) -> Path:

@@ -94,6 +94,35 @@ def test_append_on_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
     assert path.read_bytes() == b'{"id": "a"}\n'  # cut back: the next append starts on a clean line
 
 
+def test_cli_reports_a_read_only_file_system_in_one_line(monkeypatch, capsys):
+    """A write the system refuses where no stage named the file (EROFS, EACCES): one line, exit 2."""
+    import draftsmith.cli as cli
+
+    def app(**kw):
+        raise OSError(errno.EROFS, "Read-only file system", "/runs/r1/train/metrics.jsonl")
+
+    monkeypatch.setattr(cli, "app", app)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--run", "/runs/r1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["draftsmith: error: /runs/r1/train/metrics.jsonl: Read-only file system"]
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "under-proc"])
+def test_run_directory_that_cannot_be_made_is_one_line(tmp_path, where):
+    """`--run` under a file, or where no folder can be made: one line naming it, exit 2, nothing written."""
+    if where == "under-a-file":
+        (tmp_path / "f").write_text("x")
+        run = tmp_path / "f" / "run"
+    else:
+        run = Path("/proc/draftsmith-run")
+    p = subprocess.run([sys.executable, "-m", "draftsmith", "generate", "--run", str(run), "--backend", "dataset"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [f"draftsmith: error: {run}: cannot create the run directory "
+                                             f"({'Not a directory' if where == 'under-a-file' else 'No such file or directory'})"]
+
+
 def test_cli_reports_any_other_full_disk_in_one_line(monkeypatch, capsys):
     """A write no stage code wraps (a library's own file, a log): still one line, exit 2."""
     import draftsmith.cli as cli
