@@ -92,7 +92,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
 
 
 @journal_failures(STAGE)
-def run_vocab(run: RunDir, cfg, **opts) -> dict:
+def run_vocab(run: RunDir, cfg) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
     prep = upstream(run, "prepare", by="draftsmith vocab")
