@@ -94,20 +94,6 @@ def test_append_on_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
     assert path.read_bytes() == b'{"id": "a"}\n'  # cut back: the next append starts on a clean line
 
 
-def test_cli_reports_a_read_only_file_system_in_one_line(monkeypatch, capsys):
-    """A write the system refuses where no stage named the file (EROFS, EACCES): one line, exit 2."""
-    import draftsmith.cli as cli
-
-    def app(**kw):
-        raise OSError(errno.EROFS, "Read-only file system", "/runs/r1/train/metrics.jsonl")
-
-    monkeypatch.setattr(cli, "app", app)
-    with pytest.raises(SystemExit) as e:
-        cli.main(["train", "--run", "/runs/r1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err == ["draftsmith: error: /runs/r1/train/metrics.jsonl: Read-only file system"]
-
-
 @pytest.mark.parametrize("where", ["under-a-file", "under-proc"])
 def test_run_directory_that_cannot_be_made_is_one_line(tmp_path, where):
     """`--run` under a file, or where no folder can be made: one line naming it, exit 2, nothing written."""
@@ -123,19 +109,25 @@ def test_run_directory_that_cannot_be_made_is_one_line(tmp_path, where):
                                              f"({'Not a directory' if where == 'under-a-file' else 'No such file or directory'})"]
 
 
-def test_cli_reports_any_other_full_disk_in_one_line(monkeypatch, capsys):
-    """A write no stage code wraps (a library's own file, a log): still one line, exit 2."""
+@pytest.mark.parametrize("err, line", [
+    ((errno.ENOSPC, "No space left on device", "/runs/r1/eval/report.md"),
+     "draftsmith: error: /runs/r1/eval/report.md: no space left on device"),
+    ((errno.EROFS, "Read-only file system", "/runs/r1/eval/report.md"),
+     "draftsmith: error: /runs/r1/eval/report.md: Read-only file system"),
+])
+def test_cli_reports_a_refused_write_in_one_line(monkeypatch, capsys, err, line):
+    """A write no stage code wraps (a library's own file, a log) on a full disk or a read-only file
+    system: still one line naming the file, exit 2."""
     import draftsmith.cli as cli
 
     def app(**kw):
-        raise OSError(errno.ENOSPC, "No space left on device", "/runs/r1/eval/report.md")
+        raise OSError(*err)
 
     monkeypatch.setattr(cli, "app", app)
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", "--run", "/runs/r1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1
-    assert err[0].startswith("draftsmith: error: /runs/r1/eval/report.md: no space left on device")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(line)
 
 
 # -------------------------------------------------------------------------------------------------
