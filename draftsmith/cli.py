@@ -59,6 +59,13 @@ def stage_config(config: Path | None, sets: list[str] | None, **options):
     return load_config(config, overrides)
 
 
+def torch_threads(cfg) -> None:
+    """Set this process's torch threads by the thread policy and say so in the first log line."""
+    from draftsmith.target import thread_policy  # torch: only the commands that compute pay for it
+
+    log(thread_policy(cfg.threads)[1])
+
+
 # -------------------------------------------------------------------------------------------------
 # Stage commands. Each imports its stage inside its body: the stages pull in torch and
 # transformers, which `--help` and `status` must not pay for.
@@ -102,6 +109,8 @@ def generate(
            "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
            "generate.concurrency": concurrency},
     )
+    if cfg.generate.backend == "local":
+        torch_threads(cfg)
     run_generate(RunDir(run), cfg, retry_failed=retry_failed)
 
 
@@ -175,6 +184,7 @@ def extract(
     from draftsmith.extract import run_extract
 
     cfg = stage_config(config, sets)
+    torch_threads(cfg)
     manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
     if manifest is None:
         log("this rank is done; extract/manifest.json is written when the other ranks finish", stage="extract")
@@ -205,6 +215,7 @@ def train(
     from draftsmith.train import run_train
 
     cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
+    torch_threads(cfg)
     rank = env_rank()[0]
     m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
     if rank == 0:
@@ -270,6 +281,7 @@ def eval_(
         "eval.engine": engine, "eval.server": server, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
+    torch_threads(cfg)
     m = run_eval(RunDir(run), cfg)
     r = m["report"]
     print(f"acceptance length {fmt_value(r['acceptance_length'])}, speedup {fmt_value(r['speedup'])}; "
@@ -298,6 +310,7 @@ def run_cmd(
     from draftsmith.pipeline import run_pipeline, summarize
 
     cfg = stage_config(config, sets)
+    torch_threads(cfg)
     rd = RunDir(run)
     run_pipeline(rd, cfg, from_stage, until_stage)
     print(summarize(rd))
@@ -316,7 +329,9 @@ def demo_cmd(
     from draftsmith.pipeline import demo_config, run_demo, summarize
 
     rd = RunDir(run)
-    run_demo(rd, demo_config(list(sets or [])))
+    cfg = demo_config(list(sets or []))
+    torch_threads(cfg)
+    run_demo(rd, cfg)
     print(summarize(rd))
 
 

@@ -201,6 +201,9 @@ class Config(_Section):
         "auto", description="Target dtype; `auto` = bfloat16 where it is fast (GPUs, CPUs with AMX), else float32.")
     trust_remote_code: bool = Field(False, description="Allow model code from the target folder (logged when on).")
     stall_after_s: float = Field(300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
+    threads: int | None = Field(
+        None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work (by the load average), "
+        "shared among this node's ranks; OMP_NUM_THREADS wins when set. Said in each stage command's first log line.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)

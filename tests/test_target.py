@@ -111,3 +111,33 @@ def test_conversion_is_safe_against_concurrency_and_crashes(tmp_path, smol_targe
     assert json.loads((dest / "config.json").read_text())["num_hidden_layers"] == 30
     assert sum("converting" in o[0] for o in outs) == 1, "exactly one process converts"
     assert sorted(p.name for p in (cache / "models").iterdir()) == ["smollm2-135m-bf16", "smollm2-135m-bf16.lock"]
+
+
+@pytest.mark.parametrize("cores, load, ranks, env, requested, want", [
+    (8, 0.0, 1, None, None, 8),      # a quiet machine: every core
+    (8, 3.2, 1, None, None, 5),      # three cores busy with other work
+    (8, 0.0, 4, None, None, 2),      # four ranks on this node share the cores
+    (2, 2.6, 1, None, None, 1),      # oversubscribed: one thread, never zero
+    (8, 0.0, 1, "3", None, 3),       # OMP_NUM_THREADS wins over the policy
+    (8, 0.0, 1, "3", 6, 6),          # the `threads` key wins over everything
+])
+def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
+    import torch
+
+    from draftsmith.target import thread_policy
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr("os.getloadavg", lambda: (load, load, load))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    before = torch.get_num_threads()
+    try:
+        n, line = thread_policy(requested)
+        assert n == want and torch.get_num_threads() == want
+        assert line.startswith(f"{want} torch thread")
+        assert ("the machine is busy" in line) == (load > cores - 0.5)
+    finally:
+        torch.set_num_threads(before)
