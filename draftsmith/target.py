@@ -46,14 +46,23 @@ def cache_dir() -> Path:
 
 
 def pick_device(spec: str = "auto"):
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The one device rule of every stage: `auto` is CUDA when available, else the CPU. A CUDA
+    device without an index is this process's own GPU, cuda:LOCAL_RANK under torchrun (cuda:0
+    alone), made current with torch.cuda.set_device so that nothing lands on GPU 0 by default."""
     try:
-        dev = torch.device(spec)
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
     except RuntimeError:
         raise DraftsmithError(f"device: unknown device {spec!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise DraftsmithError(f"device: {spec!r} asked for but CUDA is not available")
+    if dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if dev.index >= torch.cuda.device_count():
+        raise DraftsmithError(f"device: {dev} asked for, but this node has {torch.cuda.device_count()} GPU(s) "
+                              "(under torchrun: --nproc-per-node at most the GPU count)")
+    torch.cuda.set_device(dev)
     return dev
 
 
@@ -321,16 +330,45 @@ class Target:
         return None if norm is None else norm.weight
 
 
+def weights_bytes(path: str | os.PathLike, dtype) -> int:
+    """Bytes the target's weights take in `dtype`, from its safetensors files (stored mostly in 2-byte
+    floats; an fp8 checkpoint is counted as if 2-byte, so a bf16 load is never underestimated by more)."""
+    stored = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    return int(stored * torch.tensor([], dtype=dtype).element_size() / 2)
+
+
+def target_device_map(info: TargetInfo, dev, dtype, log=print) -> dict[str, Any] | str | None:
+    """Where the target's weights go: the CPU as they are; one GPU when they fit in 85% of it;
+    else spread over the node's GPUs (`device_map="auto"`) for a single process, and a one-line
+    error under torchrun, where every rank would need the whole node."""
+    if dev.type != "cuda":
+        return None
+    need = weights_bytes(info.path, dtype)
+    have = torch.cuda.get_device_properties(dev).total_memory
+    if need <= 0.85 * have:
+        return {"": dev}
+    if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+        raise DraftsmithError(
+            f"target {info.name}: its weights ({need / 1e9:.0f} GB) do not fit one GPU ({have / 1e9:.0f} GB) and every "
+            "torchrun rank would load them; run one process (it spreads the target over the node's GPUs) or use "
+            "extract.backend=vllm (a vLLM server with tensor parallelism)")
+    log(f"target {info.name}: {need / 1e9:.0f} GB of weights over {torch.cuda.device_count()} GPUs (device_map=auto)")
+    return "auto"
+
+
 def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, log=print) -> Target:
     """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
     info = target_info(spec, trust_remote_code, log=log)
     quiet_transformers()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    device_map = target_device_map(info, dev, dt, log)
     try:
-        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code)
+        # straight onto its device(s) in its dtype: no full host copy per rank, no second copy on the GPU
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code,
+                                                     device_map=device_map)
     except Exception as e:
         raise DraftsmithError(f"{info.path}: cannot load the model ({type(e).__name__}: {e})") from None
-    model.to(dev).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
     tok = load_tokenizer(info, trust_remote_code)
     return Target(model=model, tokenizer=tok, info=info, device=dev, dtype=dt)

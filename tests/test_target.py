@@ -141,3 +141,65 @@ def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
         assert ("the machine is busy" in line) == (load > cores - 0.5)
     finally:
         torch.set_num_threads(before)
+
+
+class FakeCuda:
+    """torch.cuda as a node of 8 GPUs of 80 GB would answer (the device rule without a GPU)."""
+
+    def __init__(self, monkeypatch, count=8, memory=80e9):
+        import torch
+
+        self.current = None
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self, "current", d))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": memory})())
+
+
+@pytest.mark.parametrize("spec, local_rank, want", [("auto", "3", "cuda:3"), ("cuda", "5", "cuda:5"),
+                                                    ("auto", None, "cuda:0"), ("cuda:1", "5", "cuda:1")])
+def test_each_rank_gets_its_own_gpu(monkeypatch, spec, local_rank, want):
+    import torch
+
+    from draftsmith.target import pick_device
+
+    cuda = FakeCuda(monkeypatch)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    dev = pick_device(spec)
+    assert dev == torch.device(want) and cuda.current == dev
+
+
+def test_a_rank_beyond_the_gpus_is_one_line(monkeypatch):
+    from draftsmith.target import pick_device
+
+    FakeCuda(monkeypatch, count=2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(DraftsmithError, match=r"device: cuda:2 asked for, but this node has 2 GPU\(s\)"):
+        pick_device("auto")
+
+
+@pytest.mark.parametrize("gb, ranks, want", [(16, 1, "one"), (16, 8, "one"), (500, 1, "auto"), (500, 8, "error")])
+def test_target_placement(monkeypatch, tmp_path, gb, ranks, want):
+    """A target that fits goes straight onto this rank's GPU; a larger one is spread over the node
+    for a single process, and refused under torchrun (each rank would need the whole node)."""
+    import torch
+
+    from draftsmith.target import TargetInfo, target_device_map
+
+    FakeCuda(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    with open(tmp_path / "model.safetensors", "wb") as f:  # a sparse file of the weights' size
+        f.truncate(int(gb * 1e9))
+    info = TargetInfo(name="big", path=str(tmp_path), architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096,
+                      vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                      tie_word_embeddings=False, has_chat_template=True, fingerprint="x")
+    dev = torch.device("cuda", 0)
+    if want == "error":
+        with pytest.raises(DraftsmithError, match="do not fit one GPU .* use extract.backend=vllm"):
+            target_device_map(info, dev, torch.bfloat16, log=lambda *a: None)
+    else:
+        assert target_device_map(info, dev, torch.bfloat16, log=lambda *a: None) == ({"": dev} if want == "one" else "auto")
+    assert target_device_map(info, torch.device("cpu"), torch.bfloat16) is None
