@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
 from draftsmith.extract import ExtractStore, run_extract  # noqa: E402
-from draftsmith.extract_vllm import server_args, server_layer_ids  # noqa: E402
+from draftsmith.extract.vllm_backend import server_args, server_layer_ids  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402
 from draftsmith.vllm_server import VLLMServer, group_members, vllm_python  # noqa: E402

@@ -34,7 +34,6 @@ import functools
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time

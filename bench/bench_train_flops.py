@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_train_flops.py [--threads 1] [--row 1024] [--doc 288] [--steps 3] [--repeats 10]
 
 Part 1, one training step as the recipes run it (one rank): the train stage's own objective
-(draftsmith.train: SmolLM2-135M dimensions, H 576, MLP 1536, draft vocabulary 8,192, 3 TTT steps) on
+(draftsmith.train.objective: SmolLM2-135M dimensions, H 576, MLP 1536, draft vocabulary 8,192, 3 TTT steps) on
 one packed row of --row tokens (documents of --doc tokens, the 400-prompt recipe's mean sample),
 forward + backward + fused AdamW, float32. Token ids are drawn from the draft vocabulary, so every
 position trains, as with `loss_on: all` on the real data (98 % of its tokens are in the vocabulary).
@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.model import Eagle3Config, Eagle3Drafter  # noqa: E402
-from draftsmith.train import ADAM_BETAS, _objective_class  # noqa: E402
+from draftsmith.train.objective import TTTObjective  # noqa: E402
+from draftsmith.train.schedule import ADAM_BETAS  # noqa: E402
 
 H, MLP, HEADS, KV_HEADS, VOCAB, DRAFT_VOCAB = 576, 1536, 9, 3, 49152, 8192  # SmolLM2-135M
 
@@ -42,7 +43,7 @@ def step_profile(row: int, doc: int, steps: int) -> dict:
     drafter.t2d.zero_()
     drafter.t2d[draft_ids] = True
     drafter.embed_tokens.weight.requires_grad_(False)  # frozen in training too
-    objective = _objective_class()(drafter, torch.randn(DRAFT_VOCAB, H) * 0.05, 3, 0.8)
+    objective = TTTObjective(drafter, torch.randn(DRAFT_VOCAB, H) * 0.05, 3, 0.8)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=ADAM_BETAS, fused=True)
 

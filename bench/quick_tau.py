@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from draftsmith.export import load_exported  # noqa: E402
 from draftsmith.extract import ExtractStore  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402
-from draftsmith.train import read_target_weights  # noqa: E402
+from draftsmith.train.drafter import read_target_weights  # noqa: E402
 
 EVAL_SET = """\
 # The greedy answers the target gives to MT-bench questions 81-120 (first turns), as eval asks them.

@@ -101,7 +101,7 @@ class ExtractConfig(_Section):
     layers: list[int] | None = Field(
         None, description="Auxiliary layer ids (hidden state entering that decoder layer); default [2, N//2, N-3].")
     shard_size: int = Field(1000, ge=1, description="Samples per rows_{start}-{end}/ shard folder.")
-    batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch (samples are grouped by length).")
+    batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch of the target (samples are grouped by length), in extraction and in online training.")
     force: bool = Field(False, description="Skip the free-disk-space refusal.")
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
     overwrite: bool = Field(
@@ -163,6 +163,10 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="bf16 autocast or plain float32; `auto`: bf16 on CUDA and on CPUs with AMX, float32 on other CPUs (where bf16 matmuls run slower than float32).")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="TTT attention: `flex` (compiled flex attention over a block mask: visits only the tiles with visible keys and keeps no key copies, GQA read in place) or `sdpa` (scaled_dot_product_attention per 256-query block over the keys it may see, GQA heads expanded); `auto`: flex on CUDA, sdpa elsewhere (torch has no flex-attention backward on the CPU). Same results; at 8k-token rows and 7 TTT steps sdpa keeps tens of GB more for backward (docs/scaling.md).")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=0, description="Teacher positions per chunk of the loss: each chunk's [tokens, draft vocab] float32 blocks live only while it is computed, its gradient taken in the same pass. Unset: 2**24 // vocab.draft_vocab_size (2,048 at 8,192; 524 at 32,000); 0: the whole micro-batch at once, keeping [tokens, draft vocab] float32 blocks for backward (the loss before chunks: ~2 GB a TTT step at 16k tokens and 32k draft tokens).")
     checkpoint_every: int = Field(200, ge=1, description="Write a checkpoint every N optimizer steps.")
     keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
     log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")

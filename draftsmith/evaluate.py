@@ -31,18 +31,31 @@ j+1 tokens were accepted) / drafts, as vLLM computes from /metrics.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
-import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window: before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+import torch
+from transformers import DynamicCache
+
 from draftsmith import DraftsmithError
-from draftsmith.progress import journal_failures
-from draftsmith.rundir import (RunDir, atomic_path, atomic_write_json, atomic_write_text, stage_fingerprint,
-                               write_stage_config)
+from draftsmith.export import CONFIG_FILE, load_exported
+from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
+from draftsmith.model import DrafterCache
+from draftsmith.progress import Progress, journal_failures
+from draftsmith.prompts import load_prompts
+from draftsmith.rundir import RunDir, append_json_line, atomic_path, atomic_write_json, atomic_write_text, read_json_object
+from draftsmith.stage import StageBook, upstream
+from draftsmith.target import load_target, pick_device, pick_dtype, target_info
+from draftsmith.vllm_server import VLLMServer, parse_metrics, vllm_python
 
 STAGE = "eval"
 ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
@@ -95,8 +108,6 @@ class AuxCapture:
 
     def take(self):
         """[B, T, len(layer_ids) * H], in layer-id order (the order fc was trained on)."""
-        import torch
-
         missing = [k for k in self.layer_ids if k not in self.states]
         if missing:
             raise RuntimeError(f"aux hidden states of layers {missing} were not captured")
@@ -118,8 +129,6 @@ def speculative_verify(target_logits, drafts: list[int], draft_probs, temperatur
     Returns (accepted count a in 0..K, the token to emit after the accepted drafts: the target's
     correction at a < K, the bonus token at a = K).
     """
-    import torch
-
     K = len(drafts)
     if temperature <= 0:
         best = target_logits.argmax(dim=-1).tolist()  # [K+1]
@@ -145,10 +154,6 @@ class SpecDecoder:
 
     def __init__(self, model, drafter, aux_layers: list[int], num_speculative_tokens: int,
                  temperature: float, eos_ids: set[int]):
-        import inspect
-
-        import torch
-
         self.model, self.drafter = model, drafter
         self.K, self.temperature, self.eos_ids = num_speculative_tokens, temperature, set(eos_ids)
         self.device = next(model.parameters()).device
@@ -157,24 +162,20 @@ class SpecDecoder:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.draft_ids = drafter.draft_ids().to(self.device)  # [Dv] target id of each draft id
         self.vocab_size = drafter.config.vocab_size
-        self._torch = torch
 
     # -- pieces --------------------------------------------------------------------------------
     def _new_cache(self):
-        from transformers import DynamicCache
-
         return DynamicCache(config=self.model.config)
 
     def _target(self, ids: list[int], cache, all_logits: bool):
         """Run the target on `ids` after what `cache` holds -> logits [T or 1, V]."""
-        x = self._torch.tensor([ids], device=self.device)
+        x = torch.tensor([ids], device=self.device)
         out = self.model(input_ids=x, use_cache=True, logits_to_keep=0 if all_logits else 1,
                          **{self._cache_kw: cache})
         return out.logits[0]
 
     def _pick(self, logits, gen) -> int:
         """One target token from target logits [V]."""
-        torch = self._torch
         if self.temperature <= 0:
             return int(logits.argmax())
         p = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
@@ -182,7 +183,6 @@ class SpecDecoder:
 
     def _pick_draft(self, logits, gen):
         """A draft token from drafter logits [Dv] -> (target id, q [V] or None)."""
-        torch = self._torch
         if self.temperature <= 0:
             return int(self.draft_ids[int(logits.argmax())]), None
         probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)  # [Dv]
@@ -200,7 +200,6 @@ class SpecDecoder:
         states at positions pos0 .. pos0+T-1; cache: the drafter's keys for positions < pos0.
         Returns (K target token ids, q [K, V] or None at temperature 0).
         """
-        torch = self._torch
         T = len(pend_ids)
         pos = torch.arange(pos0, pos0 + T, device=self.device)[None]
         dtype = self.drafter.fc.weight.dtype
@@ -230,9 +229,6 @@ class SpecDecoder:
 
     # -- decoding ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, gen=None) -> GenResult:
-        from draftsmith.model import DrafterCache
-
-        torch = self._torch
         t0 = time.perf_counter()
         K = self.K
         res = GenResult(tokens=[], finish_reason="length", seconds=0.0, accepted_per_pos=[0] * K)
@@ -278,7 +274,6 @@ class SpecDecoder:
 
     def plain(self, prompt_ids: list[int], max_tokens: int, gen=None) -> GenResult:
         """The baseline: the same target decoding one token per forward with a KV cache."""
-        torch = self._torch
         t0 = time.perf_counter()
         out: list[int] = []
         with torch.no_grad():
@@ -355,10 +350,6 @@ def make_record(index: int, prompt, prompt_ids: list[int], spec: GenResult, base
 
 def local_engine(ctx: EngineContext) -> Iterator[dict]:
     """draftsmith's own speculative decoding with the transformers target (see module doc)."""
-    import torch
-
-    from draftsmith.export import load_exported
-    from draftsmith.target import load_target
 
     ec, prog = ctx.cfg.eval, ctx.prog
     with prog.busy("loading target"):
@@ -420,8 +411,6 @@ class SpecCounters:
 
 def spec_counters(metrics_text: str) -> SpecCounters:
     """vLLM's speculative-decoding counters from Prometheus text, summed over engines/models."""
-    from draftsmith.vllm_server import parse_metrics
-
     c = SpecCounters()
     for key, value in parse_metrics(metrics_text).items():
         name = key.split("{", 1)[0]
@@ -465,63 +454,54 @@ def chat_messages(prompt) -> list[dict]:
         {"role": "user", "content": prompt.turns[0]}]
 
 
-class OpenAIChat:
-    """Chat completions against one vLLM server, one request at a time."""
+class VLLMChat:
+    """One vLLM server as the vllm engine uses it, through the one HTTP client (draftsmith/http.py):
+    chat completions one at a time, timed, and the speculative-decoding counters around them.
+    Nothing is retried: a request sent twice would move the counters for two."""
 
     def __init__(self, url: str, timeout_s: float):
-        import httpx
-
-        self.url = url.rstrip("/").removesuffix("/v1")  # root: /metrics, /version, /health
-        self.client = httpx.Client(timeout=timeout_s)
+        self.server = normalize_server(url, "eval.server")
+        self.url = root_url(self.server)  # root: /metrics, /version, /health
+        self.http = OpenAIClient([self.server], timeout_s=timeout_s)
         self.model: str | None = None
 
-    def get(self, path: str):
-        r = self.client.get(self.url + path)
-        r.raise_for_status()
-        return r
-
-    def connect(self) -> "OpenAIChat":
-        import httpx
-
+    def connect(self) -> "VLLMChat":
         try:
-            models = [m["id"] for m in self.get("/v1/models").json().get("data", [])]
-        except (httpx.HTTPError, ValueError) as e:
-            raise DraftsmithError(f"eval.server={self.url}: not reachable as a vLLM server ({e})") from None
+            models, _ = self.http.request("GET", "/models", server=self.server, parse=served_models)
+        except SampleFailed as e:
+            raise DraftsmithError(f"eval.server={self.url}: not reachable as a vLLM server ({e.error})") from None
         if not models:
             raise DraftsmithError(f"eval.server={self.url}: serves no model (/v1/models is empty)")
-        self.model = models[0]
+        self.model = models[0]["id"]
         return self
 
     def version(self) -> str | None:
-        import httpx
-
+        r = self.http.get_root(self.server, "/version")
         try:
-            return self.get("/version").json().get("version")
-        except (httpx.HTTPError, ValueError):
+            return r.json().get("version") if r is not None and r.status_code == 200 else None
+        except ValueError:
             return None
 
     def counters(self) -> SpecCounters:
-        return spec_counters(self.get("/metrics").text)
+        r = self.http.get_root(self.server, "/metrics")
+        if r is None or r.status_code != 200:
+            raise DraftsmithError(f"eval: {self.url}/metrics: " + ("no answer" if r is None else f"HTTP {r.status_code}"))
+        return spec_counters(r.text)
 
     def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int, what: str) -> tuple[dict, float]:
         """-> (the response's first choice with `usage` added, wall seconds of the request)."""
-        import httpx
-
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "return_token_ids": True}
         t0 = time.perf_counter()
         try:
-            r = self.client.post(self.url + "/v1/chat/completions", json=body)
-        except httpx.HTTPError as e:
-            raise DraftsmithError(f"eval: {what}: request to {self.url} failed: {type(e).__name__}: {e}") from None
+            data, _ = self.http.request("POST", "/chat/completions", body, server=self.server)
+        except SampleFailed as e:
+            raise DraftsmithError(f"eval: {what}: {e.error}") from None
         seconds = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise DraftsmithError(f"eval: {what}: {self.url} answered {r.status_code}: {r.text[:300]}")
-        data = r.json()
         return {**data["choices"][0], "usage": data.get("usage") or {}}, seconds
 
     def close(self) -> None:
-        self.client.close()
+        self.http.close()
 
 
 def _answer_fields(choice: dict, seconds: float) -> dict:
@@ -545,8 +525,6 @@ def vllm_server_args(cfg, spec: dict | None) -> list[str]:
 @contextlib.contextmanager
 def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, python, what: str):
     """A VLLMServer started under a `busy` phase (the stage heartbeats while vLLM loads)."""
-    from draftsmith.vllm_server import VLLMServer
-
     srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(ctx.folder) / log_name, python=python)
     with ctx.prog.busy(f"starting vLLM ({what})"):
         srv.start()
@@ -557,7 +535,7 @@ def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, 
         srv.stop()
 
 
-def _warm_up(client: OpenAIChat, ctx: EngineContext) -> None:
+def _warm_up(client: VLLMChat, ctx: EngineContext) -> None:
     # first requests pay one-time costs (kernels, allocator); keep them out of the timings
     if ctx.warmup and ctx.todo:
         client.chat(chat_messages(ctx.todo[0][1]), min(4, ctx.cfg.eval.max_tokens), ctx.cfg.eval.temperature, 0, "warm-up")
@@ -571,9 +549,6 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     missing), and, for eval.baseline, first the same server without the drafter, whose per-prompt
     results go to eval/vllm_baseline.jsonl (so a resumed run does not redo them). Prompts go one
     at a time as chat completions; /metrics is read around each one."""
-    from draftsmith.target import target_info
-    from draftsmith.vllm_server import vllm_python
-
     cfg, ec, prog, K = ctx.cfg, ctx.cfg.eval, ctx.prog, ctx.cfg.eval.num_speculative_tokens
     d = ctx.run.stage_dir(ctx.folder)
     timeout_s = 600.0 + ec.max_tokens  # a slow CPU decodes tens of tokens per second, a loaded one less
@@ -601,23 +576,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     # 1. the baseline: the same server without drafting, the same requests
     missing = [(i, p) for i, p in ctx.todo if p.id not in baseline]
     if ec.baseline and not ec.server and missing:
-        args = vllm_server_args(cfg, None)
-        with _server(ctx, tdir, args, BASELINE_LOG, python, "baseline, no drafting") as srv:
-            client = OpenAIChat(srv.url, timeout_s).connect()
-            info["baseline_server"] = {"args": srv.command()[1:], "vllm_version": client.version(),
-                                       "startup_s": round(srv.startup_s, 1), "log": BASELINE_LOG}
-            try:
-                _warm_up(client, ctx)
-                for n, (index, prompt) in enumerate(missing):
-                    choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seeds[index],
-                                              f"prompt {prompt.id} (baseline)")
-                    b = {"id": prompt.id, **_answer_fields(choice, sec), "fingerprint": ctx.fingerprint}
-                    _append_line(d / BASELINE_FILE, b)
-                    baseline[prompt.id] = b
-                    prog.log(f"baseline {n + 1}/{len(missing)} {prompt.id}: {b['output_tokens']} tokens, "
-                             f"{fmt_value(b['tokens_per_s'], '.1f')} tok/s")
-            finally:
-                client.close()
+        _vllm_baseline(ctx, missing, tdir, python, timeout_s, seeds, baseline)
 
     # 2. speculative decoding
     if ec.server:
@@ -625,15 +584,9 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     else:
         srv_ctx = _server(ctx, tdir, vllm_server_args(cfg, spec_cfg), SERVER_LOG, python, f"drafter, K={K}")
     with srv_ctx as srv:
-        client = OpenAIChat(ec.server or srv.url, timeout_s).connect()
+        client = VLLMChat(ec.server or srv.url, timeout_s).connect()
         try:
-            first = client.counters()
-            if not first.present:
-                raise DraftsmithError(f"eval: the vLLM server at {client.url} reports no speculative decoding "
-                                      f"({SPEC_DRAFTS} missing from /metrics); start it with --speculative-config")
-            if first.per_pos and len(first.per_pos) != K:
-                raise DraftsmithError(f"eval.num_speculative_tokens={K}, but the server at {client.url} drafts "
-                                      f"{len(first.per_pos)} tokens per step")
+            _check_drafting(client, K)
             info["server"] = {"url": ec.server, "model": client.model, "vllm_version": client.version(),
                               "args": srv.command()[1:] if srv else None,
                               "startup_s": round(srv.startup_s, 1) if srv else None,
@@ -643,30 +596,69 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
                      f"K={K}, temperature {ec.temperature}, max_tokens {ec.max_tokens}")
             _warm_up(client, ctx)
             for index, prompt in ctx.todo:
-                before = client.counters()
-                choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seeds[index],
-                                          f"prompt {prompt.id}")
-                ans = _answer_fields(choice, sec)
-                counts = counter_delta(before, client.counters(), K)
-                if not counts_consistent(counts, ans["output_tokens"], K):
-                    time.sleep(0.5)  # not expected (see above); give a late counter update a chance
-                    counts = counter_delta(before, client.counters(), K)
-                    if not counts_consistent(counts, ans["output_tokens"], K):
-                        prog.log(f"warning: {prompt.id}: counters moved by {counts} for {ans['output_tokens']} "
-                                 "tokens; is another client using the server?")
-                rec = {"id": prompt.id, "index": index, "prompt_tokens": choice["usage"].get("prompt_tokens"),
-                       **ans, **counts,
-                       "acceptance_length": (1 + counts["num_accepted_tokens"] / counts["num_drafts"])
-                       if counts["num_drafts"] else None,
-                       "baseline": None}
-                b = baseline.get(prompt.id)
-                if b is not None:
-                    rec["baseline"] = {k: b[k] for k in ("output_tokens", "seconds", "tokens_per_s", "finish_reason")}
-                    rec["baseline"]["same_tokens"] = (b["token_ids"] == ans["token_ids"]) if (
-                        ec.temperature <= 0 and ans["token_ids"] is not None) else None
-                yield rec
+                yield _vllm_record(client, ctx, index, prompt, seeds[index], baseline.get(prompt.id))
         finally:
             client.close()
+
+
+def _vllm_baseline(ctx: EngineContext, missing: list, tdir: str, python, timeout_s: float, seeds: dict[int, int],
+                   baseline: dict[str, dict]) -> None:
+    """Plain decoding of the `missing` prompts in a vLLM server without the drafter; each result
+    is appended to eval/vllm_baseline.jsonl (a resumed run does not redo it) and to `baseline`."""
+    ec, prog, d = ctx.cfg.eval, ctx.prog, ctx.run.stage_dir(ctx.folder)
+    with _server(ctx, tdir, vllm_server_args(ctx.cfg, None), BASELINE_LOG, python, "baseline, no drafting") as srv:
+        client = VLLMChat(srv.url, timeout_s).connect()
+        ctx.info["baseline_server"] = {"args": srv.command()[1:], "vllm_version": client.version(),
+                                       "startup_s": round(srv.startup_s, 1), "log": BASELINE_LOG}
+        try:
+            _warm_up(client, ctx)
+            for n, (index, prompt) in enumerate(missing):
+                choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seeds[index],
+                                          f"prompt {prompt.id} (baseline)")
+                b = {"id": prompt.id, **_answer_fields(choice, sec), "fingerprint": ctx.fingerprint}
+                append_json_line(d / BASELINE_FILE, b, fsync=True)
+                baseline[prompt.id] = b
+                prog.log(f"baseline {n + 1}/{len(missing)} {prompt.id}: {b['output_tokens']} tokens, "
+                         f"{fmt_value(b['tokens_per_s'], '.1f')} tok/s")
+        finally:
+            client.close()
+
+
+def _check_drafting(client: VLLMChat, K: int) -> None:
+    """Refuse a server whose counters cannot measure this drafter: no speculative decoding, or
+    another number of draft tokens per step than K."""
+    first = client.counters()
+    if not first.present:
+        raise DraftsmithError(f"eval: the vLLM server at {client.url} reports no speculative decoding "
+                              f"({SPEC_DRAFTS} missing from /metrics); start it with --speculative-config")
+    if first.per_pos and len(first.per_pos) != K:
+        raise DraftsmithError(f"eval.num_speculative_tokens={K}, but the server at {client.url} drafts "
+                              f"{len(first.per_pos)} tokens per step")
+
+
+def _vllm_record(client: VLLMChat, ctx: EngineContext, index: int, prompt, seed: int, base: dict | None) -> dict:
+    """One prompt with drafting: its answer, and its counts from the counters before and after it."""
+    ec, K = ctx.cfg.eval, ctx.cfg.eval.num_speculative_tokens
+    before = client.counters()
+    choice, sec = client.chat(chat_messages(prompt), ec.max_tokens, ec.temperature, seed, f"prompt {prompt.id}")
+    ans = _answer_fields(choice, sec)
+    counts = counter_delta(before, client.counters(), K)
+    if not counts_consistent(counts, ans["output_tokens"], K):
+        time.sleep(0.5)  # not expected (see above); give a late counter update a chance
+        counts = counter_delta(before, client.counters(), K)
+        if not counts_consistent(counts, ans["output_tokens"], K):
+            ctx.prog.log(f"warning: {prompt.id}: counters moved by {counts} for {ans['output_tokens']} "
+                         "tokens; is another client using the server?")
+    rec = {"id": prompt.id, "index": index, "prompt_tokens": choice["usage"].get("prompt_tokens"),
+           **ans, **counts,
+           "acceptance_length": (1 + counts["num_accepted_tokens"] / counts["num_drafts"])
+           if counts["num_drafts"] else None,
+           "baseline": None}
+    if base is not None:
+        rec["baseline"] = {k: base[k] for k in ("output_tokens", "seconds", "tokens_per_s", "finish_reason")}
+        rec["baseline"]["same_tokens"] = (base["token_ids"] == ans["token_ids"]) if (
+            ec.temperature <= 0 and ans["token_ids"] is not None) else None
+    return rec
 
 
 def _read_baseline(path: Path, fingerprint: str) -> dict[str, dict]:
@@ -747,11 +739,6 @@ def read_train_metrics(path: Path) -> list[dict]:
 
 
 def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = 1 + (2 if train_rows else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     ax = axes[0][0]
@@ -854,33 +841,17 @@ def _read_engine_info(path: Path, fingerprint: str) -> dict:
     return info if isinstance(info, dict) and info.get("fingerprint") == fingerprint else {}
 
 
-def _append_line(path: Path, rec: dict) -> None:
-    data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, data)  # one write per line: a crash can only cut the last line
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @journal_failures(STAGE)
 def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
     Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
     `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
-    from draftsmith.export import CONFIG_FILE
-    from draftsmith.rundir import read_json_object
-    from draftsmith.progress import Progress
-    from draftsmith.prompts import load_prompts
-    from draftsmith.target import pick_device, pick_dtype, target_info
-
     ec = cfg.eval
     if ec.engine not in ENGINES:
         raise DraftsmithError(f"eval.engine={ec.engine}: not available in this build; use one of {', '.join(ENGINES)}")
     run.ensure()
     started = time.time()
-    export_manifest = run.require_manifest("export", by="draftsmith eval")
+    export_manifest = upstream(run, "export", by="draftsmith eval")
     export_dir = run.path / "export"
     cj = read_json_object(export_dir / CONFIG_FILE)
     info = target_info(cfg.target, cfg.trust_remote_code)
@@ -896,81 +867,97 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
     if ec.engine == "local":  # the server settings do not change what the local engine computes
         settings["eval"] = {k: v for k, v in settings["eval"].items() if k not in VLLM_ONLY}
-    fp = stage_fingerprint({**settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
+    book = StageBook(run, folder, cfg, settings=settings, upstream={"export": export_manifest}, target=info,
+                     started=started)
     # a per-prompt record stays valid when only the selection of prompts changes (a larger
     # limit reuses the answers already written)
     record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
-    record_fp = stage_fingerprint({**record_settings, "target_fingerprint": info.fingerprint}, {"export": export_manifest})
-    old = run.read_manifest(folder)
-    if old is not None and old.get("fingerprint") == fp and (run.path / folder / REPORT_JSON).is_file():
+    record_fp = replace(book, settings=record_settings).fingerprint
+    if (old := book.up_to_date(outputs_ok=(run.path / folder / REPORT_JSON).is_file())) is not None:
         return old  # up to date: same export, target, prompts and settings (`run` skips it)
-    if old is not None:
-        run.invalidate(folder)
+    book.begin()
     d = run.stage_dir(folder)
-    write_stage_config(run, folder, cfg)
-    answers = d / ANSWERS
-    done, dirty = _read_answers(answers, record_fp)
-    ids = {p.id for p in prompts}
-    if any(k not in ids for k in done):  # answers.jsonl holds exactly this selection (status counts its lines)
-        done, dirty = {k: v for k, v in done.items() if k in ids}, True
-    if dirty:
-        atomic_write_text(answers, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()))
-    todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
+    done = _resume_answers(d / ANSWERS, record_fp, prompts)
 
     with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done), stall_after_s=cfg.stall_after_s) as prog:
         if done:
-            prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {answers}")
+            prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {d / ANSWERS}")
+        todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
         if todo:
             ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup,
                                 fingerprint=record_fp, folder=folder)
-            for rec in ENGINES[ec.engine](ctx):
-                missing = [k for k in RECORD_KEYS if k not in rec]
-                if missing:
-                    raise RuntimeError(f"engine {ec.engine} returned a record without {missing}")
-                rec = {**rec, "engine": ec.engine, "fingerprint": record_fp}
-                _append_line(answers, rec)
-                done[rec["id"]] = rec
-                prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {fmt_value(rec.get('acceptance_length'))}, "
-                         f"{fmt_value(rec.get('tokens_per_s'), '.1f')} tok/s"
-                         + (f" (plain {fmt_value(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
-                prog.advance(1)
+            _decode(ctx, d / ANSWERS, done)
             if ctx.info is not None:
                 atomic_write_json(d / ENGINE_INFO, {**ctx.info, "fingerprint": record_fp})
-        # what the engine said about itself, also when this rerun had nothing left to decode
-        engine_info = _read_engine_info(d / ENGINE_INFO, record_fp)
         records = [done[p.id] for p in prompts]
-        agg = aggregate(records, ec.num_speculative_tokens)
-        report = {
-            "engine": ec.engine, "num_speculative_tokens": ec.num_speculative_tokens, "temperature": ec.temperature,
-            **agg,
-            "max_tokens": ec.max_tokens, "prompts_source": ec.prompts, "offset": ec.offset, "limit": ec.limit,
-            "target": info.name, "target_fingerprint": info.fingerprint,
-            # what "auto" resolved to on this machine
-            "dtype": str(pick_dtype(cfg.dtype, pick_device(cfg.device))).removeprefix("torch."),
-            "device": str(pick_device(cfg.device)),
-            "drafter": str(export_dir), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
-            "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
-        }
-        if ec.engine == "vllm":
-            # what the server ran with; dtype is what it was asked for (None: a server of eval.server)
-            report.update({"dtype": None if ec.server else vllm_server_args(cfg, None)[1], "device": "vllm",
-                           "concurrency": 1, "server": engine_info.get("server"),
-                           "baseline_server": engine_info.get("baseline_server"),
-                           "vllm_version": (engine_info.get("server") or {}).get("vllm_version")})
-        atomic_write_json(d / REPORT_JSON, report)
-        atomic_write_text(d / REPORT_MD, report_markdown(report))
-        write_plot(d / PLOT, report, read_train_metrics(run.path / "train" / "metrics.jsonl"))
+        report = _write_report(run, cfg, d, records, info, cj, export_manifest, record_fp)
         prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
                  f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
                  f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs {fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
                  f"(speedup {fmt_value(report['speedup'])})")
-    return run.write_manifest(
-        folder, fingerprint=fp, inputs={"export": export_manifest.get("fingerprint"), "target_fingerprint": info.fingerprint,
-                                       "prompts": ec.prompts},
-        settings=settings, counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
-        started=started, outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT] + (
+    return book.finish(
+        counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
+        inputs={"export": export_manifest.get("fingerprint"), "prompts": ec.prompts},
+        outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT] + (
             [n for n in (ENGINE_INFO, SERVER_LOG, BASELINE_LOG, BASELINE_FILE) if (d / n).is_file()]
             if ec.engine == "vllm" else []),
         extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
                                                  "baseline_tokens_per_s", "speedup")}},
     )
+
+
+def _resume_answers(answers: Path, record_fp: str, prompts: list) -> dict[str, dict]:
+    """The answers already decoded with these settings, by prompt id; answers.jsonl is rewritten to
+    hold exactly this selection of prompts (status counts its lines)."""
+    done, dirty = _read_answers(answers, record_fp)
+    ids = {p.id for p in prompts}
+    if any(k not in ids for k in done):
+        done, dirty = {k: v for k, v in done.items() if k in ids}, True
+    if dirty:
+        atomic_write_text(answers, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()))
+    return done
+
+
+def _decode(ctx: "EngineContext", answers: Path, done: dict[str, dict]) -> None:
+    """Run the engine over ctx.todo; each record is appended to answers.jsonl (fsynced) as it comes."""
+    engine = ctx.cfg.eval.engine
+    for rec in ENGINES[engine](ctx):
+        missing = [k for k in RECORD_KEYS if k not in rec]
+        if missing:
+            raise RuntimeError(f"engine {engine} returned a record without {missing}")
+        rec = {**rec, "engine": engine, "fingerprint": ctx.fingerprint}
+        append_json_line(answers, rec, fsync=True)
+        done[rec["id"]] = rec
+        ctx.prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {fmt_value(rec.get('acceptance_length'))}, "
+                     f"{fmt_value(rec.get('tokens_per_s'), '.1f')} tok/s"
+                     + (f" (plain {fmt_value(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
+        ctx.prog.advance(1)
+
+
+def _write_report(run: RunDir, cfg, d: Path, records: list[dict], info, cj: dict, export_manifest: dict,
+                  record_fp: str) -> dict:
+    """report.json, report.md and plot.png from the records; returns the report."""
+    ec = cfg.eval
+    # what the engine said about itself, also when this rerun had nothing left to decode
+    engine_info = _read_engine_info(d / ENGINE_INFO, record_fp)
+    device = pick_device(cfg.device)
+    report = {
+        "engine": ec.engine, "num_speculative_tokens": ec.num_speculative_tokens, "temperature": ec.temperature,
+        **aggregate(records, ec.num_speculative_tokens),
+        "max_tokens": ec.max_tokens, "prompts_source": ec.prompts, "offset": ec.offset, "limit": ec.limit,
+        "target": info.name, "target_fingerprint": info.fingerprint,
+        # what "auto" resolved to on this machine
+        "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
+        "drafter": str(run.path / "export"), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
+        "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
+    }
+    if ec.engine == "vllm":
+        # what the server ran with; dtype is what it was asked for (None: a server of eval.server)
+        report.update({"dtype": None if ec.server else vllm_server_args(cfg, None)[1], "device": "vllm",
+                       "concurrency": 1, "server": engine_info.get("server"),
+                       "baseline_server": engine_info.get("baseline_server"),
+                       "vllm_version": (engine_info.get("server") or {}).get("vllm_version")})
+    atomic_write_json(d / REPORT_JSON, report)
+    atomic_write_text(d / REPORT_MD, report_markdown(report))
+    write_plot(d / PLOT, report, read_train_metrics(run.path / "train" / "metrics.jsonl"))
+    return report

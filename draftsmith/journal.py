@@ -15,6 +15,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from draftsmith.rundir import append_json_line
+
 TAIL_BYTES = 64 * 1024
 RATE_WINDOW_S = 60.0
 # A journal on another host is only judged by its heartbeats: this many stall thresholds
@@ -44,13 +46,9 @@ def attempt_id() -> str | None:
 
 
 def append_event(path: Path, ev: dict[str, Any]) -> None:
-    """Append one event line with a single write(2) on an O_APPEND descriptor, so lines of
-    concurrent writers (a heartbeat thread, the stage) never interleave."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(ev, separators=(",", ":")) + "\n").encode())
-    finally:
-        os.close(fd)
+    """Append one event line (rundir.append_json_line: lines of the heartbeat thread and the stage
+    never interleave)."""
+    append_json_line(path, ev)
 
 
 def _parse_lines(blob: bytes) -> list[dict]:

@@ -25,12 +25,28 @@ This module knows nothing about training, files or serving formats.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+try:  # flex attention exists from torch 2.5 on; draftsmith allows 2.4, which then has the SDPA path only
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch 2.4
+    BlockMask = flex_attention = None
+
+# A checkpoint of train.fc_input_norm holds this [3H] factor beside the drafter's weights (aux
+# states are multiplied by it before fc); export folds it into fc.weight.
+FC_INPUT_SCALE = "fc_input_scale"
+
+# TTT attention implementations (Eagle3Drafter.ttt_forward's `attention`)
+ATTENTION_PATHS = ("sdpa", "flex")
+# flex attention's tile (its default sparse block size): the block mask says, per tile of 128
+# queries x 128 keys, whether the tile is skipped, fully visible, or visible by the mask function
+FLEX_BLOCK = 128
 
 
 @dataclass
@@ -219,6 +235,93 @@ class TTTMask:
         return torch.cat(out, dim=2)
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process. Uncompiled it is a reference implementation that
+    materialises every score ([B, heads, L, (k+1)L]); compiled it is a fused kernel that visits only
+    the tiles the block mask lists. dynamic=True: one kernel for every row length and TTT step
+    (each new key length would otherwise compile again, ~20 s each)."""
+    if flex_attention is None:
+        raise ValueError(f"flex attention needs torch >= 2.5 (this is {torch.__version__})")
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, nq, nkv] bool (which key tiles each query tile visits) -> BlockMask's (counts [B, 1, nq]
+    int32, indices [B, 1, nq, nkv] int32: the visited tiles first, in increasing order)."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], order[:, None]
+
+
+class FlexTTTMask:
+    """The attention pattern of a training-time-test step as a flex-attention block mask.
+
+    Same pattern as TTTMask (query i sees the step-0 keys j <= i of its document and key i of each
+    later step), computed by flex attention: a fused kernel that visits only the 128 x 128 tiles
+    holding a visible key and reads GQA keys/values in place (enable_gqa), so neither the per-block
+    key copies of TTTMask nor the expanded kv heads are kept for backward.
+
+    Built once per batch: which step-0 tiles are visible, and which of those fully, from the
+    document ids alone ([B, tiles, documents]; no [L, L] mask). Extended per TTT step k: one diagonal
+    tile per query tile and later step (block_mask(k), cached for the layers of that step).
+    Rows are padded to Lp, a multiple of 128, and each step's keys too, so that every step's keys
+    start on a tile; the padding is a document of its own, which no real query sees.
+    """
+
+    def __init__(self, doc_ids: torch.Tensor) -> None:
+        B, L = doc_ids.shape
+        self.L = L
+        self.Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
+        nb = self.Lp // FLEX_BLOCK
+        # documents renumbered 1.. (any ids, -1 padding included); the tile padding is 0
+        _, inverse = torch.unique(doc_ids, return_inverse=True)
+        self.doc = F.pad(inverse + 1, (0, self.Lp - L))  # [B, Lp]
+        n_docs = int(inverse.max()) + 2
+        present = torch.zeros(B, nb, n_docs, dtype=torch.bool, device=doc_ids.device)
+        present.scatter_(2, self.doc.view(B, nb, FLEX_BLOCK), True)  # [B, tiles, documents]
+        # a query tile sees a key tile before it iff they share a document (every j < i there);
+        # fully iff both hold that one document only; its own tile is causal, so partly
+        shared = torch.bmm(present.float(), present.float().transpose(1, 2)) > 0  # [B, nb, nb]
+        single = present.sum(-1) == 1
+        t = torch.arange(nb, device=doc_ids.device)
+        below = t[:, None] > t[None, :]
+        self.full0 = below & shared & single[:, :, None] & single[:, None, :]
+        self.partial0 = (below & shared & ~self.full0) | (t[:, None] == t[None, :])
+        self._masks: dict[int, Any] = {}
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        """flex's per-element rule inside partly visible tiles: keys [step0 | step1 | ...], Lp each."""
+        Lp = self.doc.shape[1]
+        step, j = kv_idx // Lp, kv_idx % Lp
+        return torch.where(step == 0, (j <= q_idx) & (self.doc[b, q_idx] == self.doc[b, j]), j == q_idx)
+
+    def block_mask(self, k: int):
+        """The block mask of TTT step k: the step-0 tiles, then k diagonal tiles per query tile."""
+        if k not in self._masks:
+            B, nb, _ = self.partial0.shape
+            eye = torch.eye(nb, dtype=torch.bool, device=self.doc.device).expand(B, nb, nb)
+            partial = torch.cat([self.partial0] + [eye] * k, dim=-1)  # [B, nb, (k+1)nb]
+            full = torch.cat([self.full0] + [torch.zeros_like(eye)] * k, dim=-1)
+            self._masks[k] = BlockMask.from_kv_blocks(
+                *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_BLOCK,
+                mask_mod=self.mask_mod, seq_lengths=(self.Lp, (k + 1) * self.Lp))
+        return self._masks[k]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, L, d]; keys, values [B, kv_heads, (k+1)L, d] -> [B, heads, L, d]."""
+        L, pad = self.L, self.Lp - self.L
+        steps = keys.shape[2] // L
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad))
+            keys = F.pad(keys.unflatten(2, (steps, L)), (0, 0, 0, pad)).flatten(2, 3)
+            values = F.pad(values.unflatten(2, (steps, L)), (0, 0, 0, pad)).flatten(2, 3)
+        else:  # the padded ones are contiguous: one memory layout, so the compiled kernel serves both
+            q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+        out = compiled_flex_attention()(q, keys, values, block_mask=self.block_mask(steps - 1), enable_gqa=True)
+        return out[:, :, :L]
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read `in_dim` wide inputs: 2H ([emb | hidden]) in the first
     layer, H in later ones."""
@@ -238,12 +341,12 @@ class Eagle3Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: "torch.Tensor | TTTMask",
+        mask: "torch.Tensor | TTTMask | FlexTTTMask",
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B, T, in_dim]; cos, sin [B, T, head_dim]; past: keys/values
         [B, kv_heads, P, head_dim] placed before the new ones; mask bool
-        [B or 1, 1, T, P+T], True = may attend, or a TTTMask.
+        [B or 1, 1, T, P+T], True = may attend, or a TTTMask / FlexTTTMask.
 
         Returns the output [B, T, H] and this call's own (rotated) keys and
         values [B, kv_heads, T, head_dim], for the caller to keep.
@@ -258,18 +361,21 @@ class Eagle3Attention(nn.Module):
         if past is not None:
             keys = torch.cat([past[0].to(k.dtype), k], dim=2)
             values = torch.cat([past[1].to(v.dtype), v], dim=2)
-        # GQA: query head h reads kv head h // group (HF's repeat_kv layout).
-        # Repeated explicitly instead of SDPA's enable_gqa because the CUDA
-        # memory-efficient kernel (the one that takes an arbitrary mask) does
-        # not support enable_gqa and would fall back to the O(T^2) math kernel.
-        group = self.n_heads // self.n_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        if isinstance(mask, TTTMask):
-            y = mask.attend(q, keys, values)
+        if isinstance(mask, FlexTTTMask):
+            y = mask.attend(q, keys, values)  # GQA inside the kernel: kv heads read in place
         else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            # GQA: query head h reads kv head h // group (HF's repeat_kv layout).
+            # Repeated explicitly instead of SDPA's enable_gqa because the CUDA
+            # memory-efficient kernel (the one that takes an arbitrary mask) does
+            # not support enable_gqa and would fall back to the O(T^2) math kernel.
+            group = self.n_heads // self.n_kv_heads
+            if group > 1:
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
+            if isinstance(mask, TTTMask):
+                y = mask.attend(q, keys, values)
+            else:
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y), (k, v)
 
@@ -314,7 +420,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: "torch.Tensor | TTTMask",
+        mask: "torch.Tensor | TTTMask | FlexTTTMask",
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """embeds, hidden [B, T, H] -> pre-norm output state [B, T, H] (what
@@ -528,6 +634,7 @@ class Eagle3Drafter(nn.Module):
         doc_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
         attn_block: int | None = 256,
+        attention: str = "sdpa",
     ) -> list[torch.Tensor]:
         """Training-time test: simulate `steps` steps of chain drafting at every
         position at once.
@@ -546,18 +653,26 @@ class Eagle3Drafter(nn.Module):
         return_hidden: return each step's pre-norm output state [B, L, H]
         instead of its logits (logits = lm_head(norm(state))), so that a caller
         can run the [H, Dv] head only at the positions it trains on.
-        attn_block: compute attention block-sparsely over query blocks of this
-        size (TTTMask: same result, much less work); None: one SDPA call per
-        step over the dense [L, (k+1)L] mask.
+        attention: "sdpa" (scaled_dot_product_attention: with attn_block, one
+        call per query block over just the keys it may see (TTTMask); with
+        attn_block None, one call per step over the dense [L, (k+1)L] mask) or
+        "flex" (compiled flex attention over a block mask, FlexTTTMask: no key
+        copies, GQA in place; the lean and fast path on CUDA; on the CPU torch
+        runs it forward only, and its first compile takes ~20 s).
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
         B, L = input_ids.shape
         device = input_ids.device
         if position_ids is None:
             position_ids = torch.arange(L, device=device).expand(B, L)
         if doc_ids is None:
             doc_ids = torch.zeros(B, L, dtype=torch.long, device=device)
+        if attention == "flex":
+            flex_mask = FlexTTTMask(doc_ids)  # built once; its block mask grows by a diagonal per step
+            return self._ttt_steps(input_ids, aux_hidden, steps, position_ids, return_hidden, lambda k: flex_mask)
 
         # Attention at step k for query i: step-0 keys j <= i of the same
         # document (the verified prefix) plus i's own chain at steps 1..k. Keys
@@ -571,9 +686,16 @@ class Eagle3Drafter(nn.Module):
         step0_mask = (causal & same_doc).unsqueeze(1)  # [B, 1, L, L]
         if attn_block is None:
             diag = torch.eye(L, dtype=torch.bool, device=device).expand(B, 1, L, L)
-        else:
-            blocked = TTTMask(step0_mask, attn_block)
+            return self._ttt_steps(input_ids, aux_hidden, steps, position_ids, return_hidden,
+                                   lambda k: torch.cat([step0_mask] + [diag] * k, dim=-1))  # [B, 1, L, (k+1)L]
+        blocked = TTTMask(step0_mask, attn_block)
+        return self._ttt_steps(input_ids, aux_hidden, steps, position_ids, return_hidden, lambda k: blocked)
 
+    def _ttt_steps(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int,
+                   position_ids: torch.Tensor, return_hidden: bool, mask_of) -> list[torch.Tensor]:
+        """ttt_forward's unrolled steps; mask_of(k) is step k's attention mask (a tensor or a
+        TTTMask / FlexTTTMask)."""
+        L = input_ids.shape[1]
         hidden = self.fuse(aux_hidden)  # [B, L, H]
         # per layer: keys/values of steps 0..k-1, [B, kv_heads, kL, head_dim]
         pasts: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
@@ -584,10 +706,7 @@ class Eagle3Drafter(nn.Module):
             if k + 1 < L:
                 ids[:, : L - k - 1] = input_ids[:, k + 1:]
             cos, sin = rope_cos_sin(position_ids + k, self.config.head_dim, self.config.rope_theta)
-            if attn_block is None:
-                mask = torch.cat([step0_mask] + [diag] * k, dim=-1)  # [B, 1, L, (k+1)L]
-            else:
-                mask = blocked
+            mask = mask_of(k)
             embeds = self.embed_tokens(ids)
             for n, layer in enumerate(self.layers):
                 past = pasts[n]

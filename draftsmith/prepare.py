@@ -364,10 +364,6 @@ def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], Tally]:
 # The stage
 
 
-def check_upstream_target(run: RunDir, stage: str, manifest: dict, info) -> None:
-    check_target(run, stage, manifest, info)
-
-
 @journal_failures(STAGE)
 def run_prepare(run: RunDir, cfg) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""

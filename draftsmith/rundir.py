@@ -111,13 +111,21 @@ def append_bytes(fd: int, data: bytes, path: str | os.PathLike) -> None:
         raise
 
 
-def append_text(path: str | os.PathLike, text: str) -> None:
-    """Append whole lines to a file (see append_bytes)."""
+def append_text(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
+    """Append whole lines to a file (see append_bytes); `fsync` when the line records finished work."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         append_bytes(fd, text.encode("utf-8"), path)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def append_json_line(path: str | os.PathLike, obj: Any, fsync: bool = False) -> None:
+    """One JSON object as one line, written with a single write(2) on an O_APPEND descriptor: lines
+    of concurrent writers never interleave and a crash can only cut the last one."""
+    append_text(path, json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n", fsync=fsync)
 
 
 # ---------------------------------------------------------------------------------------------

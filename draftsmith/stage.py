@@ -105,6 +105,11 @@ class StageBook:
         """From here until `finish` the stage counts as not done (its files stay, for resume);
         the resolved config goes beside what it writes."""
         self.run.invalidate(self.name)
+        self.write_config()
+
+    def write_config(self) -> None:
+        """The resolved config beside the stage's outputs, without touching its manifest (a check of
+        a finished stage, such as `extract --verify`, keeps it done unless it finds damage)."""
         write_stage_config(self.run, self.name, self.cfg)
 
     def finish(self, counts: dict[str, Any], outputs: list[str] | None = None, extra: dict[str, Any] | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import fcntl
 import os
 import signal
@@ -28,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from draftsmith import DraftsmithError
+from draftsmith.http import health_ok
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
@@ -92,11 +96,9 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM when the parent dies (Linux only)."""
     with contextlib.suppress(Exception):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
@@ -166,8 +168,6 @@ class VLLMServer:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> "VLLMServer":
-        import httpx
-
         if self.proc is not None:
             return self
         if self.port is None:
@@ -181,7 +181,7 @@ class VLLMServer:
             logf.flush()
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True,  # its own process group: stop() kills all of it
-                                         preexec_fn=_die_with_parent if self.kill_with_parent and sys.platform == "linux" else None)
+                                         preexec_fn=die_with_parent if self.kill_with_parent and sys.platform == "linux" else None)
         atexit.register(self.stop)
         deadline = t0 + self.startup_timeout_s
         while True:
@@ -189,9 +189,8 @@ class VLLMServer:
                 code = self.proc.returncode
                 self.proc = None
                 raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: {self._log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    break
+            if health_ok(self.url, timeout_s=2.0):
+                break
             if time.time() > deadline:
                 self.stop()
                 raise DraftsmithError(f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}: {self._log_tail()}")
@@ -242,16 +241,12 @@ class VLLMServer:
     # -- queries ---------------------------------------------------------------------------------
     def metrics_text(self) -> str:
         """The Prometheus text of /metrics (e.g. vllm:spec_decode_num_drafts_total)."""
-        import httpx
-
         r = httpx.get(self.url + "/metrics", timeout=30.0)
         r.raise_for_status()
         return r.text
 
     def models(self) -> list[str]:
         """Model names the server serves (the first is what requests should name)."""
-        import httpx
-
         r = httpx.get(self.base_url + "/models", timeout=30.0)
         r.raise_for_status()
         return [m["id"] for m in r.json().get("data", [])]

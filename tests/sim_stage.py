@@ -7,7 +7,6 @@ MODE: ok | raise | busy (a long single step with heartbeats, BUSY_S long (defaul
 
 import sys
 import time
-from pathlib import Path
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import Progress

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith import extract as ex
 from draftsmith.config import load_config
-from draftsmith.extract import ExtractStore, plan_batches, run_extract
+from draftsmith.extract import ExtractStore, bytes_per_token, hf, plan_batches, run_extract, store
 from draftsmith.rundir import RunDir, file_sha256, fingerprint
 
 from conftest import REPO, build_tiny_target, run_cli
@@ -121,8 +120,8 @@ def test_states_match_one_sample_hf_forward(tmp_path, tiny8, monkeypatch, batch_
     samples = make_samples(vocab(tiny8))
     run = make_run(tmp_path, tiny8, samples)
     shapes = []
-    real_make_batch = ex.make_batch
-    monkeypatch.setattr(ex, "make_batch", lambda rows: (shapes.append([len(r["input_ids"]) for r in rows]), real_make_batch(rows))[1])
+    real_make_batch = hf.make_batch
+    monkeypatch.setattr(hf, "make_batch", lambda rows: (shapes.append([len(r["input_ids"]) for r in rows]), real_make_batch(rows))[1])
     m = run_extract(run, cfg_for(tiny8, f"extract.batch_tokens={batch_tokens}", "extract.shard_size=4", f"dtype={dtype}"))
     assert m["counts"]["done"] == len(samples) and ExtractStore(run).meta["compute_dtype"] == dtype
     if batch_tokens == 1:
@@ -196,7 +195,7 @@ def test_store_format_and_reader(tmp_path, tiny8):
         store[10]
     # bytes per token close to the 4 x H x 2 + 5 the preflight assumes (plus a header per file)
     per_token = m["counts"]["bytes"] / sum(LENGTHS)
-    assert ex.bytes_per_token(3, 64) <= per_token < ex.bytes_per_token(3, 64) + 1024 * 10 / sum(LENGTHS)
+    assert bytes_per_token(3, 64) <= per_token < bytes_per_token(3, 64) + 1024 * 10 / sum(LENGTHS)
 
 
 def test_plan_batches_groups_by_length():
@@ -217,7 +216,7 @@ def test_plan_batches_groups_by_length():
 def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
     run = make_run(tmp_path, tiny8)
     cfg = cfg_for(tiny8, "extract.shard_size=4", "extract.batch_tokens=64")
-    real_write = ex.atomic_write_bytes
+    real_write = store.atomic_write_bytes
     calls = []
 
     def dying_write(path, data):
@@ -226,7 +225,7 @@ def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
         calls.append(path)
         real_write(path, data)
 
-    monkeypatch.setattr(ex, "atomic_write_bytes", dying_write)
+    monkeypatch.setattr(store, "atomic_write_bytes", dying_write)
     with pytest.raises(OSError, match="disk went away"):
         run_extract(run, cfg)
     d = run.path / "extract"
@@ -237,7 +236,7 @@ def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
     journal = [json.loads(line) for line in (d / "progress.jsonl").read_text().splitlines()]
     assert journal[-1]["ev"] == "error" and "disk went away" in journal[-1]["error"]
 
-    monkeypatch.setattr(ex, "atomic_write_bytes", real_write)
+    monkeypatch.setattr(store, "atomic_write_bytes", real_write)
     m = run_extract(run, cfg)
     assert m["counts"]["done"] == 10 and len(list(d.rglob("*.safetensors"))) == 10
     for p, stamp in first.items():

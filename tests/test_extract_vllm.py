@@ -27,7 +27,7 @@ from conftest import build_tiny_target
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.extract import ExtractStore, HiddenCapture, run_extract
-from draftsmith.extract_vllm import FinalNorm, server_args, server_layer_ids
+from draftsmith.extract.vllm_backend import FinalNorm, server_args, server_layer_ids
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
 from test_extract import make_samples, write_prepare

@@ -15,8 +15,8 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.generate import (GenerateFailed, backoff_delay, normalize_server, read_jsonl_repair, run_generate,
-                                 split_reasoning)
+from draftsmith.generate import read_jsonl_repair, run_generate, split_reasoning
+from draftsmith.http import backoff_delay, normalize_server
 from draftsmith.rundir import RunDir
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,11 +103,11 @@ def test_backoff_and_urls():
         assert 0.5 * min(30.0, 0.5 * 2 ** (attempt - 1)) <= d <= 1.5 * min(30.0, 0.5 * 2 ** (attempt - 1))
     assert 0.5 <= backoff_delay(2, 0.5) <= 1.5
     assert backoff_delay(1, 0.5, retry_after="3") == 3.0
-    assert normalize_server("http://h:8000") == "http://h:8000/v1"
-    assert normalize_server("http://h:8000/v1/") == "http://h:8000/v1"
-    assert normalize_server("https://h/api/v1") == "https://h/api/v1"
+    assert normalize_server("http://h:8000", "generate.servers") == "http://h:8000/v1"
+    assert normalize_server("http://h:8000/v1/", "generate.servers") == "http://h:8000/v1"
+    assert normalize_server("https://h/api/v1", "generate.servers") == "https://h/api/v1"
     with pytest.raises(DraftsmithError, match="generate.servers"):
-        normalize_server("h:8000")
+        normalize_server("h:8000", "generate.servers")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.config import load_config
-from draftsmith.generate import GenerateFailed, _Balancer, run_generate
+from draftsmith.generate import GenerateFailed, run_generate
+from draftsmith.http import Balancer
 from draftsmith.rundir import RunDir
 from openai_fakes import FakeOpenAIServer, FaultProxy
 from test_generate import check_accounting, lines_of, write_prompts
@@ -92,20 +93,20 @@ def outage(proxy: FlappingProxy, samples: Path, after_lines: int, seconds: float
 
 
 def test_balancer_sends_around_a_server_that_just_failed(monkeypatch):
-    import draftsmith.generate as g
+    import draftsmith.http as h
 
     clock = [100.0]
-    monkeypatch.setattr(g.time, "monotonic", lambda: clock[0])
-    b = _Balancer(["a", "b", "c"])
+    monkeypatch.setattr(h.time, "monotonic", lambda: clock[0])
+    b = Balancer(["a", "b", "c"])
     first = [b.acquire() for _ in range(3)]
     assert sorted(first) == ["a", "b", "c"]  # fewest in flight, round-robin on ties
     for s in first:
         b.release(s, failed=s == "b")
     assert "b" not in [b.acquire() for _ in range(6)]  # failing: last, even with the fewest in flight
     assert b.acquire(avoid="a") != "a"  # a retry goes elsewhere
-    clock[0] += _Balancer.FAILING_S + 0.1
+    clock[0] += Balancer.FAILING_S + 0.1
     assert b.acquire() == "b"  # probed again once the failure is old
-    one = _Balancer(["only"])
+    one = Balancer(["only"])
     one.release(one.acquire(), failed=True)
     assert one.acquire(avoid="only") == "only"  # a single server is still used
 

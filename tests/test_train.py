@@ -5,6 +5,7 @@ import json
 import types
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, build_tiny_target, run_cli
@@ -23,17 +23,13 @@ from draftsmith.extract import ExtractStore, encode_sample, run_extract
 from draftsmith.model import Eagle3Config, Eagle3Drafter
 from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
 from draftsmith.target import target_info
-from draftsmith.train import (
-    NOT_FINGERPRINTED,
-    Prefetcher,
-    _objective_class,
-    acceptance_length,
-    lr_lambda,
-    pack_epoch,
-    read_target_weights,
-    run_train,
-    ttt_masks,
-)
+from draftsmith.train import NOT_FINGERPRINTED, run_train
+from draftsmith.extract.hf import plan_batches
+from draftsmith.train.data import Prefetcher, pack_epoch
+from draftsmith.train.distributed import Ranks, sum_by_name
+from draftsmith.train.drafter import read_target_weights
+from draftsmith.train.objective import TTTObjective, acceptance_length, ttt_masks
+from draftsmith.train.schedule import TimeBudget, lr_lambda
 from draftsmith.vocab import run_vocab
 
 DV = 64  # draft vocabulary of the tiny runs
@@ -204,7 +200,7 @@ def test_loss_targets_and_accuracy_match_a_hand_computation():
             kl[k] += float((p * (p.log() - logq)).sum().detach())
             correct[k] += int(draft_ids[logits[k][0, i].argmax()] == IDS[0, i + 2 + k])
         expected_loss += gamma ** k * kl[k] / len(valid[k])
-    obj = _objective_class()(d, W_d, 3, gamma)
+    obj = TTTObjective(d, W_d, 3, gamma)
     denom = [float(len(valid[k])) for k in range(3)]
     loss, stats = obj(IDS, MASK, DOC, POS, aux, last, denom)
     assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
@@ -233,9 +229,9 @@ def test_teacher_temperature_sharpens_the_target_distribution():
             kl += float((p * (p.log() - torch.log_softmax(logits[k][0, i], -1))).sum().detach())
         expected += kl / len(valid[k])
     denom = [float(len(valid[k])) for k in range(3)]
-    loss, _ = _objective_class()(d, W_d, 3, 1.0, teacher_temperature=T)(IDS, MASK, DOC, POS, aux, last, denom)
+    loss, _ = TTTObjective(d, W_d, 3, 1.0, teacher_temperature=T)(IDS, MASK, DOC, POS, aux, last, denom)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
-    plain, _ = _objective_class()(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    plain, _ = TTTObjective(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
     assert abs(plain.item() - expected) > 1e-3  # the temperature is not a no-op
 
 
@@ -244,8 +240,8 @@ def test_feature_noise_perturbs_training_only():
     d.eval()
     aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
     denom = [2.0, 1.0, 1.0]
-    plain, _ = _objective_class()(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
-    noisy = _objective_class()(d, W_d, 3, 1.0, feature_noise=0.5)
+    plain, _ = TTTObjective(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    noisy = TTTObjective(d, W_d, 3, 1.0, feature_noise=0.5)
     torch.manual_seed(0)
     a, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
     torch.manual_seed(1)
@@ -340,6 +336,21 @@ def test_packing_places_every_sample_once_within_rows():
     assert used / (rows * 128) > 0.95  # best-fit decreasing leaves little padding
     assert plan == pack_epoch(lengths, 128, 3, seed=7, epoch=0)  # every rank / resume agrees
     assert plan != pack_epoch(lengths, 128, 3, seed=7, epoch=1)  # a new order per epoch
+
+
+def test_online_groups_sum_by_name_and_the_time_budget_rule():
+    # online forwards group like extraction (one grouper): samples cut to the row, longest first,
+    # (group size x its longest) <= extract.batch_tokens
+    lengths = [10, 50, 30, 200, 30, 5]
+    assert plan_batches(list(range(6)), [min(n, 64) for n in lengths], 100) == [[3], [1, 2], [4, 0, 5]]
+    # one rank: named values come back by name, tensors as lists
+    ranks = Ranks(rank=0, world=1, device=torch.device("cpu"))
+    assert sum_by_name({"denom": torch.tensor([1.0, 2.0], dtype=torch.float64), "tokens": 3, "stop": 0.0}, ranks) == {
+        "denom": [1.0, 2.0], "tokens": 3.0, "stop": 0.0}
+    # the step before the budget runs out is the last, by the mean step time of this attempt
+    budget = TimeBudget(budget_s=10.0)
+    assert not budget.should_stop(5.0, 2) and budget.should_stop(6.0, 2) and budget.should_stop(11.0, 0)
+    assert not TimeBudget(budget_s=None).should_stop(1e9, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -543,7 +554,7 @@ def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(synth_run, tin
 def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
     from safetensors.torch import save_file
 
-    from draftsmith.train import read_target_layer
+    from draftsmith.train.drafter import read_target_layer
 
     save_file({"model.language_model.embed_tokens.weight": torch.zeros(4, 2),
                "model.language_model.layers.2.mlp.up_proj.weight": torch.ones(3, 2),
@@ -674,6 +685,29 @@ def test_resume_after_sigkill_ends_with_the_same_weights(synth_run, tiny8, tmp_p
     # metrics past the resumed checkpoint were dropped, so steps are increasing and unique
     steps = [x["step"] for x in metrics(run)]
     assert steps == sorted(set(steps)) and steps[-1] == 100
+
+
+@pytest.mark.parametrize("damaged", ["optimizer.pt", "state.json", "model.safetensors"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(synth_run, tiny8, tmp_path, damaged, capsys):
+    """A cut or overwritten file in the newest checkpoint: one line naming it, training resumes from
+    the checkpoint before and ends with the weights of a run never interrupted."""
+    sets = dict(max_steps=12, checkpoint_every=4, keep_checkpoints=3)
+    ref = copy_run(synth_run, tmp_path / "ref")
+    run_train(ref, cfg_for(tiny8, **sets))
+    run = copy_run(synth_run, tmp_path / "run")
+    run_train(run, cfg_for(tiny8, **sets))
+    d = run.path / "train"
+    shutil.rmtree(d / "final")
+    shutil.rmtree(d / "checkpoints" / "step_12")
+    (d / "manifest.json").unlink()  # as if killed right after step 8's checkpoint
+    bad = d / "checkpoints" / "step_8" / damaged
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    capsys.readouterr()
+    run_train(run, cfg_for(tiny8, **sets))
+    out = capsys.readouterr().out
+    assert f"{bad}: cannot read" in out and f"resumed from {d / 'checkpoints' / 'step_4'}" in out
+    a, b = final_weights(ref), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def torchrun(run: RunDir, target, nproc: int, **train) -> subprocess.CompletedProcess:

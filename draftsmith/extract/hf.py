@@ -1,0 +1,156 @@
+"""extract.backend=hf: the target's hidden states from a transformers forward in this process.
+
+- capture: forward pre-hooks on the decoder layers keep the input of layer k (= HF
+  `output_hidden_states[k]`, vLLM's aux layer id k); the base model (`model.model`) gives the
+  final normed state; the LM head never runs and the other N+1-4 states are never kept.
+- batches: within a shard, samples sorted by length (longest first) and packed while
+  `batch size x longest length <= extract.batch_tokens`, right-padded. Right padding under a
+  causal mask cannot change a real token's state (it only attends to earlier, real tokens), and
+  position ids are explicit 0..L-1 per row, so each sample's states equal a one-sample forward.
+- writing: store.ShardWriter, a thread that serialises and writes while the next batch computes.
+
+HiddenCapture and make_batch also serve online training (train.mode=online), so its states equal
+what this backend stores.
+"""
+
+import time
+from typing import Any
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.extract.store import STAGE, Prepared, ShardWriter
+from draftsmith.rundir import RunDir
+from draftsmith.target import load_target
+
+# -------------------------------------------------------------------------------------------------
+# Batches
+
+
+def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group samples by length: longest first, each batch's (count x longest) <= batch_tokens.
+
+    A sample longer than batch_tokens gets a batch of its own. Deterministic for a given set of
+    indices, so any rank split of whole shards sees the same batches as a single process.
+    """
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+# -------------------------------------------------------------------------------------------------
+# Capture: one forward of the base model with pre-hooks on the auxiliary layers
+
+
+def decoder_parts(model):
+    """(base model that returns the final normed state, its list of decoder layers)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None:
+        raise DraftsmithError(f"target: cannot find the decoder layers of {type(model).__name__} "
+                              "(expected model.model.layers, as in Llama-style models)")
+    return base, layers
+
+
+class HiddenCapture:
+    """Runs the target's base model once per batch and returns the states training needs.
+
+    `__call__(input_ids [B, T], position_ids [B, T]) -> (aux [B, T, A, H], last [B, T, H])`,
+    on the model's device and in its dtype; aux in layer-id order.
+    """
+
+    def __init__(self, model, layers: list[int]):
+        self.base, decoder_layers = decoder_parts(model)
+        self.layers = list(layers)
+        self._captured: dict[int, Any] = {}
+        self._handles = [decoder_layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True)
+                         for k in self.layers]
+
+    def _hook(self, k: int):
+        def hook(module, args, kwargs):
+            # The input of decoder layer k is the residual stream after layers 0..k-1: HF's
+            # hidden_states[k]. Llama-style layers take it positionally, others by keyword.
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def __call__(self, input_ids, position_ids):
+        self._captured.clear()
+        # No attention_mask on purpose: rows are right-padded, so under the causal mask a real
+        # token never sees a pad; leaving it out keeps SDPA on its fast is_causal path.
+        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        aux = torch.stack([self._captured[k] for k in self.layers], dim=2)  # [B, T, A, H]
+        self._captured.clear()
+        return aux, out.last_hidden_state
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def make_batch(samples: list[dict], pad_id: int = 0):
+    """Right-padded `input_ids` [B, T] and explicit `position_ids` 0..T-1 per row (int64)."""
+    T = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    for b, s in enumerate(samples):
+        ids[b, : len(s["input_ids"])] = torch.tensor(s["input_ids"], dtype=torch.long)
+    pos = torch.arange(T, dtype=torch.long).unsqueeze(0).expand(len(samples), T)
+    return ids, pos
+
+
+# -------------------------------------------------------------------------------------------------
+# The extract stage's loop for this backend (extract.run_extract does everything else)
+
+
+def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepared, shards, todo, prog) -> dict:
+    """The compute loop: forward each length-grouped batch, hand it to the writer thread.
+    `target`: a loaded draftsmith.target.Target, or None to load it here when there is work."""
+    d = run.stage_dir(STAGE)
+    stats = {"samples": 0, "tokens": 0, "computed": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0}
+    if any(todo[s] for s in shards) and target is None:
+        with prog.busy("loading target"):
+            target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
+    capture = HiddenCapture(target.model, layers) if target is not None else None
+    writer = ShardWriter(d, layers, on_written=prog.advance)
+    t0 = time.time()
+    try:
+        with torch.inference_mode():
+            for s in shards:
+                missing = set(todo[s])
+                # Batches are planned over the whole shard, not over what is missing: a resumed
+                # attempt then computes each sample in the batch it had in an uninterrupted run
+                # (same padded length, same kernels), so its file is the same bytes. Finished
+                # members of a batch are computed again but not rewritten.
+                for batch in plan_batches(list(range(*s)), prepared.lengths, cfg.extract.batch_tokens):
+                    keep = [b for b, i in enumerate(batch) if i in missing]
+                    if not keep:
+                        continue
+                    samples = prepared.read(batch)
+                    rows = [samples[i] for i in batch]
+                    ids, pos = make_batch(rows)
+                    aux, last = capture(ids.to(target.device), pos.to(target.device))
+                    if len(keep) < len(batch):
+                        aux, last = aux[keep], last[keep]
+                    writer.write_batch(s, [batch[b] for b in keep], [rows[b] for b in keep], aux, last)
+                    stats["samples"] += len(keep)
+                    stats["tokens"] += sum(len(rows[b]["input_ids"]) for b in keep)
+                    stats["computed"] += sum(len(r["input_ids"]) for r in rows)
+                    stats["padded"] += ids.numel()
+                writer.finish_shard(s)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if capture is not None:
+            capture.remove()
+    stats["seconds"] = time.time() - t0
+    stats["bytes"] = writer.bytes_written
+    stats["padding"] = 1 - stats["computed"] / stats["padded"] if stats["padded"] else 0.0
+    return stats
+

@@ -1,0 +1,400 @@
+"""The `train` stage: fit the EAGLE-3 drafter to the target with training-time test (TTT).
+
+    run_train = setup -> fit -> finish
+
+Data (data.py). `train.mode=offline` reads the target's hidden states from extract/;
+`online` runs the target in this process on prepare/samples.jsonl and writes nothing but train/
+(with `extract.backend=vllm` the states stream from vLLM server(s) instead, through a buffer of at
+most extract.concurrency files, each deleted once read). All feed the same loop: samples packed
+into rows of `train.seq_len` tokens, `train.batch_tokens // seq_len` rows per micro-batch,
+`train.grad_accum` micro-batches per rank per optimizer step.
+
+Objective (objective.py): the forward KL from the target's next-token distribution to the
+drafter's, over `train.ttt_steps` unrolled drafting steps weighted gamma**k.
+
+Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/ and final/ (checkpoint.py),
+metrics.jsonl and tb/ (report.py), the manifest. A run killed at any point resumes from its
+newest checkpoint to the same final weights as a run never interrupted.
+
+Ranks (distributed.py, launch.py): torchrun runs DDP or FSDP; `train.processes` starts local
+ranks itself. State lives in one TrainState; every rank runs the same code, rank 0 writes.
+"""
+
+import contextlib
+import functools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from draftsmith import DraftsmithError
+from draftsmith.extract.vllm_backend import server_dtype
+from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.rundir import RunDir, fingerprinted
+from draftsmith.stage import StageBook
+from draftsmith.target import target_info
+from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
+                                         load_weights, newest_readable, save_checkpoint)
+from draftsmith.train.data import Packing, Prefetcher, count_steps, open_source, open_upstream, step_stream
+from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
+from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
+from draftsmith.train.launch import launch_ranks
+from draftsmith.train.objective import TTTObjective, acceptance_length, resolve_attention, step_counts
+from draftsmith.train.report import Window
+from draftsmith.train.schedule import TimeBudget, make_optimizer, make_scheduler
+from draftsmith.vocab import load_vocab
+
+STAGE = "train"
+TRAIN_VERSION = 1
+# Settings that change how a run is watched, stored or sharded, not what it computes: left out
+# of the fingerprint, so that changing one resumes the run instead of restarting it.
+NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
+                     "attention", "loss_chunk_tokens")
+# knobs added after runs were made, with their defaults
+LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None}
+
+say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
+
+
+@dataclass
+class TrainState:
+    """A training run: what setup builds, fit advances and finish reads."""
+
+    # -- fixed for the run
+    run: RunDir
+    cfg: Any
+    book: StageBook  # fingerprint, settings and upstream manifests; writes the manifest
+    ranks: Ranks
+    source: Any  # OfflineSource | OnlineSource | ServerSource
+    packing: Packing
+    objective: TTTObjective  # the drafter plus the frozen target head
+    model: torch.nn.Module  # what the loop calls: objective, or its DDP wrapper (FSDP shards objective in place)
+    params: list  # the trainable parameters, clipped together
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    budget: TimeBudget
+    fc_scale: Any  # [3H] train.fc_input_norm factor, or None; saved in every checkpoint
+    meta: dict  # drafter.json of every checkpoint
+    precision: str  # "bf16" (autocast) or "fp32"
+    cpu0: float  # process CPU seconds when the stage began
+    # -- where the run is (every checkpoint's state.json)
+    start_step: int  # the step this attempt resumed from
+    step: int
+    total_steps: int  # the run ends after this step (lowered when the time budget ends it)
+    planned: int  # what the log and status show: with a time budget, the steps it is expected to allow
+    position: tuple[int, int]  # (epoch, micro-batch) of the data stream after the last step
+    tokens_seen: int = 0
+    samples_seen: int = 0
+    metrics: dict | None = None  # the last log interval's metrics
+
+    @property
+    def folder(self) -> Path:
+        return self.run.path / STAGE
+
+
+def run_train(run, cfg) -> dict:
+    """Train the drafter (train.mode offline or online); returns the train manifest.
+
+    Resumes from the newest complete checkpoint of a run with the same fingerprint; moves the
+    checkpoints of a run with other settings to train/previous/ and starts over.
+    With train.processes > 1 outside torchrun, launches that many local ranks (they journal
+    their own failures).
+    """
+    if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(run, cfg, STAGE)
+    return _train(run, cfg)
+
+
+@journal_failures(STAGE)
+def _train(run, cfg) -> dict:
+    started, cpu0 = time.time(), time.process_time()
+    with process_group(cfg.device) as ranks, contextlib.ExitStack() as closing:
+        ts = setup(run, cfg, ranks, closing, started, cpu0)
+        if not isinstance(ts, TrainState):
+            return ts  # up to date: the manifest of the finished run
+        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step, stall_after_s=cfg.stall_after_s,
+                      console=False, shared=True) as prog:
+            fit(ts, prog)
+            manifest = finish(ts, prog)
+        if ranks.world > 1:
+            dist.barrier()
+    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+
+
+# -------------------------------------------------------------------------------------------------
+# setup: inputs and bookkeeping, data, drafter, resume, optimizer
+
+
+def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float, cpu0: float) -> TrainState | dict:
+    """Everything before the first step; the finished run's manifest instead when it is up to
+    date. The data source is closed by `closing`."""
+    tc = cfg.train
+    info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+    layers, upstream, store = open_upstream(run, cfg, info)
+    d2t, t2d, vinfo = load_vocab(run, expect_target_fingerprint=info.fingerprint,
+                                 expect_size=cfg.vocab.draft_vocab_size, by="draftsmith train")
+    if t2d.numel() != info.vocab_size:
+        raise DraftsmithError(f"vocab/vocab.safetensors: t2d has {t2d.numel()} entries but target {info.name} "
+                              f"has a vocabulary of {info.vocab_size}")
+    upstream["vocab"] = run.read_manifest("vocab")
+    precision = resolve_precision(tc.precision, ranks.device)
+    attention = resolve_attention(tc.attention, ranks.device)
+    book = StageBook(run, STAGE, cfg, settings=_settings(cfg, layers, precision), upstream=upstream, target=info,
+                     started=started)
+    fp, folder = book.fingerprint, run.path / STAGE
+    if (done := book.up_to_date(outputs_ok=(folder / "final" / CKPT_STATE).is_file())) is not None:
+        say(f"up to date ({done['counts'].get('done')} steps); nothing to do")
+        return done
+
+    # the init layer is read and checked before anything in train/ is touched: a bad value must
+    # not move a good run's checkpoints aside
+    dcfg = drafter_config(info, cfg, int(d2t.numel()))
+    init_layers = read_init_layers(info, tc, dcfg)
+    if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
+        book.begin()
+        clear_for_attempt(folder, fp, say)
+    if ranks.world > 1:
+        dist.barrier()
+
+    source = open_source(run, cfg, info, layers, store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
+    closing.callback(source.close)
+    packing = Packing.of(source.lengths, tc)
+    per_step = ranks.world * tc.grad_accum
+    total_steps = count_steps(tc, packing, per_step)
+    n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
+    if n_truncated:
+        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) and are cut to it")
+
+    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc, lambda: source.batch(packing.plan(0)[0], packing.row_len),
+                                                init_layers, layers, say)
+    objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
+                             tc.feature_noise, attention, tc.loss_chunk_tokens).to(ranks.device)
+    meta = {
+        "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
+        "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
+        "vocab_fingerprint": vinfo.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
+        "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
+        "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
+    }
+
+    # resume: the weights now, optimizer/scheduler/RNG once they exist
+    resume = newest_readable(folder / "checkpoints", fp, say)
+    state = load_weights(resume, drafter) if resume is not None else {}
+    start_step = int(state.get("step", 0))
+    if state and int(state.get("total_steps", -1)) == start_step:
+        total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
+    if state and state.get("world_size", ranks.world) * state.get("grad_accum", tc.grad_accum) != per_step:
+        say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
+            f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
+
+    model = distribute(objective, ranks, tc.fsdp)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, tc, fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
+    budget = TimeBudget.resume(tc, state)
+    scheduler = make_scheduler(optimizer, tc, total_steps, budget)
+    ts = TrainState(run=run, cfg=cfg, book=book, ranks=ranks, source=source, packing=packing, objective=objective,
+                    model=model, params=params, optimizer=optimizer, scheduler=scheduler, budget=budget, fc_scale=scale,
+                    meta=meta, precision=precision, cpu0=cpu0, start_step=start_step, step=start_step,
+                    total_steps=total_steps, planned=total_steps,
+                    position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
+                    tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
+                    metrics=state.get("metrics"))
+    if resume is not None:
+        load_training_state(resume, objective, optimizer, scheduler, ranks.rank, ranks.device)
+        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, micro-batch {ts.position[1]})")
+    budget_note = "" if budget.budget_s is None else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)"
+    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} micro-batches "
+        f"({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, {precision}, {attention} attention, {ranks.world} rank(s) "
+        f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
+    return ts
+
+
+def _settings(cfg, layers: list[int], precision: str) -> dict:
+    """What the manifest records and the fingerprint covers: the train section (less
+    NOT_FINGERPRINTED, less LATER_KNOBS at their defaults), the aux layers, the precision used."""
+    section = cfg.section(STAGE)
+    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, LATER_KNOBS)
+    settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
+    if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
+        # states from a server, not this process's forward, in the dtype the server computes in
+        settings["online_states"] = {"source": "vllm", "dtype": server_dtype(cfg), "connector": cfg.extract.connector}
+    return settings
+
+
+# -------------------------------------------------------------------------------------------------
+# fit: the loop
+
+
+def fit(ts: TrainState, prog: Progress) -> None:
+    """Optimizer steps until ts.total_steps (or the time budget), logging every train.log_every_s
+    and checkpointing every train.checkpoint_every steps."""
+    tc, device = ts.cfg.train, ts.ranks.device
+    act_dtype = torch.bfloat16 if ts.precision == "bf16" else torch.float32
+    data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum)
+    window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
+    ts.budget.start()
+    try:
+        while ts.step < ts.total_steps:
+            t = time.perf_counter()
+            ts.position, mbs = next(data)
+            mbs = [b.to(device, act_dtype) for b in mbs]
+            if tc.loss_on == "all":  # every token of every sample (padding excluded)
+                mbs = [replace(b, loss_mask=b.doc_ids >= 0) for b in mbs]
+            window.times["data"] += time.perf_counter() - t
+
+            shared = _share_step(ts, mbs, window)
+            ts.budget.clock_s = shared["clock_s"]
+            grad_norm = _optimizer_step(ts, mbs, shared["denom"], window)
+            ts.step += 1
+            ts.tokens_seen += int(shared["tokens"])
+            ts.samples_seen += int(shared["samples"])
+            window.tokens += int(shared["tokens"])
+            window.steps += 1
+            stop_now = shared["stop"] > 0
+            if stop_now:
+                ts.total_steps = ts.planned = ts.step  # the time budget ends the run here
+                prog.set_total(ts.step)
+            prog.advance(1)
+
+            if shared["log"] > 0:
+                _log_window(ts, window, grad_norm, stop_now, prog)
+            if stop_now:
+                break
+            if ts.step % tc.checkpoint_every == 0 and ts.step < ts.total_steps:
+                _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
+    finally:
+        if isinstance(data, Prefetcher):
+            data.close()
+        window.close()
+
+
+def _share_step(ts: TrainState, mbs: list, window: Window) -> dict:
+    """What every rank needs before the step, in one all-reduce: `denom` [ttt_steps] the positions
+    of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; and rank
+    0's `clock_s` and decisions to `log` after this step and to `stop` after it (time budget)."""
+    rank = ts.ranks.rank
+    denom = torch.stack([step_counts(b, ts.objective.drafter.t2d, ts.cfg.train.ttt_steps) for b in mbs]).sum(0)
+    now_s = ts.budget.trained_s() if rank == 0 else 0.0
+    last_by_time = rank == 0 and ts.budget.should_stop(now_s, ts.step - ts.start_step)
+    want_log = rank == 0 and window.due(ts.step, ts.total_steps, last_by_time)
+    return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in mbs), "samples": sum(len(b.samples) for b in mbs),
+                        "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time)}, ts.ranks)
+
+
+def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Window) -> float:
+    """Forward and backward over this rank's micro-batches, then (unless a loss or the gradient
+    is not finite) one optimizer and scheduler step; returns the gradient norm before clipping."""
+    tc, world = ts.cfg.train, ts.ranks.world
+    autocast = torch.autocast(ts.ranks.device.type, dtype=torch.bfloat16, enabled=ts.precision == "bf16")
+    bad: list[str] = []  # names of the samples in micro-batches with a non-finite loss
+    for j, b in enumerate(mbs):
+        # gradients are reduced across ranks once per step, after the last micro-batch
+        last_mb = j == len(mbs) - 1
+        if world > 1 and tc.fsdp:
+            ts.objective.set_requires_gradient_sync(last_mb)
+        sync = ts.model.no_sync() if hasattr(ts.model, "no_sync") and not last_mb else contextlib.nullcontext()
+        with sync:
+            t = time.perf_counter()
+            with autocast:
+                loss, stats = ts.model(b.input_ids, b.loss_mask, b.doc_ids, b.position_ids,
+                                       b.aux_hidden, b.last_hidden, denom, scale=float(world))
+            if not math.isfinite(loss.item()):
+                bad += [ts.source.name(i) for i in b.samples]
+            window.times["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            window.times["backward"] += time.perf_counter() - t
+        window.stats += stats
+
+    t = time.perf_counter()
+    norm_t = torch.nn.utils.clip_grad_norm_(ts.params, tc.grad_clip)
+    grad_norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
+    if not math.isfinite(grad_norm) or bad:
+        raise _non_finite(ts, bad, grad_norm)
+    ts.optimizer.step()
+    if ts.step + 1 == tc.warmup_steps:
+        ts.budget.warmup_end_s = ts.budget.clock_s  # before the scheduler computes the first post-warm-up rate
+    ts.scheduler.step()
+    ts.optimizer.zero_grad(set_to_none=True)
+    window.times["optimizer"] += time.perf_counter() - t
+    return grad_norm
+
+
+def _non_finite(ts: TrainState, bad: list[str], grad_norm: float) -> DraftsmithError:
+    """The error that stops the run before a non-finite update. NaN gradients reach every rank
+    through the all-reduce, so all ranks get here together and gather the bad samples' names."""
+    everyone = [bad]
+    if ts.ranks.world > 1:
+        everyone = [None] * ts.ranks.world
+        dist.all_gather_object(everyone, bad)
+    ids = [i for r in everyone for i in r]
+    good = complete_checkpoints(ts.folder / "checkpoints")
+    kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written yet"
+    what = (f"non-finite loss in the micro-batch(es) of samples {ids[:20]}" + (" ..." if len(ids) > 20 else "")
+            if ids else f"non-finite gradient norm ({grad_norm})")
+    return DraftsmithError(f"train: {what} at step {ts.step + 1}; stopped without updating the weights; {kept}")
+
+
+def _log_window(ts: TrainState, window: Window, grad_norm: float, stop_now: bool, prog: Progress) -> None:
+    """The metrics of the window of steps since the last log (every rank: the statistics are
+    summed over ranks); rank 0 writes them. With a time budget, the steps it is expected to allow."""
+    loss_k, acc_k, dt = window.summary(ts.ranks.world)
+    tps = window.tokens / dt if dt > 0 else 0.0
+    eta = (ts.total_steps - ts.step) * dt / max(1, window.steps)
+    if ts.budget.budget_s is not None and not stop_now:
+        left_s = ts.budget.left_s()
+        eta = min(eta, left_s)
+        ts.planned = min(ts.total_steps, ts.step + int(left_s * window.steps / dt)) if dt > 0 else ts.planned
+        prog.set_total(ts.planned)
+    tau = acceptance_length([a if a == a else 0.0 for a in acc_k])  # a NaN accuracy (no position) counts as 0
+    ts.metrics = {
+        "step": ts.step, "total_steps": ts.planned, "epoch": ts.position[0], "loss": loss_k, "acc": acc_k,
+        "acceptance_length": tau, "lr": ts.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+        "tokens_per_s": tps, "tokens": ts.tokens_seen, "samples": ts.samples_seen,
+        "elapsed_s": time.time() - ts.book.started, "cpu_s": time.process_time() - ts.cpu0,
+        "step_time_s": {k: v / max(1, window.steps) for k, v in window.times.items()},
+    }
+    if ts.ranks.rank == 0:
+        window.write(ts.metrics, eta)
+    window.reset()
+
+
+def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
+    """A checkpoint of the run as it stands (every rank calls it; rank 0 writes)."""
+    now = time.time()
+    state = {"step": ts.step, "total_steps": ts.total_steps, "epoch": ts.position[0], "micro_batch": ts.position[1],
+             "tokens_seen": ts.tokens_seen, "samples_seen": ts.samples_seen, "world_size": ts.ranks.world,
+             "grad_accum": ts.cfg.train.grad_accum, "train_fingerprint": ts.book.fingerprint, "time": now,
+             "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
+             "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s}
+    save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
+                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale, keep=keep)
+
+
+# -------------------------------------------------------------------------------------------------
+# finish: last checkpoint, final/, manifest
+
+
+def finish(ts: TrainState, prog: Progress) -> dict | None:
+    """The last step's checkpoint (unless the attempt resumed from it), final/, and on rank 0 the
+    manifest, which it returns (None on the other ranks)."""
+    if ts.step > ts.start_step:
+        _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=ts.cfg.train.keep_checkpoints)
+    final_dir = ts.folder / "final"
+    _save(ts, final_dir)
+    manifest = None
+    if ts.ranks.rank == 0:
+        m = ts.metrics or {}
+        counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
+                  "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
+                  "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2)}
+        outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
+        manifest = ts.book.finish(counts=counts, outputs=outputs,
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir), "world_size": ts.ranks.world})
+    prog.end(steps=ts.step, tokens=ts.tokens_seen)
+    return manifest

@@ -1,0 +1,152 @@
+"""The drafter before its first step: its config from the target's, its weights from the target's
+(embeddings, the LM head's rows at the draft ids, the final norm; with train.init_layer also
+decoder layers), and with train.fc_input_norm the factor its fc input is scaled by."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from draftsmith import DraftsmithError
+from draftsmith.model import Eagle3Config, Eagle3Drafter, check_target_layer
+from draftsmith.target import load_target
+from draftsmith.train.objective import fc_input_scale
+
+# -------------------------------------------------------------------------------------------------
+# Target weights
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: safetensors file} of a model folder (sharded or not); {} without safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    return {}
+
+
+def read_target_weights(info, log=print):
+    """(embed [V, H], lm_head [V, H], final norm [H] or None) of the target, read from its
+    safetensors files without building the model; loads the model only when they are absent."""
+    folder = Path(info.path)
+    where = _weight_map(folder)
+
+    def pick(cands):
+        return min(cands, key=len) if cands else None
+
+    embed_key = pick([k for k in where if k.endswith("embed_tokens.weight")])
+    head_key = "lm_head.weight" if "lm_head.weight" in where else (embed_key if info.tie_word_embeddings else None)
+    norm_key = pick([k for k in where if k.endswith("norm.weight") and ".layers." not in k and "embed" not in k])
+    if embed_key is None or head_key is None:
+        log(f"{folder}: no safetensors embeddings/lm_head found; loading the model to read them")
+        t = load_target(str(folder), device="cpu", dtype="auto")
+        norm = t.final_norm_weight()
+        return (t.embed_weight().detach().clone(), t.lm_head_weight().detach().clone(),
+                None if norm is None else norm.detach().clone())
+
+    def get(key):
+        with safe_open(str(folder / where[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    embed = get(embed_key)
+    head = embed if head_key == embed_key else get(head_key)
+    norm = get(norm_key) if norm_key else None
+    V = info.vocab_size
+    if embed.shape[0] != V or head.shape[0] != V:
+        # some checkpoints pad the embedding matrix beyond config.vocab_size
+        embed, head = embed[:V], head[:V]
+    return embed, head, (None if norm is None else torch.as_tensor(norm))
+
+
+def read_target_layer(info, n: int) -> dict:
+    """The target's decoder layer n as {name inside the layer: tensor}, read from its safetensors."""
+    folder = Path(info.path)
+    where = _weight_map(folder)
+    if not where:
+        raise DraftsmithError(f"train.init_layer: {folder} has no safetensors weights to read layer {n} from")
+    # the decoder layers sit beside the token embeddings ("model.embed_tokens.weight" ->
+    # "model.layers.N."); other stacks (a vision tower's "encoder.layers.N.", "mtp.layers.N.") do not
+    embed = min((k for k in where if k.endswith("embed_tokens.weight")), key=len, default=None)
+    if embed is None:
+        raise DraftsmithError(f"train.init_layer: {folder} has no embed_tokens weight to locate its decoder layers by")
+    prefix = f"{embed[:-len('embed_tokens.weight')]}layers.{n}."
+    out = {}
+    for key, file in where.items():
+        if key.startswith(prefix):
+            with safe_open(str(folder / file), framework="pt") as f:
+                out[key[len(prefix):]] = f.get_tensor(key)
+    if not out:
+        raise DraftsmithError(f"train.init_layer: {folder} has no tensors named {prefix}*")
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# The drafter
+
+
+def drafter_config(info, cfg, draft_vocab_size: int) -> Eagle3Config:
+    """The drafter's shape from the target's (text) config, with train.num_layers decoder layers."""
+    hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
+    hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    return Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size, num_hidden_layers=cfg.train.num_layers)
+
+
+def first_init_layer(tc) -> int:
+    """train.init_layer: drafter layer n starts from target layer init_layer - (num_layers - 1) + n,
+    so the last from init_layer; this is the target layer of drafter layer 0."""
+    return tc.init_layer - (tc.num_layers - 1)
+
+
+def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
+    """train.init_layer: the target layers the drafter's decoder layers start from (float32),
+    checked against the drafter's config; None without it."""
+    if tc.init_layer is None:
+        return None
+    first = first_init_layer(tc)
+    if not 0 <= tc.init_layer < info.num_layers:
+        raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target (0..{info.num_layers - 1})")
+    if first < 0:
+        raise DraftsmithError(f"train.init_layer: {tc.init_layer} with train.num_layers {tc.num_layers} needs target "
+                              f"layers {first}..{tc.init_layer}; the target has 0..{info.num_layers - 1}")
+    out = []
+    for n in range(first, tc.init_layer + 1):
+        out.append({k: v.float() for k, v in read_target_layer(info, n).items()})
+        try:
+            check_target_layer(dcfg, out[-1])
+        except ValueError as e:
+            raise DraftsmithError(f"train.init_layer: layer {n} of {info.name}: {e}") from None
+    return out
+
+
+def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: list[dict] | None,
+                  aux_layers: list[int], say):
+    """(drafter, target_head, fc input scale) before the first step, seeded with train.seed.
+
+    target_head: W_d [Dv, H] float32, the target lm_head's rows at the draft ids (the objective's
+    teacher). The scale ([3H], or None without train.fc_input_norm) comes from `first_batch()`,
+    the first micro-batch of epoch 0: the same on every rank and after a resume.
+    """
+    embed, head, norm = read_target_weights(info, log=say)
+    torch.manual_seed(tc.seed)
+    drafter = Eagle3Drafter(dcfg)
+    draft_ids = d2t + torch.arange(d2t.numel())
+    drafter.init_from_target(embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
+    target_head = head[draft_ids].float()  # W_d [Dv, H]
+    del embed, head
+    scale = None
+    if tc.fc_input_norm:
+        scale = fc_input_scale(first_batch())
+        say(f"fc input norm: aux-state RMS per dimension {float(1 / scale.max()):.3g} to {float(1 / scale.min()):.3g}")
+    if init_layers is not None:
+        # after the fc input scale: fc's block is diag(1 / scale), so it passes on (aux * scale) / scale = aux
+        drafter.init_layer_from_target(init_layers, aux_index=-1, input_scale=scale)
+        which = f"layer {tc.init_layer}" if tc.num_layers == 1 else f"layers {first_init_layer(tc)}..{tc.init_layer}"
+        say(f"decoder layers initialised from the target's {which}; fc passes aux layer {aux_layers[-1]} through")
+    if tc.freeze_lm_head:
+        drafter.lm_head.weight.requires_grad_(False)  # stays the target's rows; still saved and exported
+        say("draft LM head frozen at the target's rows")
+    return drafter, target_head, scale

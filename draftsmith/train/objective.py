@@ -1,0 +1,284 @@
+"""The training objective: training-time test (TTT) against the target's own distribution.
+
+The drafter is unrolled for `train.ttt_steps` steps (Eagle3Drafter.ttt_forward); step k at index i
+predicts token t[i+2+k]. Its target is the target model's own next-token distribution there,
+softmax(W_d @ last_hidden[i+1+k]) over the draft vocabulary (W_d = rows of the target's lm_head at
+the draft ids, [Dv, H]). The loss is the forward KL(target || drafter), averaged over the positions
+where it is defined (i+2+k inside the row and the same document, loss_mask[i+2+k] = 1, t[i+2+k] in
+the draft vocabulary) across the whole optimizer step and all ranks, weighted gamma**k per step.
+Accuracy at step k counts the d2t-mapped argmax == t[i+2+k] over every loss-masked position
+(tokens outside the draft vocabulary are misses), so that 1 + sum_k prod_{j<=k} acc_j estimates
+the acceptance length of chain drafting.
+
+Memory at the recipes' scale (docs/scaling.md): the loss is taken a chunk of teacher positions at
+a time (ChunkedKL), so no [tokens, draft vocab] float32 block of a whole micro-batch lives at once;
+TTT attention runs through flex attention on CUDA (resolve_attention).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from draftsmith import DraftsmithError
+from draftsmith.model import flex_attention
+from draftsmith.train.data import Batch
+
+# Teacher positions per chunk of the loss when chunk_tokens is None: each [tokens, Dv] float32
+# block of a chunk (teacher and drafter log-probabilities, their gradient) holds about 2**24
+# elements (64 MB): 2,048 positions at a draft vocabulary of 8,192, 524 at 32,000.
+KL_CHUNK_ELEMENTS = 2 ** 24
+
+
+def ttt_masks(input_ids, loss_mask, doc_ids, t2d, steps: int) -> list[tuple[Any, Any]]:
+    """Per TTT step k: (masked [R, T], valid [R, T]) bool, indexed by the drafting position i.
+
+    masked: t[i+2+k] is a loss-masked token of the same document inside the row (accuracy's
+    denominator); valid: masked and t[i+2+k] is in the draft vocabulary (where the KL is taken).
+    """
+    R, T = input_ids.shape
+    in_vocab = t2d[input_ids]
+    out = []
+    for k in range(steps):
+        s = k + 2
+        masked = torch.zeros(R, T, dtype=torch.bool, device=input_ids.device)
+        valid = torch.zeros_like(masked)
+        if s < T:
+            masked[:, :T - s] = loss_mask[:, s:] & (doc_ids[:, s:] == doc_ids[:, :T - s])
+            valid[:, :T - s] = masked[:, :T - s] & in_vocab[:, s:]
+        out.append((masked, valid))
+    return out
+
+
+def resolve_attention(spec: str, device) -> str:
+    """train.attention -> the TTT attention path of ttt_forward ("sdpa" or "flex").
+
+    `auto`: flex on CUDA (a fused kernel over the block mask: neither per-block key copies nor
+    expanded GQA heads are kept for backward, which at 8k-token rows is tens of GB), SDPA
+    elsewhere: torch has no flex-attention backward on the CPU ("FlexAttention does not support
+    backward on CPU", torch 2.13), and before torch 2.5 no flex attention at all.
+    """
+    kind = torch.device(device).type
+    if spec == "auto":
+        return "flex" if kind == "cuda" and flex_attention is not None else "sdpa"
+    if spec == "flex" and flex_attention is None:
+        raise DraftsmithError(f"train.attention: flex needs torch >= 2.5 (this is {torch.__version__}); use sdpa or auto")
+    if spec == "flex" and kind == "cpu":
+        raise DraftsmithError("train.attention: flex cannot train on the CPU (torch has no flex-attention backward there); "
+                              "use sdpa or auto")
+    return spec
+
+
+@dataclass
+class KLPlan:
+    """What ChunkedKL needs besides the tensors it differentiates. Per TTT step k, over its trained
+    positions (ascending): rows[k] [N_k] int64 the teacher row of each (ascending too: row of
+    position i is that of i+1+k), targets[k] [N_k] int64 the token t[i+2+k]; weights[k] the
+    factor of step k's KL sum in the loss."""
+
+    rows: list
+    targets: list
+    weights: list[float]
+    d2t: Any  # [Dv] int64
+    temperature: float
+    chunk: int  # teacher rows per chunk
+    grad_weight: bool  # compute the gradient of the drafter's head
+    grad_states: bool  # ... and of the states it reads
+
+
+class ChunkedKL(torch.autograd.Function):
+    """The loss sum_k weights[k] * KL_k and its gradient, a chunk of teacher rows at a time.
+
+    KL_k sums, over step k's positions, KL(p || q): p = softmax(teacher_hidden[row] @ teacher_head^T
+    / T) the teacher's distribution, q = softmax(x_k @ weight^T) the drafter's. Each chunk's
+    teacher distribution is computed once and serves every step (a teacher row is at most one
+    position of each step), and each chunk's gradients (d/dlogits = weights[k] * (q - p)) are
+    taken in the same pass and accumulated into [N_k, H] and [Dv, H] tensors: no [tokens, Dv]
+    block outlives its chunk, and no head matmul runs twice. Under autocast every matmul runs as
+    the unchunked loss's does (bf16 in, the gradients of the logits cast to bf16 as its backward
+    casts them), the head's gradient is accumulated in float32.
+
+    forward(plan, weight [Dv, H], teacher_head [Dv, H], teacher_hidden [N, H], *xs [N_k, H]) ->
+    (loss [], kl [steps] float64 (unweighted sums), correct [steps] float64 (argmax mapped
+    through d2t == target)). The graph is used once: backward scales the saved gradients in place.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: KLPlan, weight, teacher_head, teacher_hidden, *xs):
+        steps, N, device = len(xs), teacher_hidden.shape[0], weight.device
+        kl = torch.zeros(steps, dtype=torch.float64, device=device)
+        correct = torch.zeros(steps, dtype=torch.float64, device=device)
+        gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
+        gxs = [torch.zeros_like(x) for x in xs] if plan.grad_states else []
+        starts = list(range(0, N, plan.chunk))
+        cuts = torch.tensor(starts + [N], device=device)
+        # per step: where each chunk's positions begin and end ([N_k] rows ascending)
+        bounds = [torch.searchsorted(rows, cuts).tolist() for rows in plan.rows]
+        for c, a in enumerate(starts):
+            t_logits = teacher_hidden[a:a + plan.chunk] @ teacher_head.t()  # [C, Dv]
+            t_logp = torch.log_softmax(t_logits.float() / plan.temperature, dim=-1)
+            del t_logits
+            t_p = t_logp.exp()
+            t_negent = (t_p * t_logp).sum(-1)  # [C] sum p log p, the KL's constant part
+            del t_logp
+            for k, x in enumerate(xs):
+                s, e = bounds[k][c], bounds[k][c + 1]
+                if s == e:
+                    continue
+                r = plan.rows[k][s:e] - a
+                logits = F.linear(x[s:e], weight)  # [n, Dv]
+                logq = torch.log_softmax(logits.float(), dim=-1)
+                p = t_p[r]
+                kl[k] += t_negent[r].sum().double() - (p * logq).sum().double()
+                pred = logits.argmax(-1)
+                correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
+                if gw is None and not gxs:
+                    continue
+                # d KL / d logits = q * sum(p) - p (sum(p) is 1 up to rounding), in the logits' dtype
+                g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * plan.weights[k]).to(logits.dtype)
+                del logq, p
+                if gxs:
+                    gxs[k][s:e] = (g @ weight).to(x.dtype)
+                if gw is not None:
+                    gw += (g.t() @ x[s:e]).float()
+        ctx.save_for_backward(*([gw] if gw is not None else []), *gxs)
+        ctx.has_gw, ctx.steps = gw is not None, steps
+        ctx.mark_non_differentiable(kl, correct)
+        loss = (kl * torch.tensor(plan.weights, dtype=torch.float64, device=device)).sum()
+        return loss.to(torch.float32), kl, correct
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kl, _g_correct):
+        saved = list(ctx.saved_tensors)
+        gw = saved.pop(0).mul_(g_loss) if ctx.has_gw else None
+        gxs = [gx.mul_(g_loss.to(gx.dtype)) for gx in saved] or [None] * ctx.steps
+        return (None, gw, None, None, *gxs)
+
+
+class TTTObjective(nn.Module):
+    """The drafter plus the frozen target head: forward() is one micro-batch's loss.
+
+    A module (not a function) so that DDP/FSDP wrap it and see every parameter used.
+    target_head: W_d [Dv, H], the target lm_head's rows at the draft ids.
+    attention: ttt_forward's path ("sdpa" or "flex", resolve_attention).
+    chunk_tokens: teacher positions per chunk of the loss (ChunkedKL); None: KL_CHUNK_ELEMENTS // Dv;
+    0: the whole micro-batch as one autograd graph (the loss before chunks: [N, Dv] float32
+    blocks kept for backward; the reference the chunked loss is tested against).
+    """
+
+    def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None, teacher_temperature: float = 1.0,
+                 feature_noise: float = 0.0, attention: str = "sdpa", chunk_tokens: int | None = None):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_head", target_head, persistent=False)
+        # [3H] or None: aux states are multiplied by it before fc (train.fc_input_norm)
+        self.register_buffer("fc_input_scale", fc_input_scale, persistent=False)
+        self.steps, self.gamma = steps, gamma
+        self.teacher_temperature = teacher_temperature
+        self.feature_noise = feature_noise
+        self.attention = attention
+        self.chunk_tokens = max(1, KL_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None else chunk_tokens
+
+    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0):
+        """Returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
+
+        loss = scale * sum_k gamma^k * KL_sum_k / denom[k]; denom [steps] = valid positions of
+        step k over the whole optimizer step (all micro-batches, all ranks), so that the
+        accumulated gradient is the token mean of the step whatever the micro-batching.
+        denom is a list of floats (no device sync); scale = number of ranks, which undoes the
+        gradient averaging of DDP/FSDP.
+        """
+        d = self.drafter
+        R, T = input_ids.shape
+        H = d.config.hidden_size
+        masks = ttt_masks(input_ids, loss_mask, doc_ids, d.t2d, self.steps)
+        if self.feature_noise > 0 and self.training:
+            # train.feature_noise: Gaussian noise of std feature_noise x each state's own RMS
+            # (per token and aux layer), so the noise follows the residual stream's scale
+            A = aux_hidden.shape[-1] // H
+            a = aux_hidden.float().reshape(R, T, A, H)
+            rms = a.pow(2).mean(-1, keepdim=True).sqrt()  # [R, T, A, 1]
+            aux_hidden = (a + self.feature_noise * rms * torch.randn_like(a)).reshape(R, T, A * H).to(aux_hidden.dtype)
+        if self.fc_input_scale is not None:
+            aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
+        states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=position_ids,
+                               doc_ids=doc_ids, return_hidden=True, attention=self.attention)  # steps x [R, T, H]
+
+        # The teacher rows: every position j = i+1+k some step needs (its next token is step k's
+        # target at index i), each once for all steps.
+        need = torch.zeros(R, T, dtype=torch.bool, device=input_ids.device)
+        for k, (_, valid) in enumerate(masks):
+            need[:, 1 + k:] |= valid[:, :T - 1 - k]
+        need_idx = need.flatten().nonzero().squeeze(1)
+        row_of = torch.full((R * T,), -1, dtype=torch.long, device=input_ids.device)
+        row_of[need_idx] = torch.arange(need_idx.numel(), device=input_ids.device)
+        weights = [scale * self.gamma ** k / denom[k] if denom[k] > 0 else 0.0 for k in range(self.steps)]
+        vis = [valid.flatten().nonzero().squeeze(1) for _, valid in masks]  # [N_k] flat drafting positions
+        xs = [d.norm(states[k].reshape(-1, H)[vi]) for k, vi in enumerate(vis)]  # [N_k, H]
+        teacher = last_hidden.reshape(-1, H)[need_idx]  # [N, H]
+        if self.chunk_tokens == 0:
+            kl, correct, loss = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights)
+        else:
+            plan = KLPlan(rows=[row_of[vi + 1 + k] for k, vi in enumerate(vis)],
+                          targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
+                          d2t=d.d2t, temperature=self.teacher_temperature, chunk=self.chunk_tokens,
+                          grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
+                          grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+            loss, kl, correct = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
+        counts = torch.tensor([float(vi.numel()) for vi in vis], dtype=torch.float64, device=kl.device)
+        masked = torch.stack([m.sum() for m, _ in masks]).double()
+        return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked], dim=1)
+
+    def _unchunked(self, xs, vis, row_of, teacher, flat_ids, weights):
+        """The loss as one autograd graph over the whole micro-batch: (kl [steps], correct [steps], loss)."""
+        d = self.drafter
+        with torch.no_grad():
+            t_logits = teacher @ self.target_head.t()  # [N, Dv]
+            t_logp = torch.log_softmax(t_logits.float() / self.teacher_temperature, dim=-1)
+            t_p = t_logp.exp()
+            t_negent = (t_p * t_logp).sum(-1)  # [N] sum p log p, the KL's constant part
+        loss, kls, correct = 0.0, [], []
+        for k, (x, vi) in enumerate(zip(xs, vis)):
+            logits = d.lm_head(x)  # [N_k, Dv]
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            rows = row_of[vi + 1 + k]
+            # forward KL(p || q) summed over positions = sum p log p - sum p log q; the
+            # cross term as one dot product (no [N_k, Dv] temporary in the forward)
+            kl = t_negent[rows].sum() - torch.dot(t_p[rows].flatten(), logq.flatten())
+            # every step's term stays in the graph (weight 0 when it has no position anywhere),
+            # so every parameter gets a gradient on every rank
+            loss = loss + weights[k] * kl
+            kls.append(kl)
+            with torch.no_grad():
+                pred = logits.argmax(-1)
+                correct.append(((pred + d.d2t[pred]) == flat_ids[vi + 2 + k]).sum().double())
+        return torch.stack(kls), torch.stack(correct), loss
+
+
+def step_counts(batch: Batch, t2d, steps: int):
+    """[steps] float64: positions where step k's KL is defined in this micro-batch."""
+    masks = ttt_masks(batch.input_ids, batch.loss_mask, batch.doc_ids, t2d, steps)
+    return torch.stack([v.sum() for _, v in masks]).double()
+
+
+def fc_input_scale(batch: Batch, eps: float = 1e-3):
+    """[3H] float32: 1 / the RMS of each aux-state dimension over the batch's real tokens, leaving
+    out each document's first token (an attention sink whose states are orders of magnitude larger:
+    24,832 in SmolLM2's layers 15 and 27)."""
+    keep = (batch.doc_ids >= 0) & (batch.position_ids > 0)
+    if not bool(keep.any()):
+        keep = batch.doc_ids >= 0
+    x = batch.aux_hidden[keep].float()  # [N, 3H]
+    return 1.0 / x.pow(2).mean(0).sqrt().clamp_min(eps)
+
+
+def acceptance_length(acc: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: expected tokens per verification when draft k is accepted
+    only if drafts 0..k-1 were."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau

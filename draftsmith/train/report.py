@@ -1,0 +1,95 @@
+"""What a run shows while it trains, once per log interval (train.log_every_s): a line of
+metrics.jsonl, TensorBoard scalars under tb/ (train.tensorboard), and the step line in the log;
+all summing up the window of steps since the previous one."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftsmith.journal import fmt_duration
+from draftsmith.rundir import append_text, atomic_write_text
+
+METRICS = "metrics.jsonl"
+STEP_PARTS = ("data", "forward", "backward", "optimizer")  # where a step's time goes
+
+
+def _json_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Drop the lines past the checkpoint a run resumes from (step `last_step`), so that the
+    file's steps stay increasing and unique."""
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines()
+                if ln.strip() and _json_step(ln) is not None and _json_step(ln) <= last_step]
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+
+class Window:
+    """The steps since the last log line, on every rank: TTT statistics, seconds per part of a
+    step, tokens and steps; on rank 0 also where the lines go (`folder`: train/)."""
+
+    def __init__(self, folder: Path, tc, rank: int, device, start_step: int, say):
+        self.tc, self.rank, self.say = tc, rank, say
+        self.metrics_path = folder / METRICS
+        self.tb = None
+        if rank == 0:
+            trim_metrics(self.metrics_path, start_step)
+            if tc.tensorboard:
+                # tensorboard is optional (the dev extra): imported only when train.tensorboard asks for it
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(folder / "tb"), purge_step=start_step + 1)
+        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions
+        self.stats = torch.zeros(tc.ttt_steps, 4, dtype=torch.float64, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats.zero_()
+        self.times = dict.fromkeys(STEP_PARTS, 0.0)  # seconds
+        self.tokens, self.steps = 0, 0
+        self.t0 = time.perf_counter()
+        self.last_log = time.time()
+
+    def due(self, step: int, total_steps: int, last: bool) -> bool:
+        """Rank 0: log after step `step` (0-based)? Every train.log_every_s, at the last step, and
+        when the time budget makes this step the last (`last`)."""
+        return time.time() - self.last_log >= self.tc.log_every_s or step + 1 == total_steps or last
+
+    def summary(self, world: int) -> tuple[list[float], list[float], float]:
+        """(loss per TTT step in nats, accuracy per TTT step, seconds of the window) over all ranks
+        (every rank must call it); NaN for a step without positions."""
+        if world > 1:
+            dist.all_reduce(self.stats)
+        s = self.stats.cpu()
+        steps = range(s.shape[0])
+        loss_k = [float(s[k, 0] / s[k, 1]) if s[k, 1] > 0 else float("nan") for k in steps]
+        acc_k = [float(s[k, 2] / s[k, 3]) if s[k, 3] > 0 else float("nan") for k in steps]
+        return loss_k, acc_k, time.perf_counter() - self.t0
+
+    def write(self, metrics: dict, eta_s: float) -> None:
+        """Rank 0: the metrics line, the TensorBoard scalars, the step line in the log."""
+        step, loss_k, acc_k = metrics["step"], metrics["loss"], metrics["acc"]
+        append_text(self.metrics_path, json.dumps(metrics) + "\n")
+        if self.tb is not None:
+            for k in range(len(loss_k)):
+                self.tb.add_scalar(f"loss/step{k}", loss_k[k], step)
+                self.tb.add_scalar(f"acc/step{k}", acc_k[k], step)
+            for key in ("acceptance_length", "lr", "grad_norm", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{key}", metrics[key], step)
+            self.tb.flush()
+        self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
+                 + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k) + f" | tau {metrics['acceptance_length']:.2f}"
+                 + f" | {metrics['tokens_per_s']:,.0f} tok/s | lr {metrics['lr']:.2e} | gnorm {metrics['grad_norm']:.2f}"
+                 + f" | ETA {fmt_duration(eta_s)}")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

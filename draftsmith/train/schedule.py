@@ -1,0 +1,87 @@
+"""How fast and for how long: the optimizer, the learning-rate schedule (linear warm-up, then
+cosine), and train.max_minutes' time budget (TimeBudget)."""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+ADAM_BETAS = (0.9, 0.95)
+
+
+def make_optimizer(params: list, tc, fused: bool) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay, fused=fused)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float, time_share=None):
+    """LR multiplier at optimizer step s (0-based): linear warm-up, then cosine to min_ratio.
+
+    `time_share()`, when given, returns the share of a time budget spent (0..1); the cosine then
+    follows whichever of steps and time is further along.
+    """
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        if time_share is not None:
+            progress = max(progress, min(1.0, time_share()))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+@dataclass
+class TimeBudget:
+    """train.max_minutes: seconds of training steps, summed over attempts (a resumed run goes on
+    from its checkpoint's `train_s`). Rank 0's clock decides: once per step its reading is shared
+    with every rank (`clock_s`), so that all ranks take the same learning rate and stop at the
+    same step.
+
+    The time share counts from the end of warm-up, as the step share does: at a steady pace that
+    ends the steps inside the budget the clock never leads, and the schedule is the step-count one.
+    """
+
+    budget_s: float | None  # None: no budget
+    done_s: float = 0.0  # seconds of steps in earlier attempts
+    warmup_end_s: float | None = None  # the shared clock when warm-up ended; None until then
+    clock_s: float = 0.0  # rank 0's seconds of steps, as shared at the last step
+    loop_t0: float = 0.0  # perf_counter() when this attempt's loop began (start())
+
+    @classmethod
+    def resume(cls, tc, state: dict) -> "TimeBudget":
+        """The budget of train config `tc`, going on from a checkpoint's state.json ({} if none)."""
+        done = float(state.get("train_s", 0.0))
+        return cls(budget_s=None if tc.max_minutes is None else tc.max_minutes * 60.0, done_s=done,
+                   warmup_end_s=state.get("warmup_end_s", 0.0 if tc.warmup_steps == 0 else None), clock_s=done)
+
+    def start(self) -> None:
+        self.loop_t0 = time.perf_counter()
+
+    def trained_s(self) -> float:
+        """This rank's seconds of training steps so far, earlier attempts included."""
+        return self.done_s + time.perf_counter() - self.loop_t0
+
+    def share(self) -> float:
+        """The share of the budget after warm-up that the shared clock has spent (0 during warm-up)."""
+        if self.warmup_end_s is None:
+            return 0.0
+        left = self.budget_s - self.warmup_end_s
+        return 1.0 if left <= 0 else (self.clock_s - self.warmup_end_s) / left
+
+    def should_stop(self, now_s: float, steps: int) -> bool:
+        """Rank 0's decision before a step, at its clock `now_s` after `steps` steps of this attempt:
+        make this step the last when the next would not fit, by the mean step time so far (a
+        resume whose checkpoint already spent the budget still takes one step)."""
+        if self.budget_s is None:
+            return False
+        step_s = (now_s - self.done_s) / steps if steps > 0 else 0.0
+        return now_s + 2 * step_s > self.budget_s or now_s >= self.budget_s
+
+    def left_s(self) -> float:
+        """Seconds of the budget the shared clock has left."""
+        return max(0.0, self.budget_s - self.clock_s)
+
+
+def make_scheduler(optimizer, tc, total_steps: int, budget: TimeBudget) -> torch.optim.lr_scheduler.LambdaLR:
+    share = None if budget.budget_s is None else budget.share
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, share))
