@@ -61,6 +61,34 @@ def health_ok(root: str, timeout_s: float, client: httpx.Client | None = None) -
         return False
 
 
+# What looks like a credential whatever its value: an Authorization header's token, an OpenAI-style key.
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=\\%-]{6,}")
+_KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\\/%+=-]{12,}")
+
+
+def _secret_pattern(secret: str) -> re.Pattern:
+    """The secret in any encoding a server might echo it in: each character as itself, escaped by
+    any number of backslashes (JSON's `\/`, an escape of an escape), as a \\uXXXX escape, or
+    percent-encoded (URL, form: `+` for a space); hex digits in either case."""
+    parts = []
+    for ch in secret:
+        forms = [re.escape(ch), f"u{ord(ch):04x}"]
+        if ord(ch) < 128:
+            forms.append(f"%{ord(ch):02x}")
+        if ch == " ":
+            forms.append(r"\+")
+        parts.append(r"\\*(?:" + "|".join(forms) + ")")
+    return re.compile("".join(parts), re.IGNORECASE)
+
+
+def redact(text: str, secret: str | None) -> str:
+    """`text` with `secret` replaced by *** in every encoding a reply could carry it in, and with
+    anything shaped like a credential (a Bearer token, an sk- key) replaced as well."""
+    if secret:
+        text = _secret_pattern(secret).sub("***", text)
+    return _KEY_LIKE.sub("***", _BEARER.sub(r"\1***", text))
+
+
 def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -> float:
     """Seconds to wait before retry number `attempt` (1-based): base * 2^(attempt-1), jittered
     by x0.5-1.5 so that many clients do not retry in lockstep; a server's Retry-After wins."""
@@ -214,8 +242,8 @@ class OpenAIClient:
         self._count_lock = threading.Lock()
 
     def scrub(self, text: str) -> str:
-        """Error texts are stored and logged: never with the key in them."""
-        return text.replace(self._api_key, "***") if self._api_key else text
+        """Error texts are stored and logged: never with the key in them (see redact)."""
+        return redact(text, self._api_key)
 
     # -- one request, retried ------------------------------------------------------------------
     def request(self, method: str, path: str, body: dict | Callable[[str], dict] | None = None, *,

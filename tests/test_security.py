@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import urllib.parse
 import os
 import secrets
 import sys
@@ -156,11 +157,18 @@ def test_remote_code_runs_only_when_asked_and_is_logged(remote_code_target, tmp_
 
 class EchoingServer(FakeOpenAIServer):
     """Also answers prompts with [echo-500] with a 500 that quotes the request headers (retried,
-    then recorded as a failure and logged)."""
+    then recorded as a failure and logged), and [echo-escaped] with one that quotes the key the
+    ways other servers write it: JSON with `/` escaped as `\\/`, URL-encoded, \\u-escaped."""
 
     def answer(self, body: dict, headers: dict):
-        if "[echo-500]" in body["messages"][-1]["content"]:
+        text = body["messages"][-1]["content"]
+        if "[echo-500]" in text:
             return 500, {"error": {"message": f"internal error; request headers were {headers}"}}
+        if "[echo-escaped]" in text:
+            auth = headers.get("Authorization", "")
+            escaped = json.dumps(auth).replace("/", "\\/")
+            uni = "".join(f"\\u{ord(c):04x}" for c in auth)
+            return 500, {"error": {"message": f"auth {escaped}; query ?auth={urllib.parse.quote(auth, safe='')}; {uni}"}}
         return super().answer(body, headers)
 
 
@@ -172,10 +180,11 @@ def _prompts(path: Path, extra: list[str]) -> Path:
 
 
 def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
-    secret = "sk-test-" + secrets.token_hex(16)
+    # a key with the characters that JSON and URL encodings rewrite
+    secret = "sk-test/" + secrets.token_hex(16) + "+k="
     wrong = "sk-wrong-" + secrets.token_hex(8)
     run = tmp_path / "run"
-    prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please"])
+    prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please", "[echo-escaped] please"])
     base = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
             "--backend", "openai", "--set", "generate.retries=1", "--set", "generate.backoff_s=0.01"]
     outputs = []
@@ -192,9 +201,10 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
         # Two samples fail with server errors that quote the Authorization header.
         p = run_cli(*base, env={"DS_SECRET_KEY": secret})
         outputs.append(p)
-        assert p.returncode == 2 and "2 samples failed" in p.stderr
+        assert p.returncode == 2 and "3 samples failed" in p.stderr
         errors = {f["id"]: f["error"] for f in map(json.loads, (run / "generate" / "failures.jsonl").read_text().splitlines())}
-        assert set(errors) == {"p4", "p5"} and all("Bearer ***" in e for e in errors.values())
+        assert set(errors) == {"p4", "p5", "p6"} and all("Bearer ***" in errors[i] for i in ("p4", "p5"))
+        assert errors["p6"].count("***") >= 3  # each encoding of the echoed key redacted
         # A wrong key: one line naming the variable, not the key.
         p = run_cli(*base, "--retry-failed", env={"DS_SECRET_KEY": wrong})
         outputs.append(p)
@@ -211,9 +221,10 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     assert "api_key_env: DS_SECRET_KEY" in (run / "generate" / "config.yaml").read_text()  # the name only
     files = [f for f in run.rglob("*") if f.is_file()]
     assert {"config.yaml", "manifest.json", "stage.log", "progress.jsonl", "samples.jsonl"} <= {f.name for f in files}
+    body = secret[len("sk-test/"):-len("+k=")]  # the key's random part: in no encoding anywhere
     for f in files:
         data = f.read_bytes()
-        assert secret.encode() not in data and wrong.encode() not in data, f"API key leaked into {f}"
+        assert body.encode() not in data.lower() and wrong.encode() not in data, f"API key leaked into {f}"
     for p in outputs:
-        assert secret not in p.stdout + p.stderr and wrong not in p.stdout + p.stderr
+        assert body not in (p.stdout + p.stderr).lower() and wrong not in p.stdout + p.stderr
     assert os.environ.get("DS_SECRET_KEY") is None  # the tests passed the key to the child processes only
