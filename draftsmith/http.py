@@ -68,7 +68,7 @@ _KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\\/%+=-]{12,}")
 
 def _secret_pattern(secret: str) -> re.Pattern:
     """The secret in any encoding a server might echo it in: each character as itself, escaped by
-    any number of backslashes (JSON's `\/`, an escape of an escape), as a \\uXXXX escape, or
+    any number of backslashes (JSON writing a slash as backslash-slash, an escape of an escape), as a backslash-u escape, or
     percent-encoded (URL, form: `+` for a space); hex digits in either case."""
     parts = []
     for ch in secret:

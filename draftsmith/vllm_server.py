@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,11 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 from draftsmith import DraftsmithError
 from draftsmith.http import health_ok
+from draftsmith.progress import log
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
@@ -102,6 +105,56 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+# What a starting vLLM server is doing, read off its own log lines (first match wins; vLLM words
+# them differently across versions, so each phase has several spellings).
+STARTUP_PHASES = (
+    ("loading weights", re.compile(r"(?i)starting to load model|loading weights|load(ing)? model|model loading took")),
+    ("compiling", re.compile(r"(?i)torch\.compile takes|compiling a graph|dynamo bytecode transform|compiling model")),
+    ("allocating the KV cache", re.compile(r"(?i)kv cache|# (cpu|gpu) blocks|memory profiling")),
+    ("capturing CUDA graphs", re.compile(r"(?i)captur(e|ing) cuda graph|graph capturing")),
+    ("ready", re.compile(r"(?i)application startup complete|starting vllm api server|uvicorn running")),
+)
+STARTUP_NOTE_S = 30.0  # a line at least this often while a server starts, even when no phase changes
+
+
+class _StartupWatch:
+    """Turns the log of a starting server into progress lines: each new phase when it appears, and
+    the server's latest line every STARTUP_NOTE_S seconds (a large model takes many minutes)."""
+
+    def __init__(self, log_path: Path, say: Callable[[str], None]):
+        self.log_path, self.say = log_path, say
+        self.offset = log_path.stat().st_size if log_path.exists() else 0
+        self.phase: str | None = None
+        self.last_line = ""
+        self.t0 = self.noted = time.time()
+
+    def poll(self) -> None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        # only whole lines: a line still being written is read again next time
+        chunk = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(chunk)
+        now = time.time()
+        for line in chunk.decode(errors="replace").splitlines():
+            line = " ".join(line.split())
+            if not line:
+                continue
+            self.last_line = line
+            phase = next((name for name, pattern in STARTUP_PHASES if pattern.search(line)), None)
+            if phase is not None and phase != self.phase:
+                self.phase = phase
+                self.say(f"vLLM server: {phase} ({now - self.t0:.0f}s)")
+                self.noted = now
+        if now - self.noted >= STARTUP_NOTE_S:
+            self.say(f"vLLM server still starting ({now - self.t0:.0f}s"
+                     + (f", {self.phase}" if self.phase else "") + f"): {self.last_line[:160]}")
+            self.noted = now
+
+
 class VLLMServer:
     """A vLLM OpenAI server on loopback, as a context manager.
 
@@ -111,6 +164,7 @@ class VLLMServer:
                  `--dtype` / `--max-model-len` given here replace the defaults
     env:         extra environment (VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB)
     log_path:    where the server's stdout+stderr go (default: a temporary file)
+    say:         where start-up progress lines go (default: the active stage's log)
     """
 
     def __init__(
@@ -127,6 +181,7 @@ class VLLMServer:
         startup_timeout_s: float = 900.0,
         python: str | os.PathLike | None = None,
         kill_with_parent: bool = True,
+        say: Callable[[str], None] | None = None,
     ):
         self.model_dir = str(model_dir)
         self.host = host
@@ -138,6 +193,7 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.python = Path(python) if python else None
         self.kill_with_parent = kill_with_parent
+        self.say = say or log
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
@@ -184,12 +240,17 @@ class VLLMServer:
                                          preexec_fn=die_with_parent if self.kill_with_parent and sys.platform == "linux" else None)
         atexit.register(self.stop)
         deadline = t0 + self.startup_timeout_s
+        watch = _StartupWatch(self.log_path, self.say)
         while True:
+            watch.poll()
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
                 raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: {self._log_tail()}")
             if health_ok(self.url, timeout_s=2.0):
+                watch.poll()
+                if watch.phase != "ready":
+                    self.say(f"vLLM server: ready ({time.time() - t0:.0f}s)")
                 break
             if time.time() > deadline:
                 self.stop()

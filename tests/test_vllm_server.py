@@ -31,6 +31,9 @@ if os.environ.get("STANDIN_FAIL"):
     sys.exit(3)
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(os.environ["STANDIN_PIDS"], "w").write(f"{os.getpid()} {engine.pid}")
+for phase in filter(None, os.environ.get("STANDIN_PHASES", "").split("|")):  # what a real server logs as it starts
+    print(phase, flush=True)
+    time.sleep(0.6)
 time.sleep(float(os.environ.get("STANDIN_DELAY", "0")))
 
 class H(http.server.BaseHTTPRequestHandler):
@@ -84,6 +87,25 @@ def test_server_lifecycle_on_standin(tmp_path, standin):
     # stop() returns once the whole process group, the "engine" child included, is gone.
     assert not _alive(api) and not _alive(engine) and group_members(api) == []
     assert srv.proc is None
+
+
+def test_start_up_progress_reaches_the_log_as_lines(tmp_path, standin, monkeypatch):
+    """While a server starts, its phases come out as lines (the stage log was silent for minutes)."""
+    import draftsmith.vllm_server as vs
+
+    monkeypatch.setattr(vs, "STARTUP_NOTE_S", 1.0)
+    lines: list[str] = []
+    phases = "|".join(["INFO Initializing a V1 LLM engine with config: model=/models/m",
+                       "INFO Starting to load model /models/m...", "INFO Loading weights took 1.20 seconds",
+                       "INFO torch.compile takes 31.2 s in total", "INFO # cpu blocks: 1024",
+                       "INFO Starting vLLM API server 0 on http://127.0.0.1:8000"])
+    srv = VLLMServer("/models/m", env={**standin, "STANDIN_PHASES": phases, "STANDIN_DELAY": "1.5"},
+                     log_path=tmp_path / "s.log", python=sys.executable, say=lines.append)
+    with srv:
+        pass
+    named = [ln.split(": ", 1)[1].split(" (")[0] for ln in lines if ln.startswith("vLLM server: ")]
+    assert named == ["loading weights", "compiling", "allocating the KV cache", "ready"], lines
+    assert any(ln.startswith("vLLM server still starting") for ln in lines), lines  # the 1.5 s after "ready"'s log line
 
 
 def test_exited_says_why_a_running_server_went_away(tmp_path, standin):
