@@ -284,6 +284,31 @@ def test_verify_redoes_corrupt_and_truncated_files(tmp_path, tiny8):
     assert all_files(run).keys() == good.keys()
 
 
+def test_plain_extract_redoes_files_cut_short_or_deleted(tmp_path, tiny8):
+    """A finished store with a truncated and a deleted sample file: the reader names the file in one
+    line, and plain `extract` (no --verify) sees them by their recorded sizes and redoes them."""
+    samples = make_samples(vocab(tiny8))
+    run = make_run(tmp_path, tiny8, samples)
+    cfg = cfg_for(tiny8, "extract.shard_size=4")
+    run_extract(run, cfg)
+    good = all_files(run)
+    d = run.path / "extract"
+    cut, gone = d / "rows_0-4" / "1.safetensors", d / "rows_4-8" / "6.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    gone.unlink()
+    with pytest.raises(DraftsmithError, match=r"rows_0-4/1\.safetensors: unreadable .*draftsmith extract --run"):
+        ExtractStore(run)[1]
+    with pytest.raises(DraftsmithError, match=r"rows_4-8/6\.safetensors: missing"):
+        ExtractStore(run)[6]
+    m = run_extract(run, cfg)
+    assert m is not None and (d / "manifest.json").is_file()
+    log = (d / "stage.log").read_text()
+    assert "rows_0-4/1.safetensors:" in log and "rows_4-8/6.safetensors: missing" in log and "extracting them again" in log
+    assert all_files(run).keys() == good.keys()
+    assert ExtractStore(run)[1]["input_ids"].numel() == len(samples[1]["input_ids"])
+    assert run_extract(run, cfg)["finished"] == m["finished"]  # intact again: up to date, nothing redone
+
+
 def test_refuses_to_mix_layers_or_prepare_outputs(tmp_path, tiny8):
     run = make_run(tmp_path, tiny8)
     run_extract(run, cfg_for(tiny8, "extract.shard_size=4"))

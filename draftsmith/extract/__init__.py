@@ -18,12 +18,13 @@ How the stage runs (run_extract, below):
 """
 
 import contextlib
+import json
 import shutil
 
 from draftsmith import DraftsmithError
 from draftsmith.extract import hf, store, vllm_backend
 from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
-from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, FIELDS, SHARD_RECORD, STAGE, STORE_DTYPE,
+from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, FIELDS, META, SHARD_RECORD, STAGE, STORE_DTYPE,
                                       ExtractStore, Prepared, bytes_per_token, encode_sample, shard_name, shard_ranges)
 from draftsmith.journal import env_rank
 from draftsmith.progress import Progress, journal_failures, log
@@ -64,8 +65,13 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
                 "compute_dtype": compute_dtype}
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
-        log(f"up to date ({current['counts']['done']} samples; --verify re-checks the files)", stage=STAGE)
-        return current
+        # complete by its manifest; every file still the size its shard recorded (stat only, fast)
+        damaged, verify = _remove_damaged(run.path / STAGE)
+        if not damaged:
+            log(f"up to date ({current['counts']['done']} samples; --verify re-checks the files)", stage=STAGE)
+            return current
+    else:
+        damaged = []
 
     # -- the store: this attempt's meta.json; not complete from here unless it already is -----------
     prepared = store.index_prepared(samples_path, info.vocab_size)
@@ -91,6 +97,9 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     total = sum(e - s for s, e in mine)
     with Progress(run, STAGE, total=total, unit="samples", done=sum(len(p) for p in present.values()),
                   stall_after_s=cfg.stall_after_s, rank=rank, world_size=world_size) as prog:
+        if damaged:
+            prog.log(f"{len(damaged)} file(s) of the finished store changed since ({', '.join(damaged[:3])}"
+                     + (", ..." if len(damaged) > 3 else "") + "); extracting them again")
         _preflight(d, prepared, shards, present, layers, info.hidden_size, force, prog)
         if world_size > 1:
             prog.log(f"rank {rank}/{world_size}: {len(mine)} of {len(shards)} shards, {total} samples")
@@ -105,6 +114,17 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
                      "(the last rank to finish writes extract/manifest.json)")
         prog.end(samples=total, complete=manifest is not None)
     return manifest
+
+
+def _remove_damaged(d) -> tuple[list[str], set | bool]:
+    """store.remove_damaged over every shard meta.json describes: (what it found, the shards whose
+    files must be opened to be judged; True: all of them)."""
+    try:
+        meta = json.loads((d / META).read_text())
+        shards = shard_ranges(int(meta["num_samples"]), int(meta["shard_size"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{META}: missing or unreadable"], True
+    return store.remove_damaged(d, shards)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -153,18 +173,19 @@ def _preflight(d, prepared: Prepared, shards, present: dict, layers: list[int], 
         prog.log(msg + " (--force: going on)")
 
 
-def _resume(d, mine, present: dict, prepared: Prepared, layers: list[int], hidden_size: int, verify: bool,
+def _resume(d, mine, present: dict, prepared: Prepared, layers: list[int], hidden_size: int, verify: bool | set,
             prog) -> dict:
-    """What an interrupted attempt left: its temp files go, with `verify` its finished files are
-    re-checked (the bad ones go too), a shard.json whose files are no longer all there goes.
-    Returns {shard: [sample indices still to extract]}."""
+    """What an interrupted attempt left: its temp files go, with `verify` (True, or a set of shards)
+    its finished files are re-checked (the bad ones go too), a shard.json whose files are no longer
+    all there goes. Returns {shard: [sample indices still to extract]}."""
     done = sum(len(p) for p in present.values())
     for s in mine:
         if store.remove_temps(d, s):
             prog.log(f"{shard_name(*s)}: removed temp files of an interrupted attempt")
-    if verify and done:
-        with prog.busy(f"verifying {done} finished files"):
-            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log) for s in mine)
+    check = [s for s in mine if verify is True or (verify and s in verify)]
+    if check and done:
+        with prog.busy(f"verifying the finished files of {len(check)} shard(s)"):
+            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log) for s in check)
         present = {s: store.present(d, s) for s in mine}
         prog.done -= removed  # the journal's count must match what is on disk
         prog.log(f"verify: {done - removed} files good, {removed} redone")

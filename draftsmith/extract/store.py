@@ -263,6 +263,40 @@ def write_shard_record(stage_dir: Path, shard: tuple[int, int], layers: list[int
     return record
 
 
+def remove_damaged(stage_dir: Path, shards: list[tuple[int, int]]) -> tuple[list[str], set[tuple[int, int]]]:
+    """Files of sealed shards that are missing or whose size differs from their shard.json (a disk
+    error, a copy cut short, a file deleted by hand), found by stat alone: they and their shard's
+    record are removed, so that the next attempt extracts them again. Returns ('rows_*/i.safetensors:
+    why' for each, the shards whose record is gone: only opening their files can tell)."""
+    damaged, unrecorded = [], set()
+    for shard in shards:
+        d = stage_dir / shard_name(*shard)
+        try:
+            files = json.loads((d / SHARD_RECORD).read_text())["files"]
+            sizes = {f["name"]: int(f["size"]) for f in files}
+        except FileNotFoundError:
+            damaged.append(f"{d.name}/{SHARD_RECORD}: missing")
+            unrecorded.add(shard)
+            continue
+        except (ValueError, KeyError, TypeError):
+            damaged.append(f"{d.name}/{SHARD_RECORD}: unreadable")
+            unrecorded.add(shard)
+            (d / SHARD_RECORD).unlink(missing_ok=True)  # (missing_ok: ranks check the store side by side)
+            continue
+        bad = []
+        for i in range(*shard):
+            p = d / sample_name(i)
+            size = p.stat().st_size if p.is_file() else None
+            if size != sizes.get(p.name):
+                bad.append(p)
+                damaged.append(f"{d.name}/{p.name}: " + ("missing" if size is None else f"{size} bytes, {sizes.get(p.name)} recorded"))
+        if bad:
+            (d / SHARD_RECORD).unlink(missing_ok=True)
+            for p in bad:
+                p.unlink(missing_ok=True)
+    return damaged, unrecorded
+
+
 def read_shard_record(stage_dir: Path, shard: tuple[int, int]) -> dict:
     """rows_*/shard.json as write_shard_record wrote it."""
     return json.loads((stage_dir / shard_name(*shard) / SHARD_RECORD).read_text())
@@ -472,6 +506,9 @@ class ExtractStore:
                 return {k: f.get_tensor(k) for k in f.keys()}
         except FileNotFoundError:
             raise DraftsmithError(f"{p}: missing; extract has not finished (rerun `draftsmith extract`)") from None
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise DraftsmithError(f"{p}: unreadable ({type(e).__name__}: {e}); `draftsmith extract --run "
+                                  f"{self.dir.parent}` redoes files cut short or missing, `--verify` any other damage") from None
 
     def metadata(self, i: int) -> dict:
         with safe_open(str(self.path(i)), framework="pt") as f:
