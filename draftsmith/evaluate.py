@@ -51,11 +51,11 @@ from draftsmith.export import CONFIG_FILE, load_exported
 from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
 from draftsmith.model import DrafterCache
 from draftsmith.progress import Progress, journal_failures
-from draftsmith.prompts import load_prompts
+from draftsmith.prompts import context_tokens_needed, load_prompts
 from draftsmith.rundir import RunDir, append_json_line, atomic_path, atomic_write_json, atomic_write_text, read_json_object
 from draftsmith.stage import StageBook, upstream
-from draftsmith.target import load_target, pick_device, pick_dtype, target_info
-from draftsmith.vllm_server import VLLMServer, parse_metrics, vllm_python
+from draftsmith.target import load_target, load_tokenizer, pick_device, pick_dtype, target_info
+from draftsmith.vllm_server import VLLMServer, max_model_len, parse_metrics, vllm_python
 
 STAGE = "eval"
 ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
@@ -525,7 +525,12 @@ def vllm_server_args(cfg, spec: dict | None) -> list[str]:
 @contextlib.contextmanager
 def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, python, what: str):
     """A VLLMServer started under a `busy` phase (the stage heartbeats while vLLM loads)."""
-    srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(ctx.folder) / log_name, python=python)
+    cfg = ctx.cfg
+    needed = context_tokens_needed([p for _, p in ctx.todo], load_tokenizer(model_dir, cfg.trust_remote_code),
+                                   cfg.eval.max_tokens)
+    srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.run.stage_dir(ctx.folder) / log_name, python=python,
+                     max_model_len=max_model_len(model_dir, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
+                     say=ctx.prog.log)
     with ctx.prog.busy(f"starting vLLM ({what})"):
         srv.start()
     ctx.prog.log(f"vLLM ({what}) ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
@@ -567,7 +572,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     spec_cfg = {"model": str(ctx.export_dir), "method": "eagle3", "num_speculative_tokens": K}
     python = None
     if not ec.server:
-        python = vllm_python(log=prog.log)
+        python = vllm_python(cfg.vllm_python, log=prog.log)
         tdir = target_info(cfg.target, cfg.trust_remote_code).path
         trained = (json.loads((ctx.export_dir / "config.json").read_text()).get("draftsmith") or {}).get("ttt_steps")
         if trained and K > trained:

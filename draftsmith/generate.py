@@ -60,12 +60,12 @@ from transformers import GenerationConfig
 from draftsmith import DraftsmithError
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, normalize_server, served_models
 from draftsmith.progress import Progress, journal_failures, log
-from draftsmith.prompts import LoadStats, load_prompts, resolve_source
+from draftsmith.prompts import LoadStats, context_tokens_needed, load_prompts, resolve_source
 from draftsmith.rundir import (RunDir, append_bytes, append_text, atomic_write_json, atomic_write_text, file_sha256, fingerprint,
                               fingerprinted)
 from draftsmith.stage import StageBook
 from draftsmith.target import load_target, load_tokenizer, pick_device, pick_dtype, target_info
-from draftsmith.vllm_server import VLLMServer, vllm_python
+from draftsmith.vllm_server import VLLMServer, max_model_len, vllm_python
 
 STAGE = "generate"
 SAMPLES = "samples.jsonl"
@@ -601,11 +601,14 @@ def own_server_seeds(cfg) -> bool:
 
 
 @contextlib.contextmanager
-def _own_server(run: RunDir, cfg, info, dtype: str, prog):
+def _own_server(run: RunDir, cfg, info, dtype: str, pending: list, prog):
     """Backend vllm: a vLLM server for the target, started under a `busy` phase (the stage
     heartbeats while it loads), its log in generate/vllm.log; yields the running VLLMServer."""
+    needed = context_tokens_needed(pending, load_tokenizer(info, cfg.trust_remote_code), cfg.generate.max_tokens)
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *cfg.generate.vllm_args],
-                     log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(log=prog.log))
+                     log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(cfg.vllm_python, log=prog.log),
+                     max_model_len=max_model_len(info.path, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
+                     say=prog.log)
     try:
         with prog.busy("starting vLLM"):
             srv.start()
@@ -746,7 +749,7 @@ def _decode(run: RunDir, cfg, info, dtype: str | None, servers: list[str], pendi
             api_key = os.environ.get(gen.api_key_env) or None
             extra = asyncio.run(_openai_run(pending, gen, servers, api_key, prog, on_done, on_fail))
         elif gen.backend == "vllm":
-            with _own_server(run, cfg, info, dtype, prog) as srv:
+            with _own_server(run, cfg, info, dtype, pending, prog) as srv:
                 t0 = time.time()  # the rate counts decoding, not the server's start-up
                 extra = asyncio.run(_openai_run(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
                                                 server_gone=srv.exited))

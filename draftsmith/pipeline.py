@@ -142,7 +142,7 @@ def run_demo(run: RunDir, cfg) -> None:
     extra: tuple[str, ...] = ()
     if cfg.eval.engine == "local":
         try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
-            vllm_python(install=False)
+            vllm_python(cfg.vllm_python, install=False)
             extra = ("vllm",)
         except DraftsmithError:
             log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")

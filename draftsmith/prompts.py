@@ -51,6 +51,20 @@ class Prompt:
         return {"id": self.id, "system": self.system, "turns": self.turns}
 
 
+def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> int:
+    """Tokens the longest conversation of `prompts` can reach when each user turn is answered with up
+    to `max_tokens` tokens: its user text (and system prompt) through the chat template, plus
+    max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused)."""
+    longest = 0
+    for p in prompts:
+        messages = ([{"role": "system", "content": p.system}] if p.system else []) + [
+            {"role": "user", "content": t} for t in p.turns]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # per turn: the answer, and the template's few tokens around it
+        longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
+    return longest
+
+
 @dataclass
 class LoadStats:
     read: int = 0

