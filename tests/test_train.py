@@ -799,3 +799,29 @@ def test_online_training_on_smollm2_lowers_the_loss(smol_target, tmp_path):
     rows = metrics(run)
     assert rows[-1]["loss"][0] < 0.7 * rows[0]["loss"][0]
     assert time.time() - t0 < 60
+
+
+def test_fsdp_mixed_precision_and_frozen_tensors_outside_the_shards(tmp_path):
+    """train.fsdp under bf16: parameters gathered in bf16 and gradients reduced in float32; the frozen
+    embedding is kept whole (no shard, no all-gather each forward) and in bf16. On gloo, as FSDP runs here."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from draftsmith.train.distributed import distribute
+    from draftsmith.train.objective import TTTObjective
+
+    drafter, head = tiny_drafter()
+    objective = TTTObjective(drafter, head, steps=2, gamma=0.8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        distribute(objective, Ranks(rank=0, world=2, device=torch.device("cpu")), fsdp=True, precision="bf16")
+        layer = objective.drafter.layers[0]
+        policy = layer._get_fsdp_state()._mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+        embed = objective.drafter.embed_tokens.weight
+        assert not embed.requires_grad and not isinstance(embed, DTensor) and embed.dtype == torch.bfloat16
+        trainable = [p for p in objective.parameters() if p.requires_grad]
+        assert trainable and all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in trainable)
+        assert objective.target_head.dtype == torch.float32  # the teacher's head: a buffer, never sharded
+    finally:
+        dist.destroy_process_group()

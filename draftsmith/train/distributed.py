@@ -7,7 +7,6 @@ few named numbers in one all-reduce (sum_by_name).
 """
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,15 +31,15 @@ class Ranks:
 def process_group(device_spec: str) -> Iterator[Ranks]:
     """This process's Ranks, inside the process group when there are several (joined here unless
     the caller already has one, and then left on the way out). Each rank of a GPU node takes the
-    GPU of its LOCAL_RANK."""
+    GPU of its LOCAL_RANK (pick_device's rule)."""
     rank, world = env_rank()
     device = pick_device(device_spec)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
     own_group = world > 1 and not dist.is_initialized()
     if own_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":  # device_id: NCCL binds this rank's communicator to its own GPU at once
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     try:
         yield Ranks(rank, world, device)
     finally:
@@ -59,17 +58,28 @@ def resolve_precision(spec: str, device) -> str:
     return "bf16" if bf16_is_fast(device) else "fp32"
 
 
-def distribute(objective, ranks: Ranks, fsdp: bool):
+def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
     """What the loop calls: `objective` itself on one rank; on several, wrapped in DDP, or with
-    train.fsdp sharded in place (each decoder layer, then the whole) and returned as is."""
+    train.fsdp sharded in place (each decoder layer, then the whole) and returned as is.
+
+    FSDP: with bf16 precision, parameters are gathered in bf16 and gradients reduced in float32
+    (MixedPrecisionPolicy). Frozen parameters (the target's embedding the drafter reads) are no
+    shard of anything: kept whole on every rank, in bf16 under bf16 precision, so that no forward
+    all-gathers a [V, H] table that never changes (the target head is a buffer, never sharded)."""
     if ranks.world > 1 and fsdp:
         # fully_shard is importable from torch.distributed.fsdp from torch 2.6 on (draftsmith
         # allows 2.4): imported only when train.fsdp asks for it
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        frozen = {p for p in objective.parameters() if not p.requires_grad}
+        if precision == "bf16":
+            for p in frozen:
+                p.data = p.data.to(torch.bfloat16)
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision == "bf16" else MixedPrecisionPolicy())
         for layer in objective.drafter.layers:
-            fully_shard(layer)
-        fully_shard(objective)
+            fully_shard(layer, mp_policy=policy, ignored_params=frozen)
+        fully_shard(objective, mp_policy=policy, ignored_params=frozen)
         return objective
     if ranks.world > 1:
         device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
