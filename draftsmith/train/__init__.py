@@ -192,7 +192,7 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
         say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
             f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
 
-    model = distribute(objective, ranks, tc.fsdp)
+    model = distribute(objective, ranks, tc.fsdp, precision)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, tc, fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
     budget = TimeBudget.resume(tc, state)
