@@ -502,12 +502,20 @@ def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], d
 
 
 def iter_prepared(run: RunDir):
-    """Yield (index, record) of prepare/samples.jsonl in order; the stage must have completed."""
+    """Yield (index, record, input_ids int64 [T], loss_mask bool [T]) of prepare/samples.jsonl in
+    order; the stage must have completed. A malformed line is a one-line error naming it."""
     run.require_manifest(STAGE, by="reading prepared samples")
     path = run.stage_dir(STAGE, create=False) / "samples.jsonl"
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             try:
-                yield i, json.loads(line)
+                rec = json.loads(line)
+                ids = np.asarray(rec["input_ids"], dtype=np.int64)
+                mask = np.asarray(rec["loss_mask"], dtype=bool)
             except json.JSONDecodeError as e:
                 raise DraftsmithError(f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
+            except (KeyError, TypeError, ValueError):
+                raise DraftsmithError(f"{path}:{i + 1}: not a prepared sample (input_ids, loss_mask)") from None
+            if ids.shape != mask.shape or ids.ndim != 1:
+                raise DraftsmithError(f"{path}:{i + 1}: input_ids and loss_mask differ in length ({ids.size} vs {mask.size})")
+            yield i, rec, ids, mask

@@ -67,14 +67,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     buf: list = []
     buffered = 0
     samples = 0
-    for i, rec in iter_prepared(run):
-        try:
-            ids = np.asarray(rec["input_ids"], dtype=np.int64)
-            mask = np.asarray(rec["loss_mask"], dtype=bool)
-        except (KeyError, TypeError, ValueError):
-            raise DraftsmithError(f"{path}:{i + 1}: not a prepared sample (input_ids, loss_mask)") from None
-        if ids.shape != mask.shape:
-            raise DraftsmithError(f"{path}:{i + 1}: input_ids and loss_mask differ in length ({len(ids)} vs {len(mask)})")
+    for i, _, ids, mask in iter_prepared(run):
         masked = ids[mask]
         if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
             raise DraftsmithError(f"{path}:{i + 1}: token id {int(masked.max())} is outside the target vocabulary ({vocab_size})")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from draftsmith import DraftsmithError
@@ -257,16 +256,8 @@ class OnlineSource:
         self.read_prepared(run)
 
     def read_prepared(self, run) -> None:
-        path = run.stage_dir("prepare", create=False) / "samples.jsonl"
         self.ids, self.masks, self.names = [], [], []
-        for i, rec in iter_prepared(run):
-            try:
-                ids = np.asarray(rec["input_ids"], dtype=np.int64)
-                mask = np.asarray(rec["loss_mask"], dtype=bool)
-            except (KeyError, TypeError, ValueError):
-                raise DraftsmithError(f"{path}:{i + 1}: not a prepared sample (input_ids, loss_mask)") from None
-            if ids.shape != mask.shape or ids.ndim != 1:
-                raise DraftsmithError(f"{path}:{i + 1}: input_ids and loss_mask differ in shape")
+        for i, rec, ids, mask in iter_prepared(run):
             self.ids.append(ids)
             self.masks.append(mask)
             self.names.append(str(rec.get("id", i)))
