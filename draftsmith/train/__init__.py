@@ -394,7 +394,10 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
                   "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
                   "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2)}
         outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
+        # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
+        peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
-                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir), "world_size": ts.ranks.world})
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir), "world_size": ts.ranks.world,
+                                         "peak_memory_bytes": peak})
     prog.end(steps=ts.step, tokens=ts.tokens_seen)
     return manifest
