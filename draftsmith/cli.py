@@ -326,12 +326,12 @@ def demo_cmd(
     sets: SetOpt = None,
 ):
     """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
-    from draftsmith.pipeline import demo_config, run_demo, summarize
+    from draftsmith.demo import demo_config, run_demo
+    from draftsmith.pipeline import summarize
 
     rd = RunDir(run)
-    cfg = demo_config(list(sets or []))
-    torch_threads(cfg)
-    run_demo(rd, cfg)
+    torch_threads(demo_config(list(sets or [])))
+    run_demo(rd, list(sets or []))
     print(summarize(rd))
 
 

@@ -15,13 +15,9 @@ import functools
 import json
 import os
 import socket
-import tempfile
 import time
-from importlib import resources
-from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.config import load_config
 from draftsmith.evaluate import run_eval
 from draftsmith.export import run_export
 from draftsmith.extract import run_extract
@@ -30,13 +26,11 @@ from draftsmith.prepare import run_prepare
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
 from draftsmith.train import run_train
-from draftsmith.vllm_server import vllm_python
 from draftsmith.vocab import run_vocab
 
 STAGE_FUNCTIONS = {"generate": run_generate, "prepare": run_prepare, "vocab": run_vocab, "extract": run_extract,
                    "train": run_train, "export": run_export, "eval": run_eval}
 
-DEMO_RECIPE = "demo.yaml"
 
 
 def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
@@ -53,9 +47,10 @@ def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None =
 
 
 def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None,
-                 extra_engines: tuple[str, ...] = ()) -> dict[str, dict]:
+                 extra_engines: tuple[str, ...] = (), on_stage_done=None) -> dict[str, dict]:
     """Run the planned stages; then, for each of extra_engines, eval again with that engine into
-    RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one)."""
+    RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one). on_stage_done(stage,
+    seconds) is called after each stage (the demo's estimate of what is left)."""
     run.ensure()
     stages = planned_stages(cfg, from_stage, until_stage)
     if "eval" in stages:
@@ -89,6 +84,8 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             manifests[stage] = fn(run, stage_cfg)
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
+            if on_stage_done is not None:
+                on_stage_done(stage, None if skipped else time.time() - ts)
     except BaseException as e:
         state["error"] = error_line(e)
         state["interrupted"] = isinstance(e, KeyboardInterrupt)
@@ -98,10 +95,6 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
     atomic_write_json(run.path / "pipeline.json", state)
     log(f"all stages done in {time.time() - t0:.0f}s", stage="run")
     return manifests
-
-
-def demo_recipe_text() -> str:
-    return resources.files("draftsmith.recipes").joinpath(DEMO_RECIPE).read_text(encoding="utf-8")
 
 
 def summarize(run: RunDir) -> str:
@@ -125,27 +118,3 @@ def _summary_line(run: RunDir, folder: str) -> str:
     speedup = f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None else "no speedup measured (eval.baseline off)"
     return (f"{r['engine']} engine: acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
             f"{speedup} on {r['prompts']} prompts; report {run.path / folder / 'report.md'}")
-
-
-def demo_config(overrides: list[str]):
-    """The embedded demo recipe with `--set` overrides, validated."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(demo_recipe_text())
-    try:
-        return load_config(Path(f.name), overrides)
-    finally:
-        os.unlink(f.name)
-
-
-def run_demo(run: RunDir, cfg) -> None:
-    """The whole pipeline with the demo recipe; also evaluated with vLLM when it is installed."""
-    extra: tuple[str, ...] = ()
-    if cfg.eval.engine == "local":
-        try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
-            vllm_python(cfg.vllm_python, install=False)
-            extra = ("vllm",)
-        except DraftsmithError:
-            log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")
-    log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts} "
-        f"({', '.join(('local', *extra))} engine); run dir {run.path}", stage="demo")
-    run_pipeline(run, cfg, extra_engines=extra)

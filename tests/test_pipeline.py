@@ -14,7 +14,8 @@ import yaml
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.pipeline import demo_recipe_text, planned_stages, run_pipeline
+from draftsmith.demo import demo_recipe_text
+from draftsmith.pipeline import planned_stages, run_pipeline
 from draftsmith.rundir import STAGES, RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")

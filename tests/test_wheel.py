@@ -46,7 +46,7 @@ def test_the_wheel_works_outside_the_checkout(tmp_path):
     assert not where[1].startswith(str(REPO)) and where[1].endswith("venv-vllm") and where[2] == "True"
 
     assert "estimate" in run("--help").stdout
-    recipe = subprocess.run([str(py), "-c", "from draftsmith.pipeline import demo_recipe_text; print(demo_recipe_text())"],
+    recipe = subprocess.run([str(py), "-c", "from draftsmith.demo import demo_recipe_text; print(demo_recipe_text())"],
                             cwd=work, env=env, capture_output=True, text=True, check=True).stdout
     (work / "demo.yaml").write_text(recipe)
     (work / "llama.json").write_text((REPO / "configs" / "targets" / "llama-3.1-8b-instruct.json").read_text())

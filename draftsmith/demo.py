@@ -1,0 +1,210 @@
+"""`draftsmith demo`: the embedded recipe, sized in its first minute to fit a coffee break on the
+machine it runs on.
+
+The demo's time is dominated by two rates of the target on this machine: batched greedy decoding
+(generate; extract and train scale with it, as all three are the target's or drafter's matrix
+products) and batch-1 decoding (eval, with and without drafting). calibrate() measures both on
+the real target (a few seconds on a quiet machine), and size_demo() picks the number of prompts and eval questions that fit
+DEMO_BUDGET_S by the cost model below, never more than the recipe's own. The chosen sizes go to
+RUN/demo.json: a rerun (a resume after a kill) keeps them, so that no stage restarts because a
+second calibration came out a little different.
+
+Cost model, per unit, fitted to the stage times of a full demo (360 prompts, 80 questions; docs/
+benchmarks.md, "The demo drafter on MT-bench"): there generate decoded 127.5 tokens/s at batch 64
+and plain batch-1 decoding ran at 21.3 tokens/s, and the stages took generate 319 s, extract
+102 s, train 298 s, eval 435 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.config import load_config
+from draftsmith.pipeline import run_pipeline
+from draftsmith.progress import log
+from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.target import load_target
+from draftsmith.vllm_server import vllm_python
+
+DEMO_RECIPE = "demo.yaml"
+DEMO_BUDGET_S = 15 * 60.0
+SIZES_FILE = "demo.json"
+CALIBRATION_TOKENS = 8  # new tokens per calibration decode (a few seconds on a quiet machine)
+CALIBRATION_BATCH = 64  # the recipe's generate.batch_size
+# seconds per unit x the rate they scale with (from the reference run in the docstring):
+# generate: 319 s x 127.5 tok/s / 360 prompts; extract + train: (102 + 298) s x 127.5 / 360
+GENERATE_TOKEN_S_PER_PROMPT = 319 * 127.5 / 360
+EXTRACT_TRAIN_TOKEN_S_PER_PROMPT = (102 + 298) * 127.5 / 360
+# eval: 435 s x 21.3 tok/s / 80 questions (drafting and plain decoding of each)
+EVAL_TOKEN_S_PER_QUESTION = 435 * 21.3 / 80
+VLLM_EVAL_S = 600.0  # the demo's second evaluation, by vLLM, when installed: two server start-ups dominate
+MIN_PROMPTS, MIN_QUESTIONS = 48, 16
+
+
+@dataclass
+class Calibration:
+    batch_tokens_per_s: float  # greedy decoding at batch CALIBRATION_BATCH (generate's regime)
+    single_tokens_per_s: float  # greedy decoding of one sequence (eval's regime)
+    seconds: float  # what calibrating took
+
+
+@dataclass
+class DemoPlan:
+    prompts: int
+    questions: int
+    expected_s: dict[str, float]  # per stage
+    calibration: Calibration
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.expected_s.values())
+
+
+def calibrate(cfg) -> Calibration:
+    """Time the target's greedy decoding on this machine, batched and alone, after a warm-up."""
+    t0 = time.time()
+    target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=lambda *a: None)
+    model = target.model
+    ids = torch.full((CALIBRATION_BATCH, 24), 1, dtype=torch.long, device=target.device)  # 24-token prompts
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+
+    def rate(batch: torch.Tensor) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=CALIBRATION_TOKENS,
+                           min_new_tokens=CALIBRATION_TOKENS, do_sample=False, pad_token_id=pad,
+                           temperature=None, top_p=None, top_k=None)
+        return batch.shape[0] * CALIBRATION_TOKENS / (time.perf_counter() - start)
+
+    rate(ids[:1])  # warm-up: the first call pays one-time costs
+    return Calibration(batch_tokens_per_s=rate(ids), single_tokens_per_s=rate(ids[:1]), seconds=time.time() - t0)
+
+
+def expected_seconds(prompts: int, questions: int, c: Calibration, with_vllm: bool) -> dict:
+    """Each stage's expected seconds on a machine with calibration `c` (the cost model above)."""
+    return {
+        "generate": prompts * GENERATE_TOKEN_S_PER_PROMPT / c.batch_tokens_per_s,
+        "extract+train": prompts * EXTRACT_TRAIN_TOKEN_S_PER_PROMPT / c.batch_tokens_per_s,
+        "eval": questions * EVAL_TOKEN_S_PER_QUESTION / c.single_tokens_per_s,
+        **({"eval-vllm": VLLM_EVAL_S} if with_vllm else {}),
+    }
+
+
+def size_demo(cfg, c: Calibration, with_vllm: bool) -> DemoPlan:
+    """The recipe's prompts and eval questions, scaled down together (never up) so that the local
+    stages fit DEMO_BUDGET_S by the cost model; at least MIN_PROMPTS / MIN_QUESTIONS."""
+    n, q = cfg.generate.limit, cfg.eval.limit or 80
+    local = sum(v for k, v in expected_seconds(n, q, c, False).items())
+    share = min(1.0, DEMO_BUDGET_S / local) if local > 0 else 1.0
+    n, q = max(MIN_PROMPTS, round(n * share)), max(MIN_QUESTIONS, round(q * share))
+    return DemoPlan(prompts=n, questions=q, expected_s=expected_seconds(n, q, c, with_vllm), calibration=c)
+
+
+def plan_demo(run: RunDir, cfg, with_vllm: bool, user_sized: bool) -> DemoPlan | None:
+    """The demo's sizes: RUN/demo.json's when a previous attempt chose them, else calibrated now and
+    written there. None when the user set the sizes (`--set generate.limit=...`): theirs stand."""
+    if user_sized:
+        return None
+    path = run.path / SIZES_FILE
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            return DemoPlan(prompts=d["prompts"], questions=d["questions"], expected_s=d["expected_s"],
+                            calibration=Calibration(**d["calibration"]))
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: calibrate again
+    log("calibrating: timing the target's decoding on this machine", stage="demo")
+    plan = size_demo(cfg, calibrate(cfg), with_vllm)
+    run.ensure()
+    atomic_write_json(path, {**asdict(plan), "time": time.time()})
+    return plan
+
+
+def fmt_minutes(s: float) -> str:
+    return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def describe(plan: DemoPlan) -> str:
+    c = plan.calibration
+    stages = ", ".join(f"{k} {fmt_minutes(v)}" for k, v in plan.expected_s.items())
+    return (f"this machine decodes {c.batch_tokens_per_s:,.0f} tokens/s batched and {c.single_tokens_per_s:.1f} alone: "
+            f"demo sized to {plan.prompts} prompts and {plan.questions} eval questions, expected about "
+            f"{fmt_minutes(plan.total_s)} ({stages})")
+
+
+def remaining_line(plan: DemoPlan, done: dict[str, float]) -> str:
+    """After a stage: what is left by the plan, scaled by how the finished stages compared with it."""
+    groups = {"generate": ("generate",), "extract+train": ("prepare", "vocab", "extract", "train", "export"),
+              "eval": ("eval",), "eval-vllm": ("eval-vllm",)}
+    finished = [k for k, members in groups.items() if k in plan.expected_s and all(m in done for m in members)]
+    # stages skipped as up to date (seconds None) say nothing of this machine's pace
+    timed = [k for k in finished if all(done[m] is not None for m in groups[k])]
+    planned = sum(plan.expected_s[k] for k in timed)
+    took = sum(done[m] for k in timed for m in groups[k])
+    pace = took / planned if planned > 0 and took > 0 else 1.0
+    left = sum(v for k, v in plan.expected_s.items() if k not in finished) * pace
+    return f"demo: about {fmt_minutes(left)} left (the finished stages took {pace:.1f}x what the calibration expected)"
+
+
+def demo_overrides(plan: DemoPlan) -> list[str]:
+    return [f"generate.limit={plan.prompts}", f"eval.limit={plan.questions}"]
+
+
+def user_sized(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].strip() in ("generate.limit", "eval.limit") for o in overrides)
+
+
+
+def run_demo(run: RunDir, overrides: list[str]) -> None:
+    """The whole pipeline with the demo recipe, sized for this machine; also evaluated with vLLM
+    when it is installed. Says before it starts how long it expects, and after each stage how much
+    is left."""
+    cfg = demo_config(overrides)
+    extra: tuple[str, ...] = ()
+    if cfg.eval.engine == "local":
+        try:  # vLLM is optional: evaluate with it too when it is installed, never install it here
+            vllm_python(cfg.vllm_python, install=False)
+            extra = ("vllm",)
+        except DraftsmithError:
+            log("vLLM is not installed (scripts/setup_vllm.sh): evaluating with the local engine only", stage="demo")
+    plan = plan_demo(run, cfg, with_vllm=bool(extra), user_sized=user_sized(overrides))
+    if plan is not None:
+        cfg = demo_config(demo_overrides(plan) + overrides)
+        log(describe(plan), stage="demo")
+    log(f"demo: target {cfg.target}, {cfg.generate.limit} ShareGPT prompts, eval on {cfg.eval.prompts} "
+        f"({', '.join(('local', *extra))} engine); run dir {run.path}", stage="demo")
+    done: dict[str, float] = {}
+
+    def stage_done(stage: str, seconds: float | None) -> None:
+        done[stage] = seconds
+        if plan is not None and stage != run_stages_last(extra):
+            log(remaining_line(plan, done), stage="demo")
+
+    run_pipeline(run, cfg, extra_engines=extra, on_stage_done=stage_done)
+
+
+def run_stages_last(extra: tuple[str, ...]) -> str:
+    return f"eval-{extra[-1]}" if extra else "eval"
+
+
+def demo_recipe_text() -> str:
+    return resources.files("draftsmith.recipes").joinpath(DEMO_RECIPE).read_text(encoding="utf-8")
+
+
+def demo_config(overrides: list[str]):
+    """The embedded demo recipe with `--set` overrides, validated."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(demo_recipe_text())
+    try:
+        return load_config(Path(f.name), overrides)
+    finally:
+        os.unlink(f.name)

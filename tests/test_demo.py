@@ -1,0 +1,56 @@
+"""The demo sizes itself to the machine: calibration, the cost model, the plan kept across attempts,
+and the estimate of what is left."""
+
+import json
+
+import pytest
+
+from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, Calibration, calibrate, demo_config, plan_demo, remaining_line,
+                             size_demo, user_sized)
+from draftsmith.rundir import RunDir
+
+REFERENCE = Calibration(batch_tokens_per_s=127.5, single_tokens_per_s=21.3, seconds=5.0)  # the docs' demo machine
+
+
+def test_the_cost_model_reproduces_the_reference_run_and_scales_down_to_the_budget():
+    cfg = demo_config([])
+    plan = size_demo(cfg, REFERENCE, with_vllm=False)
+    # on the machine the model was fitted on, the recipe's 360 prompts and 80 questions took 1,154 s
+    # (generate 319 + extract 102 + train 298 + eval 435): over the budget, so both shrink together
+    assert plan.prompts < 360 and plan.questions < 80
+    assert plan.total_s == pytest.approx(DEMO_BUDGET_S, rel=0.02)
+    assert plan.prompts / 360 == pytest.approx(plan.questions / 80, rel=0.05)
+    fast = Calibration(batch_tokens_per_s=1000.0, single_tokens_per_s=200.0, seconds=1.0)
+    assert (size_demo(cfg, fast, False).prompts, size_demo(cfg, fast, False).questions) == (360, 80)  # never upsized
+    slow = Calibration(batch_tokens_per_s=5.0, single_tokens_per_s=1.0, seconds=60.0)
+    assert size_demo(cfg, slow, True).prompts == MIN_PROMPTS and "eval-vllm" in size_demo(cfg, slow, True).expected_s
+
+
+def test_the_plan_is_kept_for_the_next_attempt_and_user_sizes_win(tmp_path, monkeypatch):
+    import draftsmith.demo as demo
+
+    calls = []
+    monkeypatch.setattr(demo, "calibrate", lambda cfg: calls.append(1) or REFERENCE)
+    run = RunDir(tmp_path / "run")
+    first = plan_demo(run, demo_config([]), with_vllm=False, user_sized=False)
+    again = plan_demo(run, demo_config([]), with_vllm=False, user_sized=False)
+    assert calls == [1] and (again.prompts, again.questions) == (first.prompts, first.questions)
+    assert json.loads((run.path / "demo.json").read_text())["prompts"] == first.prompts
+    assert user_sized(["generate.limit=10"]) and not user_sized(["train.lr=1e-3"])
+    assert plan_demo(run, demo_config([]), with_vllm=False, user_sized=True) is None
+
+
+def test_what_is_left_follows_the_pace_of_the_finished_stages():
+    plan = size_demo(demo_config([]), REFERENCE, with_vllm=True)
+    e = plan.expected_s
+    line = remaining_line(plan, {"generate": 2 * e["generate"]})  # generate took twice the estimate
+    left = 2 * (e["extract+train"] + e["eval"] + e["eval-vllm"])
+    assert f"about {left / 60:.0f} min left" in line and "2.0x" in line
+    skipped = remaining_line(plan, {"generate": None})  # up to date: no evidence of pace
+    assert "1.0x" in skipped
+
+
+@pytest.mark.integration
+def test_calibration_times_the_real_decoding(tiny_target):
+    c = calibrate(demo_config([f"target={tiny_target}"]))
+    assert c.batch_tokens_per_s > c.single_tokens_per_s > 0 and c.seconds > 0
