@@ -20,7 +20,7 @@ import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
 from draftsmith import DraftsmithError, Terminated, one_line
-from draftsmith.estimate import HARDWARE
+from draftsmith.estimate import HARDWARE, estimate_config, render
 from draftsmith.journal import env_rank
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, is_disk_full
@@ -354,8 +354,6 @@ def estimate_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Estimate disk, memory per device and time of each stage, before running it."""
-    from draftsmith.estimate import estimate_config, render
-
     cfg = stage_config(config, sets)
     e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens)
     print(json.dumps(e) if json_out else render(e))

@@ -112,9 +112,9 @@ def size_demo(cfg, c: Calibration, with_vllm: bool) -> DemoPlan:
 def plan_demo(run: RunDir, cfg, with_vllm: bool, user_sized: bool) -> DemoPlan | None:
     """The demo's sizes: RUN/demo.json's when a previous attempt chose them, else calibrated now and
     written there. None when the user set the sizes (`--set generate.limit=...`): theirs stand."""
-    if user_sized:
-        return None
     path = run.path / SIZES_FILE
+    if user_sized or (not path.exists() and run.manifest_path("generate").is_file()):
+        return None  # the user's sizes, or a demo run made before calibration: the sizes it ran with
     if path.is_file():
         try:
             d = json.loads(path.read_text())

@@ -161,12 +161,6 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _kind(dtype) -> str:
-
-    return "int64" if dtype == torch.int64 else "bool" if dtype == torch.bool else (
-        "float" if dtype.is_floating_point else str(dtype))
-
-
 def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], config, *,
                   allow_extra: tuple[str, ...] = ()) -> None:
     """Check the names, shapes and dtypes of a safetensors file against `expected_shapes` without

@@ -240,10 +240,6 @@ class Progress:
         self._close(self._event("end", **summary))
 
     # -- console -----------------------------------------------------------------------------------
-    def rate(self) -> float | None:
-        """Units per second by `status`'s own rule (journal.recent_rate), over this journal's points."""
-        return self._rate()[0]
-
     def _rate(self) -> tuple[float | None, bool]:
         with self._lock:
             points = list(self._points) + [(time.time(), self.done)]
@@ -337,7 +333,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
         if last.get("ev") != "error":
             append_event(path, {"ev": "error", "t": round(now, 3), "done": last.get("done"),
                                 "pt": last.get("pt", round(now, 3)), "error": msg, **interrupted})
-            _log_line(path.parent / "stage.log", stage, f"FAILED: {msg}")
+            _log_line(path.parent / "stage.log", stage, f"{'INTERRUPTED' if interrupted else 'FAILED'}: {msg}")
         return
     if start is not None:
         row = journal_state(path, now, socket.gethostname())
@@ -352,7 +348,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
                         "stage": stage, "rank": rank, "world_size": world_size, "total": None, "unit": None,
                         "done": None, "log": str(log_path), "argv": sys.argv[1:3]})
     append_event(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg, **interrupted})
-    _log_line(log_path, stage, f"FAILED before the stage started: {msg}")
+    _log_line(log_path, stage, f"{'INTERRUPTED' if interrupted else 'FAILED'} before the stage started: {msg}")
 
 
 def _log_line(path: Path, stage: str, msg: str) -> None:

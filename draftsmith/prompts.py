@@ -59,7 +59,10 @@ def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> 
     for p in prompts:
         messages = ([{"role": "system", "content": p.system}] if p.system else []) + [
             {"role": "user", "content": t} for t in p.turns]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # no template: the turns as plain text, as the local engine sends them
+            text = "\n".join(m["content"] for m in messages)
         # per turn: the answer, and the template's few tokens around it
         longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
     return longest

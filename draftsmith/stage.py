@@ -27,7 +27,7 @@ from draftsmith import DraftsmithError
 from draftsmith.rundir import RunDir, stage_fingerprint, write_stage_config
 
 
-def _target_fingerprint(manifest: dict) -> str | None:
+def recorded_target_fingerprint(manifest: dict) -> str | None:
     """The target fingerprint a manifest records, under the keys stages use (`inputs`, or the
     manifest itself, as `target_fingerprint` or `target: {fingerprint}`)."""
     inputs = manifest.get("inputs") or {}
@@ -43,7 +43,7 @@ def _target_fingerprint(manifest: dict) -> str | None:
 
 def check_target(run: RunDir, stage: str, manifest: dict, target) -> None:
     """Refuse an upstream stage built for another target than `target` (a TargetInfo)."""
-    fp = _target_fingerprint(manifest)
+    fp = recorded_target_fingerprint(manifest)
     if fp is not None and fp != target.fingerprint:
         raise DraftsmithError(
             f"{run.manifest_path(stage)}: built for another target (fingerprint {fp}) than the configured "

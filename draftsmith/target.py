@@ -57,8 +57,11 @@ def pick_device(spec: str = "auto"):
         return dev
     if not torch.cuda.is_available():
         raise DraftsmithError(f"device: {spec!r} asked for but CUDA is not available")
+    local = os.environ.get("LOCAL_RANK")
     if dev.index is None:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        dev = torch.device("cuda", int(local or 0))
+    elif local is not None and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1 and dev.index != int(local):
+        raise DraftsmithError(f"device: {spec!r} under torchrun puts every rank on one GPU; use `cuda` (each rank its own)")
     if dev.index >= torch.cuda.device_count():
         raise DraftsmithError(f"device: {dev} asked for, but this node has {torch.cuda.device_count()} GPU(s) "
                               "(under torchrun: --nproc-per-node at most the GPU count)")

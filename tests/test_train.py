@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, build_tiny_target, run_cli
 from draftsmith import DraftsmithError
@@ -28,7 +29,7 @@ from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Prefetcher, pack_epoch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
-from draftsmith.train.objective import TTTObjective, acceptance_length, ttt_masks
+from draftsmith.train.objective import KL_CHUNK_ELEMENTS, TTTObjective, acceptance_length, resolve_attention, ttt_masks
 from draftsmith.train.schedule import TimeBudget, lr_lambda
 from draftsmith.vocab import run_vocab
 
@@ -284,6 +285,89 @@ def test_block_sparse_ttt_attention_equals_the_dense_mask(block):
     assert outs["dense"][1].keys() == outs["blocked"][1].keys() and "fc.weight" in outs["dense"][1]
     for n in outs["dense"][1]:
         torch.testing.assert_close(outs["dense"][1][n], outs["blocked"][1][n], rtol=1e-4, atol=1e-5)
+
+
+def _packed_case(seed=0, R=2, T=50):
+    """Two rows of packed documents (one with padding), ids half in the tiny draft vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (R, T), generator=g)
+    lm = torch.rand(R, T, generator=g) > 0.2
+    doc = torch.tensor([[0] * 20 + [1] * 30, [0] * 45 + [-1] * 5])
+    pos = torch.stack([torch.cat([torch.arange(20), torch.arange(30)]), torch.arange(T)])
+    return ids, lm, doc, pos, torch.randn(R, T, 48, generator=g), torch.randn(R, T, 16, generator=g)
+
+
+def _loss_and_grads(d, W_d, chunk, batch, autocast=False, temperature=1.0):
+    d.zero_grad()
+    obj = TTTObjective(d, W_d, 3, 0.8, teacher_temperature=temperature, chunk_tokens=chunk)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, stats = obj(*batch, [30.0, 25.0, 20.0], scale=2.0)
+    loss.backward()
+    return loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_chunked_loss_equals_the_whole_batch_loss_and_its_gradients(chunk):
+    """The loss a chunk of teacher positions at a time (ChunkedKL) against the loss over the whole
+    micro-batch (chunk_tokens=0, the loss as it was): loss, statistics and every gradient to 1e-5
+    in float32. Under bf16 autocast the same bf16 values reach every layer (equal gradients); the
+    LM head's gradient is accumulated in float32 instead of one bf16 product (bf16 rounding apart)."""
+    d, W_d = tiny_drafter(seed=2)
+    batch = _packed_case()
+    ref = _loss_and_grads(d, W_d, 0, batch, temperature=0.7)
+    got = _loss_and_grads(d, W_d, chunk, batch, temperature=0.7)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+    assert got[2].keys() == ref[2].keys() and "lm_head.weight" in ref[2] and "fc.weight" in ref[2]
+    for n in ref[2]:
+        torch.testing.assert_close(got[2][n], ref[2][n], rtol=1e-5, atol=1e-6, msg=n)
+    ref, got = (_loss_and_grads(d, W_d, c, batch, autocast=True) for c in (0, chunk))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for n in ref[2]:
+        tol = dict(rtol=2e-2, atol=1e-2 * float(ref[2][n].abs().max())) if n == "lm_head.weight" else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2][n], ref[2][n], **tol, msg=n)
+
+
+class _VocabBlocks(TorchDispatchMode):
+    """The most rows of any [rows, Dv] floating-point tensor an op allocates (views aside)."""
+
+    def __init__(self, dv):
+        super().__init__()
+        self.dv, self.rows = dv, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in ([] if func.is_view else out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 and t.shape[1] == self.dv:
+                self.rows = max(self.rows, t.shape[0])
+        return out
+
+
+def test_chunked_loss_keeps_no_vocabulary_block_of_the_whole_micro_batch():
+    """No [positions, Dv] block larger than a chunk is made, forward or backward (the whole-batch
+    loss makes them for all of its ~60 teacher positions); the default chunk follows Dv."""
+    d, W_d = tiny_drafter(seed=2, draft_ids=(0, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19))  # Dv 11: no other width
+    batch = _packed_case()
+    teacher_rows = int(torch.stack([v for _, v in ttt_masks(batch[0], batch[1], batch[2], d.t2d, 3)]).any(0).sum())
+    for chunk, most in ((0, teacher_rows), (4, 4)):
+        with _VocabBlocks(W_d.shape[0]) as seen:
+            _loss_and_grads(d, W_d, chunk, batch)
+        assert 0 < seen.rows <= most and (chunk > 0 or seen.rows > 20), (chunk, seen.rows)
+    assert TTTObjective(d, W_d, 3, 0.8).chunk_tokens == KL_CHUNK_ELEMENTS // W_d.shape[0]
+    assert TTTObjective(d, torch.zeros(32000, 16), 3, 0.8).chunk_tokens == 524
+
+
+def test_attention_auto_is_flex_on_cuda_sdpa_on_the_cpu_and_flex_cannot_train_on_the_cpu():
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attention("auto", torch.device("cuda", 0)) == "flex"
+    assert resolve_attention("sdpa", torch.device("cuda")) == "sdpa"
+    assert resolve_attention("flex", torch.device("cuda")) == "flex"
+    with pytest.raises(DraftsmithError, match="train.attention: flex cannot train on the CPU"):
+        resolve_attention("flex", torch.device("cpu"))
+    for bad in ("train.attention=xformers", "train.loss_chunk_tokens=-1"):
+        with pytest.raises(DraftsmithError, match=bad.split("=")[0]):
+            load_config(None, [bad])
+    assert {"attention", "loss_chunk_tokens"} <= set(NOT_FINGERPRINTED)
 
 
 def test_acceptance_length_and_schedule():
@@ -632,7 +716,8 @@ def test_changed_settings_restart_and_cosmetic_ones_resume(synth_run, tiny8, tmp
     assert json.loads((run.path / "train/final/drafter.json").read_text())["precision"] == "bf16"
     # only cosmetic settings changed: same fingerprint, nothing to do
     assert {"log_every_s", "checkpoint_every"} <= set(NOT_FINGERPRINTED)
-    m = run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=3, log_every_s=5, precision="bf16"))
+    m = run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=3, log_every_s=5, precision="bf16",
+                               attention="sdpa", loss_chunk_tokens=0))
     assert m["counts"]["done"] == 4
     # another learning rate: the old checkpoints move to train/previous and training starts over
     run_train(run, cfg_for(tiny8, max_steps=4, checkpoint_every=2, lr=1e-3, precision="bf16"))
@@ -705,9 +790,17 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(synth_run, tin
     capsys.readouterr()
     run_train(run, cfg_for(tiny8, **sets))
     out = capsys.readouterr().out
-    assert f"{bad}: cannot read" in out and f"resumed from {d / 'checkpoints' / 'step_4'}" in out
+    assert f"{bad}: " in out and "resuming from the checkpoint before it" in out
+    assert f"resumed from {d / 'checkpoints' / 'step_4'}" in out
     a, b = final_weights(ref), final_weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if damaged == "optimizer.pt":  # every checkpoint damaged: an error, never a silent start from step 0
+        shutil.rmtree(d / "final")
+        (d / "manifest.json").unlink()
+        for ck in (d / "checkpoints").iterdir():
+            (ck / damaged).write_bytes(b"not a checkpoint")
+        with pytest.raises(DraftsmithError, match=r"none of its \d checkpoint\(s\) can be read"):
+            run_train(run, cfg_for(tiny8, **sets))
 
 
 def torchrun(run: RunDir, target, nproc: int, **train) -> subprocess.CompletedProcess:

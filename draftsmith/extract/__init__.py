@@ -66,7 +66,10 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
         # complete by its manifest; every file still the size its shard recorded (stat only, fast)
-        damaged, verify = _remove_damaged(run.path / STAGE)
+        with store.stage_lock(run.path / STAGE):
+            damaged, verify = _remove_damaged(run.path / STAGE)
+            if damaged:  # no longer complete: no rank (nor `run`) may take the old manifest as done
+                run.invalidate(STAGE)
         if not damaged:
             log(f"up to date ({current['counts']['done']} samples; --verify re-checks the files)", stage=STAGE)
             return current
@@ -123,7 +126,7 @@ def _remove_damaged(d) -> tuple[list[str], set | bool]:
         meta = json.loads((d / META).read_text())
         shards = shard_ranges(int(meta["num_samples"]), int(meta["shard_size"]))
     except (OSError, ValueError, KeyError, TypeError):
-        return [f"{META}: missing or unreadable"], True
+        return [], False  # no meta.json to judge the files by: the store reader names that file itself
     return store.remove_damaged(d, shards)
 
 

@@ -11,20 +11,23 @@ never interrupted (model, optimizer, scheduler, data position and RNG are all re
 
 import json
 import os
+import pickle
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
 from draftsmith import DraftsmithError, one_line
 from draftsmith.model import FC_INPUT_SCALE
-from draftsmith.rundir import naming_full_disk, replace_dir
+from draftsmith.rundir import naming_full_disk, read_json_object, replace_dir
 
 CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
     "model.safetensors", "drafter.json", "optimizer.pt", "rng.safetensors", "state.json")
@@ -38,13 +41,6 @@ def complete_checkpoints(ck_dir: Path) -> list[tuple[int, Path]]:
             if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit() and (d / CKPT_STATE).is_file():
                 out.append((int(d.name[5:]), d))
     return sorted(out)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{path}: cannot read ({e})") from None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -100,7 +96,7 @@ def clear_for_attempt(folder: Path, fingerprint: str, say) -> None:
 
     def other_run(ck: Path) -> bool:
         try:
-            return (ck / CKPT_STATE).is_file() and read_json(ck / CKPT_STATE).get("train_fingerprint") != fingerprint
+            return (ck / CKPT_STATE).is_file() and read_json_object(ck / CKPT_STATE).get("train_fingerprint") != fingerprint
         except DraftsmithError:
             return False  # a damaged state.json: newest_readable passes over that checkpoint
 
@@ -127,9 +123,21 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]  # rng.safetensors
 
 
+class DamagedCheckpoint(DraftsmithError):
+    """A file of a checkpoint folder cannot be read back (cut short, overwritten, a disk error)."""
+
+
+# Errors a damaged file raises when read: safetensors' own, torch.load's on a cut zip or pickle
+# (RuntimeError, UnpicklingError, EOFError), the system's on a bad sector.
+DAMAGE = (SafetensorError, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError)
+
+
 def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
-    """Every file of checkpoint folder `ck`; a damaged one is a one-line error naming it."""
-    state = read_json(ck / CKPT_STATE)
+    """Every file of checkpoint folder `ck`; a damaged one is a DamagedCheckpoint naming it."""
+    try:
+        state = read_json_object(ck / CKPT_STATE)
+    except DraftsmithError as e:
+        raise DamagedCheckpoint(str(e)) from None
     if state.get("train_fingerprint") != fingerprint:
         raise DraftsmithError(f"{ck}: a checkpoint of other settings (fingerprint mismatch); remove it")
     parts: dict[str, Any] = {}
@@ -138,11 +146,11 @@ def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
                        (CKPT_OPTIM, lambda p: torch.load(p, weights_only=True, map_location="cpu"))):
         try:
             parts[name] = read(ck / name)
-        except Exception as e:  # safetensors and torch.load raise many kinds for a damaged file
-            raise DraftsmithError(f"{ck / name}: cannot read ({type(e).__name__}: {one_line(str(e))[:200]})") from None
+        except DAMAGE as e:  # what a cut, overwritten or unreadable file raises; anything else is no damage
+            raise DamagedCheckpoint(f"{ck / name}: cannot read ({type(e).__name__}: {one_line(str(e))[:200]})") from None
     saved = parts[CKPT_OPTIM]
     if not isinstance(saved, dict) or not {"optimizer", "scheduler"} <= set(saved):
-        raise DraftsmithError(f"{ck / CKPT_OPTIM}: not an optimizer checkpoint (no optimizer/scheduler state)")
+        raise DamagedCheckpoint(f"{ck / CKPT_OPTIM}: not an optimizer checkpoint (no optimizer/scheduler state)")
     return Checkpoint(folder=ck, state=state, weights=parts[CKPT_WEIGHTS], saved=saved, rng=parts[CKPT_RNG])
 
 
@@ -150,13 +158,15 @@ def newest_readable(ck_dir: Path, fingerprint: str, say) -> Checkpoint | None:
     """The newest complete checkpoint whose files all read; past a damaged one (a disk error, a file
     cut or overwritten by hand) the one before it. The damaged folder stays for the user to look
     at (every rank reads; none may move it under another) and is pruned as newer ones come."""
-    for _, ck in reversed(complete_checkpoints(ck_dir)):
+    found = complete_checkpoints(ck_dir)
+    for _, ck in reversed(found):
         try:
             return read_checkpoint(ck, fingerprint)
-        except DraftsmithError as e:
-            if "fingerprint mismatch" in str(e):
-                raise
+        except DamagedCheckpoint as e:
             say(f"{e}; resuming from the checkpoint before it")
+    if found:  # never start over silently while checkpoints exist
+        raise DraftsmithError(f"{ck_dir}: none of its {len(found)} checkpoint(s) can be read (see the lines above); "
+                              "move the folder away to train from scratch")
     return None
 
 

@@ -26,7 +26,7 @@ from draftsmith.extract.store import ExtractStore
 from draftsmith.extract.vllm_backend import open_client
 from draftsmith.http import SampleFailed
 from draftsmith.prepare import iter_prepared
-from draftsmith.stage import upstream
+from draftsmith.stage import recorded_target_fingerprint, upstream
 from draftsmith.target import load_target
 
 # -------------------------------------------------------------------------------------------------
@@ -162,19 +162,12 @@ def pack_rows(rows: list[list[dict]]) -> Batch:
 # Upstream: what the mode reads, checked against the target and the config
 
 
-def _meta_target_fingerprint(meta: dict) -> str | None:
-    t = meta.get("target")
-    if isinstance(t, dict) and t.get("fingerprint"):
-        return t["fingerprint"]
-    return meta.get("target_fingerprint")
-
-
 def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
     """The aux layers of the extract store, refusing a store of another target, other layers,
     another hidden size or other prepared data than the current ones."""
     meta = store.meta
     where = run.stage_dir("extract", create=False) / "meta.json"
-    fp = _meta_target_fingerprint(meta)
+    fp = recorded_target_fingerprint(meta)
     if fp is not None and fp != info.fingerprint:
         raise DraftsmithError(f"{where}: hidden states of another target (fingerprint {fp}) than the configured "
                               f"target {info.name} ({info.fingerprint}); rerun `draftsmith extract --run {run.path}`")

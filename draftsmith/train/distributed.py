@@ -7,6 +7,7 @@ few named numbers in one all-reduce (sum_by_name).
 """
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from draftsmith import DraftsmithError
 from draftsmith.journal import env_rank
 from draftsmith.target import bf16_is_fast, pick_device
 
@@ -70,6 +72,9 @@ def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
         # fully_shard is importable from torch.distributed.fsdp from torch 2.6 on (draftsmith
         # allows 2.4): imported only when train.fsdp asks for it
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if "ignored_params" not in inspect.signature(fully_shard).parameters:
+            raise DraftsmithError(f"train.fsdp: needs torch >= 2.7 (fully_shard's ignored_params); this is {torch.__version__}")
 
         frozen = {p for p in objective.parameters() if not p.requires_grad}
         if precision == "bf16":
