@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_train.py [--samples 40] [--steps 6] [--seq-len 2048] [--batch-tokens 4096]
                                           [--configs offline-fp32,offline-bf16,offline-fp32-dense,online-fp32,online-bf16]
+                                          [--repeat 1]
 
 Setup (once, in a temporary run, not timed): the first --samples ShareGPT conversations become
 generate output (their own assistant turns), then the real stages run on them: prepare (SmolLM2's
@@ -27,6 +28,17 @@ Configurations:
                           (ttt_forward(attn_block=None)), i.e. before the block-sparse attention
     online-fp32           target in-process (its forward in float32), drafter float32
     online-bf16           target in-process (its forward in bfloat16, `dtype: auto`), drafter float32
+    demo-before           the demo's training settings (configs/demo.yaml: rows of 2,048, 4,096 tokens a
+                          step, loss on every token, precision auto), with the step as it was before
+                          issue 24: SDPA attention and the loss over the whole micro-batch
+                          (train.attention=sdpa, train.loss_chunk_tokens=0)
+    demo-after            the same with the defaults (attention auto, which is sdpa on a CPU; chunked loss)
+    cpu400-before         configs/smollm2-cpu-400.yaml's: two one-thread ranks (train.processes=2) of
+                          1,024 tokens each, rows of 1,024, init_layer 29, loss on every token; before
+    cpu400-after          the same, after
+(--seq-len and --batch-tokens apply to the first five; the recipe rows carry their own. With
+train.processes=2 the tok/CPU-s column counts rank 0's CPU time only. --repeat N runs the list
+N times in turn, so that before and after see the same neighbours.)
 """
 
 import argparse
@@ -55,12 +67,19 @@ from draftsmith.vocab import run_vocab  # noqa: E402
 from _sharegpt import sharegpt_conversations  # noqa: E402
 
 PEER_TOKENS_PER_S = 600  # speculators 0.9.0 on this CPU (FACTS.md)
+DEMO = ["train.seq_len=2048", "train.batch_tokens=4096", "train.loss_on=all"]
+CPU400 = ["train.seq_len=1024", "train.batch_tokens=1024", "train.loss_on=all", "train.processes=2", "train.init_layer=29"]
+BEFORE = ["train.attention=sdpa", "train.loss_chunk_tokens=0"]
 CONFIGS = {
     "offline-fp32": dict(mode="offline", precision="fp32"),
     "offline-bf16": dict(mode="offline", precision="bf16"),
     "offline-fp32-dense": dict(mode="offline", precision="fp32", dense=True),
     "online-fp32": dict(mode="online", precision="fp32", dtype="float32"),
     "online-bf16": dict(mode="online", precision="fp32", dtype="bfloat16"),
+    "demo-before": dict(mode="offline", precision="auto", sets=DEMO + BEFORE),
+    "demo-after": dict(mode="offline", precision="auto", sets=DEMO),
+    "cpu400-before": dict(mode="offline", precision="auto", sets=CPU400 + BEFORE),
+    "cpu400-after": dict(mode="offline", precision="auto", sets=CPU400),
 }
 
 
@@ -93,6 +112,7 @@ def measure(run: RunDir, name: str, spec: dict, steps: int, seq_len: int, batch_
             "train.checkpoint_every=100000", "vocab.draft_vocab_size=8192", "train.warmup_steps=1"]
     if "dtype" in spec:
         sets.append(f"dtype={spec['dtype']}")
+    sets += spec.get("sets", [])  # a recipe's settings: after the defaults above, so they win
     original = Eagle3Drafter.ttt_forward
     if spec.get("dense"):
         Eagle3Drafter.ttt_forward = functools.partialmethod(original, attn_block=None)
@@ -130,6 +150,7 @@ def main() -> None:
     ap.add_argument("--configs", default="offline-fp32,offline-bf16,offline-fp32-dense,online-fp32,online-bf16")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--repeat", type=int, default=1, help="run the configurations this many times in turn")
     args = ap.parse_args()
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
@@ -152,7 +173,8 @@ def main() -> None:
         prep = run.read_manifest("prepare")["counts"]
         setup_s = time.time() - t0
         load0 = os.getloadavg()[0]
-        results = [measure(run, name, CONFIGS[name], args.steps, args.seq_len, args.batch_tokens) for name in names]
+        results = [measure(run, name, CONFIGS[name], args.steps, args.seq_len, args.batch_tokens)
+                   for _ in range(args.repeat) for name in names]
         load1 = os.getloadavg()[0]
 
         print()

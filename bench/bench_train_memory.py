@@ -35,6 +35,7 @@ target on the same GPU) at rows of 4,096 and 8,192 tokens, and Kimi-K2 (configs/
 and the loss over the whole micro-batch) and after (flex attention and the chunked loss).
 """
 
+import argparse
 import contextlib
 import json
 import sys
@@ -55,9 +56,10 @@ sys.path.insert(0, str(REPO))
 
 from draftsmith import model as model_module  # noqa: E402
 from draftsmith.config import load_config  # noqa: E402
+from draftsmith.estimate import HARDWARE, _drafter_params, target_shape, train_memory  # noqa: E402
 from draftsmith.model import Eagle3Config, Eagle3Drafter  # noqa: E402
-from draftsmith.train.objective import TTTObjective, step_counts  # noqa: E402
 from draftsmith.train.data import Batch  # noqa: E402
+from draftsmith.train.objective import TTTObjective, step_counts  # noqa: E402
 from draftsmith.train.schedule import make_optimizer  # noqa: E402
 
 GB = 1e9
@@ -166,21 +168,23 @@ def flex_without_compile(live: LiveBytes):
          flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG) = saved
 
 
-def real_batch(rows: int, seq_len: int, dcfg: Eagle3Config, draft_ids: torch.Tensor, aux, last) -> Batch:
-    """A worst-case micro-batch: one document per row, every token trained and in the draft vocabulary."""
+def real_batch(rows: int, seq_len: int, draft_ids: torch.Tensor, aux, last) -> Batch:
+    """A worst-case micro-batch: one document per row, every token trained and in the draft
+    vocabulary; its integer tensors on draft_ids' device."""
     g = torch.Generator().manual_seed(0)
-    ids = draft_ids[torch.randint(0, draft_ids.numel(), (rows, seq_len), generator=g)]
-    return Batch(input_ids=ids, loss_mask=torch.ones(rows, seq_len, dtype=torch.bool),
-                 doc_ids=torch.zeros(rows, seq_len, dtype=torch.long),
-                 position_ids=torch.arange(seq_len).expand(rows, seq_len).contiguous(),
+    ids = draft_ids[torch.randint(0, draft_ids.numel(), (rows, seq_len), generator=g).to(draft_ids.device)]
+    return Batch(input_ids=ids, loss_mask=torch.ones_like(ids, dtype=torch.bool), doc_ids=torch.zeros_like(ids),
+                 position_ids=torch.arange(seq_len, device=ids.device).expand(rows, seq_len).contiguous(),
                  aux_hidden=aux, last_hidden=last, samples=[], tokens=rows * seq_len)
 
 
-def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target_hf, mode, precision: str):
+def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target_hf, mode, precision: str,
+          device: str = "cpu"):
     """(objective, optimizer, trainable parameters, batch, resident tensors) for one step; the float
-    tensors made under `mode` (a FakeTensorMode, or a null context for real tensors)."""
+    tensors made under `mode` (a FakeTensorMode; a null context for real tensors; torch.device("cuda")
+    on a GPU, with `device` "cuda" for the integer ones)."""
     H, A = dcfg.hidden_size, dcfg.num_aux_layers
-    draft_ids = torch.linspace(0, dcfg.vocab_size - 1, dcfg.draft_vocab_size).long().unique()
+    draft_ids = torch.linspace(0, dcfg.vocab_size - 1, dcfg.draft_vocab_size, device=device).long().unique()
     assert draft_ids.numel() == dcfg.draft_vocab_size
     with mode:
         torch.manual_seed(0)
@@ -193,14 +197,14 @@ def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target
         if target_hf is not None:  # online: the target, in bf16, shares the GPU
             target = AutoModelForCausalLM.from_config(target_hf, dtype=torch.bfloat16)
     # the vocabulary maps are data the step indexes with: real, as the token ids are
-    drafter.d2t = draft_ids - torch.arange(dcfg.draft_vocab_size)
-    drafter.t2d = torch.zeros(dcfg.vocab_size, dtype=torch.bool)
+    drafter.d2t = draft_ids - torch.arange(dcfg.draft_vocab_size, device=device)
+    drafter.t2d = torch.zeros(dcfg.vocab_size, dtype=torch.bool, device=device)
     drafter.t2d[draft_ids] = True
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, attention=variant["attention"],
                              chunk_tokens=variant["chunk_tokens"])
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, tc, fused=True)
-    batch = real_batch(rows, seq_len, dcfg, draft_ids, aux, last)
+    batch = real_batch(rows, seq_len, draft_ids, aux, last)
     resident = list(objective.parameters()) + list(objective.buffers()) + [aux, last]
     if target is not None:
         resident += list(target.parameters()) + list(target.buffers())
@@ -211,7 +215,7 @@ def train_step(objective, optimizer, params, batch: Batch, tc, precision: str) -
     """One optimizer step as train._optimizer_step takes it (one micro-batch, one rank; bf16
     autocast or float32 as train.precision resolves), less its checks of the loss and gradient."""
     denom = step_counts(batch, objective.drafter.t2d, tc.ttt_steps).tolist()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         loss, _ = objective(batch.input_ids, batch.loss_mask, batch.doc_ids, batch.position_ids,
                             batch.aux_hidden, batch.last_hidden, denom, scale=1.0)
     loss.backward()
@@ -247,15 +251,72 @@ def target_config(row: Row) -> types.SimpleNamespace:
     return types.SimpleNamespace(**json.loads((REPO / row.target_config).read_text()))
 
 
-def measure_row(row: Row, variant: str) -> dict:
-    """measure() at a row's shapes: the drafter training builds for the target (train/drafter.py's
-    drafter_config), batch_tokens // seq_len rows of seq_len tokens, the target beside it online."""
+def row_shapes(row: Row) -> tuple:
+    """(drafter config, train config, rows per micro-batch, the online target's config or None) of
+    a row: the drafter training builds for the target (train/drafter.py's drafter_config),
+    batch_tokens // seq_len rows of seq_len tokens, the target beside it when training online."""
     cfg = row.config()
     hf = target_config(row)
     dcfg = Eagle3Config.from_target_config(hf, draft_vocab_size=cfg.vocab.draft_vocab_size,
                                            num_hidden_layers=cfg.train.num_layers)
-    rows = max(1, cfg.train.batch_tokens // row.seq_len)
     online = None
     if cfg.train.mode == "online":  # the target as train.mode=online loads it (Llama only here)
         online = AutoConfig.for_model(**{k: v for k, v in vars(hf).items() if not k.startswith("_")})
-    return measure(dcfg, cfg.train, variant, rows, row.seq_len, online)
+    return dcfg, cfg.train, max(1, cfg.train.batch_tokens // row.seq_len), online
+
+
+def measure_row(row: Row, variant: str) -> dict:
+    """measure() at a row's shapes (row_shapes)."""
+    dcfg, tc, rows, online = row_shapes(row)
+    return measure(dcfg, tc, variant, rows, row.seq_len, online)
+
+
+def table(names: list[str]) -> list[dict]:
+    """Each row measured before and after, beside what `draftsmith estimate` says and the device."""
+    out = []
+    for name in names:
+        row = ROWS[name]
+        cfg = row.config()
+        shape = target_shape(REPO / row.target_config)
+        hw = HARDWARE[row.hardware]
+        trainable, _ = _drafter_params(shape, cfg.vocab.draft_vocab_size, cfg.train.num_layers)
+        # DDP's gradient buckets: a second copy of the gradients on every rank of a multi-GPU run
+        ddp = 4 * trainable if row.devices > 1 and not cfg.train.fsdp else 0
+        got = {v: measure_row(row, v) for v in VARIANTS}
+        est = train_memory(cfg.train, shape, hw, row.devices, cfg.vocab.draft_vocab_size)["total"]
+        after = got["after"]["peak"] + ddp
+        out.append({"row": name, "rows": max(1, cfg.train.batch_tokens // row.seq_len), "seq_len": row.seq_len,
+                    "ttt_steps": row.ttt_steps, "mode": cfg.train.mode, "before": got["before"]["peak"] + ddp,
+                    "after": after, "ddp_buckets": ddp, "resident": got["after"]["resident"], "estimate": est,
+                    "device": hw.name, "device_bytes": hw.mem, "fits": after <= hw.mem})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="all", help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    names = list(ROWS) if args.rows == "all" else [r.strip() for r in args.rows.split(",")]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        ap.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
+    results = table(names)
+    print(f"# peak memory of one training step per GPU (GB = 1e9 bytes), torch {torch.__version__}, fake tensors")
+    head = (f"| {'row':<19} | {'micro-batch':>11} | {'before':>7} | {'after':>7} | {'of which DDP':>12} | "
+            f"{'estimate':>8} | {'est/after':>9} | {'device':<18} | fits |")
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    for r in results:
+        print(f"| {r['row']:<19} | {r['rows']:>2} x {r['seq_len']:<6} | {r['before'] / GB:>7.1f} | {r['after'] / GB:>7.1f} | "
+              f"{r['ddp_buckets'] / GB:>12.1f} | {r['estimate'] / GB:>8.1f} | {r['estimate'] / r['after']:>9.3f} | "
+              f"{r['device']:<18} | {'yes' if r['fits'] else 'NO':<4} |")
+    print("(before: SDPA per 256-query block, GQA heads expanded, the loss over the whole micro-batch; after: flex "
+          "attention, the loss in chunks. Llama rows train online, the bf16 target on the same GPU; Kimi rows offline "
+          "under DDP on 8 GPUs, its gradient buckets added. Not counted: CUDA context, workspaces, fragmentation.)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

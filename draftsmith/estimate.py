@@ -12,6 +12,10 @@ hardware profile. They are first-order models, stated with their assumptions:
   per-step overhead; tokens/s = concurrency / step time;
 - training is compute-bound on the drafter (6 FLOP per parameter per token, per TTT step), and
   offline it also cannot read the stored states faster than the disk delivers them;
+- training memory per device is the training step's own, as bench/bench_train_memory.py measures
+  it (train_memory: weights, gradients and AdamW state, the frozen embedding and teacher head,
+  what each TTT step keeps for backward, the online target; within 15 % of the measurement,
+  tests/test_estimate.py), and when it does not fit, the knobs that make it fit (fit_knobs);
 - disk: the extract store holds (3 auxiliary + 1 last) x hidden x 2 bytes + id and mask per token.
 
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
@@ -169,6 +173,108 @@ def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1) -> tu
     return fc + layers + head, layers + head
 
 
+# What one training step keeps per token and TTT step for backward, in bytes, by activation
+# precision: (first, later, b): first x hidden for the first decoder layer and the loss (norms,
+# projections of [embedding | state], the RoPE'd queries, the loss's normed states and their
+# gradient), later x hidden for each further layer, b x intermediate per layer (SwiGLU); measured
+# by bench/bench_train_memory.py at Llama-8B, Kimi-K2 and SmolLM2 widths (bf16: 54-55 H, 28 H, 8 I;
+# float32: 55-61 H, 36 H, 16 I). The keys are counted apart (_attention_bytes).
+ACT_PER_TOKEN_STEP = {"bf16": (54, 28, 8), "fp32": (58, 36, 16)}
+# per token once per step, whatever the TTT depth: the fused states and the step's bookkeeping
+ACT_PER_TOKEN = 3
+# the chunked loss's transient [chunk, draft vocab] float32 blocks: about five of
+# objective.KL_CHUNK_ELEMENTS = 2**24 elements (teacher and drafter log-probabilities and their gradient)
+LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_BLOCKS = 2 ** 24, 5
+# the SDPA path's query blocks (model.TTTMask, ttt_forward's attn_block)
+SDPA_BLOCK = 256
+
+
+def _precision(tr, hw: Hardware) -> str:
+    """train.precision as training resolves it: `auto` is bf16 on GPUs; the cpu profile is this
+    machine, without AMX, where it is float32."""
+    if tr.precision != "auto":
+        return tr.precision
+    return "fp32" if hw.cpu_ranks_gain is not None else "bf16"
+
+
+def _attention_bytes(tr, t: TargetShape, hw: Hardware, act: int) -> float:
+    """Bytes per token that TTT attention keeps for backward over all train.ttt_steps steps.
+
+    flex (GPUs: train.attention auto or flex): step k keeps its keys and values, k + 1 steps' worth
+    of kv width each. sdpa (CPUs, or asked for): step k keeps, per 256-query block, copies of the
+    keys that block may see, GQA heads expanded to the query width, and the mask: for one document
+    per row about L / 512 + k keys per query (fewer for packed documents).
+    """
+    K = tr.ttt_steps
+    flex = tr.attention == "flex" or (tr.attention == "auto" and hw.cpu_ranks_gain is None)
+    if flex:
+        return tr.num_layers * 2 * t.kv_dim * act * K * (K + 1) / 2
+    row = min(tr.seq_len, tr.batch_tokens)
+    keys = sum(row / (2 * SDPA_BLOCK) + k + 1 for k in range(K))
+    return tr.num_layers * keys * (2 * t.hidden_size * act + act)
+
+
+def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> dict[str, float]:
+    """Peak bytes per device of one training step with train settings `tr`, by part.
+
+    weights: fp32 master weights, gradients and AdamW's two moments of the trainable parameters
+    (16 B each; with train.fsdp over several devices sharded, plus the whole unsharded weights and
+    gradients while the step computes), the frozen fp32 embedding and teacher head, and on DDP
+    ranks the gradient buckets (4 B per trainable parameter); target: the target's weights
+    (online training runs it on every rank); activations: the micro-batch's states and what
+    the TTT steps keep for backward; loss: the head's gradient the chunked loss accumulates and a
+    chunk's blocks.
+    """
+    P, _ = _drafter_params(t, draft_vocab, tr.num_layers)
+    H, Dv = t.hidden_size, draft_vocab
+    head = H * Dv  # the drafter's LM head: trainable unless train.freeze_lm_head
+    trainable = P - head if tr.freeze_lm_head else P
+    if gpus > 1 and tr.fsdp:
+        weights = 16 * trainable / gpus + 8 * trainable
+    else:
+        weights = 16 * trainable + (4 * trainable if gpus > 1 else 0)
+    frozen = 4 * t.vocab_size * H + 4 * Dv * H + (4 * head if tr.freeze_lm_head else 0)
+    prec = _precision(tr, hw)
+    act = 2 if prec == "bf16" else 4
+    tokens = max(1, tr.batch_tokens // min(tr.seq_len, tr.batch_tokens)) * min(tr.seq_len, tr.batch_tokens)
+    first, later, b = ACT_PER_TOKEN_STEP[prec]
+    per_step = (first + later * (tr.num_layers - 1)) * H + b * tr.num_layers * t.intermediate_size
+    per_token = (4 * H * act  # the batch: 3 aux states and the last one
+                 + ACT_PER_TOKEN * H * act
+                 + tr.ttt_steps * per_step
+                 + _attention_bytes(tr, t, hw, act))
+    loss = (0 if tr.freeze_lm_head else 4 * head) + LOSS_CHUNK_BLOCKS * 4 * min(LOSS_CHUNK_ELEMENTS, tokens * Dv)
+    out = {"weights": weights + frozen, "target": t.weight_bytes if tr.mode == "online" else 0.0,
+           "activations": tokens * per_token, "loss": loss}
+    out["total"] = sum(out.values())
+    return out
+
+
+def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> list[str]:
+    """When the training step does not fit the device: each knob that alone makes it fit, with
+    the value to set (rows per micro-batch, then shorter rows; fewer TTT steps; FSDP). [] when it fits."""
+    def need(**change) -> float:
+        return train_memory(tr.model_copy(update=change), t, hw, gpus, draft_vocab)["total"]
+
+    if need() <= hw.mem:
+        return []
+    knobs = []
+    row = min(tr.seq_len, tr.batch_tokens)
+    rows = next((n for n in range(tr.batch_tokens // row - 1, 0, -1) if need(batch_tokens=n * row) <= hw.mem), None)
+    if rows is not None:
+        knobs.append(f"train.batch_tokens={rows * row} ({rows} row(s) of {row}; raise train.grad_accum to keep the step's tokens)")
+    else:
+        short = next((n for n in (4096, 2048, 1024, 512) if n < row and need(seq_len=n, batch_tokens=n) <= hw.mem), None)
+        if short is not None:
+            knobs.append(f"train.seq_len={short} and train.batch_tokens={short} (one row; raise train.grad_accum)")
+    steps = next((k for k in range(tr.ttt_steps - 1, 0, -1) if need(ttt_steps=k) <= hw.mem), None)
+    if steps is not None:
+        knobs.append(f"train.ttt_steps={steps}")
+    if gpus > 1 and not tr.fsdp and need(fsdp=True) <= hw.mem:
+        knobs.append(f"train.fsdp=true ({_bytes(need(fsdp=True))} per device)")
+    return knobs or [f"none alone: more devices with train.fsdp, or a drafter of fewer layers (train.num_layers={tr.num_layers})"]
+
+
 # Backend dataset tokenizes each reply and its templated prompt: ~770 samples/s measured on the
 # 2-core CPU (ShareGPT first turns, SmolLM2's tokenizer); one core's work, so no hardware scaling.
 DATASET_SAMPLES_PER_S = 770
@@ -218,14 +324,9 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     else:  # the target's forward runs beside the drafter on every batch
         train_tps = 1 / (1 / train_tps + 1 / prefill)
     epochs = tr.epochs if tr.max_steps is None else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1)
-    # fp32 master weights, gradients and two Adam moments (16 B/parameter) + the frozen embedding
-    # + activations: per token and TTT step, draft-vocabulary logits/probabilities kept for backward
-    act = tr.batch_tokens * tr.ttt_steps * (cfg.vocab.draft_vocab_size * 4 * 3 + t.hidden_size * 4 * 40)
-    train_mem = 16 * trainable + t.vocab_size * t.hidden_size * 2 + act
-    if tr.mode == "online":
-        train_mem += weights_per_dev
+    train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)
     ckpt = 16 * trainable
-    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1), "memory": train_mem,
+    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1), "memory": train_mem["total"],
                        "seconds": tokens * epochs / train_tps}
     stages["export"] = {"tokens": 0, "disk": 2 * trainable + t.vocab_size, "memory": ckpt, "seconds": 10}
     ev_prompts = cfg.eval.limit or 80
@@ -240,6 +341,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         "drafter_params": trainable, "samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_token,
         "tokens_per_s": {"generate": decode, "extract_prefill": prefill, "train": train_tps},
         "stages": stages,
+        "train_memory": {**train_mem, "device": hw.mem,
+                         "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)},
         "total": {"disk": sum(s["disk"] for s in stages.values()), "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},
         "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
@@ -306,4 +409,10 @@ def render(e: dict) -> str:
         lines.append(f"{name:<9} {_count(s['tokens']):>8} {_bytes(s['disk']):>10} {_bytes(s['memory']):>11} {_seconds(s['seconds']):>8}")
     t = e["total"]
     lines.append(f"{'total':<9} {'':>8} {_bytes(t['disk']):>10} {_bytes(t['memory_per_device']):>11} {_seconds(t['seconds']):>8}")
+    m = e["train_memory"]
+    lines.append(f"train memory per device: weights, gradients and optimizer {_bytes(m['weights'])}, target "
+                 f"{_bytes(m['target'])}, activations {_bytes(m['activations'])}, loss {_bytes(m['loss'])}")
+    if m["fits_with"]:
+        lines.append(f"train does not fit: {_bytes(m['total'])} per device, more than one {e['hardware']} holds "
+                     f"({_bytes(m['device'])}); it fits with any one of: " + "; ".join(m["fits_with"]))
     return "\n".join(lines)

@@ -289,12 +289,15 @@ class FlexTTTMask:
         self.full0 = below & shared & single[:, :, None] & single[:, None, :]
         self.partial0 = (below & shared & ~self.full0) | (t[:, None] == t[None, :])
         self._masks: dict[int, Any] = {}
+        doc = self.doc
 
-    def mask_mod(self, b, h, q_idx, kv_idx):
-        """flex's per-element rule inside partly visible tiles: keys [step0 | step1 | ...], Lp each."""
-        Lp = self.doc.shape[1]
-        step, j = kv_idx // Lp, kv_idx % Lp
-        return torch.where(step == 0, (j <= q_idx) & (self.doc[b, q_idx] == self.doc[b, j]), j == q_idx)
+        def mask_mod(b, h, q_idx, kv_idx):
+            # flex's per-element rule inside partly visible tiles; keys [step0 | step1 | ...], Lp each
+            Lp = doc.shape[1]
+            step, j = kv_idx // Lp, kv_idx % Lp
+            return torch.where(step == 0, (j <= q_idx) & (doc[b, q_idx] == doc[b, j]), j == q_idx)
+
+        self.mask_mod = mask_mod  # a plain function of (b, h, q_idx, kv_idx), as flex tells mask from score mods
 
     def block_mask(self, k: int):
         """The block mask of TTT step k: the step-0 tiles, then k diagonal tiles per query tile."""

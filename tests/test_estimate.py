@@ -3,15 +3,25 @@ printed disk figure for the extract store is what extract writes per token."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from draftsmith.config import load_config
-from draftsmith.estimate import HARDWARE, estimate, target_shape
+from draftsmith.estimate import HARDWARE, _drafter_params, estimate, render, target_shape, train_memory
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def memory_bench():
+    """bench/bench_train_memory.py, the measurement of a training step's memory on fake tensors."""
+    spec = importlib.util.spec_from_file_location("bench_train_memory", REPO / "bench" / "bench_train_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _count(model) -> int:
@@ -155,3 +165,58 @@ def test_drafter_size_follows_train_num_layers():
         assert got[n]["drafter_params"] == real
     assert got[2]["tokens_per_s"]["train"] < 0.8 * got[1]["tokens_per_s"]["train"]
     assert got[2]["stages"]["train"]["seconds"] > got[1]["stages"]["train"]["seconds"]
+
+
+def test_a_fake_training_step_counts_the_bytes_a_real_one_allocates(memory_bench):
+    """The memory bench's fake-tensor step (float tensors without data, integer ones real) counts,
+    byte for byte, what the same step on real tensors allocates: in bf16 autocast and float32, with
+    the whole-batch loss and the chunked one (tiny shapes, SDPA: the CPU has no flex backward)."""
+    from draftsmith.model import Eagle3Config
+
+    tc = load_config(None, ["train.ttt_steps=2"]).train
+    dcfg = Eagle3Config(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=3000, draft_vocab_size=1000)
+    for variant in ("before", {"attention": "sdpa", "chunk_tokens": 100}):
+        for precision in ("bf16", "fp32"):
+            fake, real = (memory_bench.measure(dcfg, tc, variant, 2, 300, fake=f, precision=precision) for f in (True, False))
+            assert fake == real and fake["peak"] > 2 * fake["resident"], (variant, precision, fake, real)
+
+
+@pytest.mark.parametrize("row", ["llama-8b 4096 ttt3", "kimi-k2 8192 ttt7"])
+def test_training_memory_estimate_agrees_with_the_measured_step(memory_bench, row):
+    """`estimate`'s training memory is within 15 % of the step measured at the recipes' shapes, and
+    the recipes' steps fit their GPUs by that measurement (Llama-8B beside its bf16 target on an
+    H100; Kimi-K2 on an H200 with DDP's gradient buckets)."""
+    r = memory_bench.ROWS[row]
+    cfg = r.config()
+    shape = target_shape(REPO / r.target_config)
+    hw = HARDWARE[r.hardware]
+    measured = memory_bench.measure_row(r, "after")["peak"]
+    est = train_memory(cfg.train, shape, hw, r.devices, cfg.vocab.draft_vocab_size)
+    # DDP's gradient buckets (4 B per trainable parameter), on the multi-GPU rows
+    buckets = 4 * _drafter_params(shape, cfg.vocab.draft_vocab_size, cfg.train.num_layers)[0] if r.devices > 1 else 0
+    assert abs(est["total"] / (measured + buckets) - 1) < 0.15, (row, est, measured + buckets)
+    assert measured + buckets < hw.mem
+    recipe = load_config(REPO / r.recipe)
+    e = estimate(recipe, shape, hw, r.devices, prompt_tokens=300, answer_tokens=800)
+    assert e["train_memory"]["fits_with"] == [] and e["stages"]["train"]["memory"] < hw.mem
+
+
+def test_estimate_says_which_knob_makes_training_fit():
+    """A step too big for the device: the estimate names the micro-batch, the TTT depth and FSDP
+    settings that each make it fit, and each of them does fit."""
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["train.batch_tokens=24576", "train.ttt_steps=7"])
+    hw = HARDWARE["h200"]
+    e = estimate(cfg, shape, hw, 8, prompt_tokens=300, answer_tokens=1800)
+    knobs = e["train_memory"]["fits_with"]
+    assert e["train_memory"]["total"] > hw.mem and len(knobs) == 3, knobs
+    assert knobs[0].startswith("train.batch_tokens=") and knobs[1].startswith("train.ttt_steps=") and knobs[2].startswith("train.fsdp=true")
+    for change in ({"batch_tokens": int(knobs[0].split("=")[1].split()[0])},
+                   {"ttt_steps": int(knobs[1].split("=")[1])}, {"fsdp": True}):
+        assert train_memory(cfg.train.model_copy(update=change), shape, hw, 8, 32000)["total"] <= hw.mem
+    assert "train does not fit" in render(e) and "train.fsdp=true" in render(e)
+    # one GPU: no FSDP to offer, and not even one row of 8,192 tokens at 12 TTT steps fits an H100
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["train.ttt_steps=12"])
+    knobs = estimate(cfg, shape, HARDWARE["h100"], 1, prompt_tokens=300, answer_tokens=1800)["train_memory"]["fits_with"]
+    assert not any("fsdp" in k for k in knobs) and any(k.startswith("train.seq_len=") or k.startswith("train.ttt_steps=") for k in knobs)

@@ -4,10 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.nn.attention.flex_attention import create_mask
+
 from draftsmith.model import (
+    FLEX_BLOCK,
     DrafterCache,
     Eagle3Config,
     Eagle3Drafter,
+    FlexTTTMask,
     RMSNorm,
     rope_cos_sin,
 )
@@ -247,6 +251,68 @@ def test_ttt_is_causal():
     for k in range(steps):
         torch.testing.assert_close(changed[k][:, :p], base[k][:, :p])
         assert not torch.allclose(changed[k][:, p], base[k][:, p])
+
+
+# --- flex attention: the same TTT pattern through a block mask --------------
+
+# rows of 300 tokens (three 128-token tiles, the last one padded): row 0 one document, so whole
+# tiles are visible; row 1 packed documents, padding, and a document id that comes back
+FLEX_DOCS = torch.tensor([[0] * 300, [0] * 100 + [1] * 150 + [2] * 20 + [0] * 20 + [-1] * 10])
+
+
+def _dense_ttt_mask(doc: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, L, (k+1)L] bool: the TTT pattern of step k, written out (query i sees step-0 keys j <= i
+    of its document and key i of each later step)."""
+    L = doc.shape[1]
+    i = torch.arange(L)
+    step0 = (i[None, :] <= i[:, None]) & (doc[:, :, None] == doc[:, None, :])
+    return torch.cat([step0] + [torch.eye(L, dtype=torch.bool).expand_as(step0)] * k, dim=-1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_flex_block_mask_lists_exactly_the_visible_tiles(k):
+    """The block mask built from the document ids alone: a tile it marks full is all visible, a
+    tile it skips holds no visible key, and its mask function is the TTT pattern (padding unseen)."""
+    mask = FlexTTTMask(FLEX_DOCS)
+    B, L, Lp = 2, 300, mask.Lp
+    assert Lp == 3 * FLEX_BLOCK
+    dense = create_mask(mask.mask_mod, B, None, Lp, (k + 1) * Lp, device="cpu")[:, 0]  # [B, Lp, (k+1)Lp]
+    real = torch.cat([torch.arange(L) + s * Lp for s in range(k + 1)])
+    assert torch.equal(dense[:, :L][:, :, real], _dense_ttt_mask(FLEX_DOCS, k))
+    assert not dense[:, :L][:, :, [j for j in range((k + 1) * Lp) if j % Lp >= L]].any()
+    bm = mask.block_mask(k)
+    n = (k + 1) * Lp // FLEX_BLOCK
+    tiles = dense.reshape(B, Lp // FLEX_BLOCK, FLEX_BLOCK, n, FLEX_BLOCK)
+    listed = torch.zeros(B, Lp // FLEX_BLOCK, n, dtype=torch.bool)
+    full = torch.zeros_like(listed)
+    for b in range(B):
+        for q in range(Lp // FLEX_BLOCK):
+            listed[b, q, bm.kv_indices[b, 0, q, :bm.kv_num_blocks[b, 0, q]].long()] = True
+            full[b, q, bm.full_kv_indices[b, 0, q, :bm.full_kv_num_blocks[b, 0, q]].long()] = True
+    assert torch.equal(full, tiles.all(-1).all(2))
+    assert torch.equal(listed | full, tiles.any(-1).any(2))
+    assert not (listed & full).any()
+    assert full[0].any() and not full[1, :, 1:].any()  # one document: whole tiles; packed ones: partly
+
+
+@torch.no_grad()
+def test_flex_attention_forward_equals_the_sdpa_paths():
+    """Compiled flex attention (one compile per session, ~20 s on the CPU, forward only: torch has
+    no CPU backward for it) gives what the block-sparse SDPA and the dense mask give, GQA included,
+    with rows padded to a tile and rows that fill their tiles."""
+    model = make_drafter(layers=2)
+    for doc in (FLEX_DOCS, FLEX_DOCS[:, :256]):
+        B, L = doc.shape
+        ids, aux = make_batch(B=B, L=L, seed=3)
+        pos = torch.cat([torch.arange(100), torch.arange(150), torch.arange(20), torch.arange(20), torch.zeros(10).long()])[:L]
+        pos = torch.stack([torch.arange(L), pos])
+        outs = {name: model.ttt_forward(ids, aux, 3, position_ids=pos, doc_ids=doc, **kw)
+                for name, kw in (("flex", {"attention": "flex"}), ("sdpa", {}), ("dense", {"attn_block": None}))}
+        for k in range(3):
+            torch.testing.assert_close(outs["flex"][k], outs["sdpa"][k], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(outs["flex"][k], outs["dense"][k], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        model.ttt_forward(ids, aux, 1, attention="xformers")
 
 
 # --- training plumbing -------------------------------------------------------

@@ -107,13 +107,13 @@ class ChunkedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: KLPlan, weight, teacher_head, teacher_hidden, *xs):
-        steps, N, device = len(xs), teacher_hidden.shape[0], weight.device
-        kl = torch.zeros(steps, dtype=torch.float64, device=device)
-        correct = torch.zeros(steps, dtype=torch.float64, device=device)
+        steps, N = len(xs), teacher_hidden.shape[0]
+        kl = weight.new_zeros(steps, dtype=torch.float64)
+        correct = weight.new_zeros(steps, dtype=torch.float64)
         gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
         gxs = [torch.zeros_like(x) for x in xs] if plan.grad_states else []
         starts = list(range(0, N, plan.chunk))
-        cuts = torch.tensor(starts + [N], device=device)
+        cuts = torch.tensor(starts + [N], device=plan.rows[0].device)
         # per step: where each chunk's positions begin and end ([N_k] rows ascending)
         bounds = [torch.searchsorted(rows, cuts).tolist() for rows in plan.rows]
         for c, a in enumerate(starts):
@@ -128,31 +128,36 @@ class ChunkedKL(torch.autograd.Function):
                 if s == e:
                     continue
                 r = plan.rows[k][s:e] - a
-                logits = F.linear(x[s:e], weight)  # [n, Dv]
+                xc = x[s:e]
+                logits = F.linear(xc, weight)  # [n, Dv]
                 logq = torch.log_softmax(logits.float(), dim=-1)
                 p = t_p[r]
-                kl[k] += t_negent[r].sum().double() - (p * logq).sum().double()
+                # KL(p || q) summed over the chunk's positions = sum p log p - sum p log q
+                kl[k] += t_negent[r].sum().double() - torch.dot(p.flatten(), logq.flatten()).double()
                 pred = logits.argmax(-1)
                 correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
                 if gw is None and not gxs:
                     continue
-                # d KL / d logits = q * sum(p) - p (sum(p) is 1 up to rounding), in the logits' dtype
-                g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * plan.weights[k]).to(logits.dtype)
+                # d loss / d logits = weights[k] * (q - p) (p sums to 1), in place, then in the
+                # logits' dtype as the unchunked backward casts it (under autocast: the same bf16 values)
+                g = logq.exp_().sub_(p).mul_(plan.weights[k]).to(logits.dtype)
                 del logq, p
                 if gxs:
                     gxs[k][s:e] = (g @ weight).to(x.dtype)
-                if gw is not None:
-                    gw += (g.t() @ x[s:e]).float()
+                if gw is not None and g.dtype == gw.dtype:
+                    gw.addmm_(g.t(), xc)
+                elif gw is not None:  # autocast: a bf16 product, accumulated in float32
+                    gw += (g.t() @ xc).float()
         ctx.save_for_backward(*([gw] if gw is not None else []), *gxs)
-        ctx.has_gw, ctx.steps = gw is not None, steps
+        ctx.has_gw, ctx.steps, ctx.w_dtype = gw is not None, steps, weight.dtype
         ctx.mark_non_differentiable(kl, correct)
-        loss = (kl * torch.tensor(plan.weights, dtype=torch.float64, device=device)).sum()
+        loss = (kl * torch.tensor(plan.weights, dtype=torch.float64, device=kl.device)).sum()
         return loss.to(torch.float32), kl, correct
 
     @staticmethod
     def backward(ctx, g_loss, _g_kl, _g_correct):
         saved = list(ctx.saved_tensors)
-        gw = saved.pop(0).mul_(g_loss) if ctx.has_gw else None
+        gw = saved.pop(0).mul_(g_loss).to(ctx.w_dtype) if ctx.has_gw else None
         gxs = [gx.mul_(g_loss.to(gx.dtype)) for gx in saved] or [None] * ctx.steps
         return (None, gw, None, None, *gxs)
 
