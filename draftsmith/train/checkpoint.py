@@ -11,16 +11,13 @@ never interrupted (model, optimizer, scheduler, data position and RNG are all re
 
 import json
 import os
-import pickle
 import shutil
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
@@ -127,11 +124,6 @@ class DamagedCheckpoint(DraftsmithError):
     """A file of a checkpoint folder cannot be read back (cut short, overwritten, a disk error)."""
 
 
-# Errors a damaged file raises when read: safetensors' own, torch.load's on a cut zip or pickle
-# (RuntimeError, UnpicklingError, EOFError), the system's on a bad sector.
-DAMAGE = (SafetensorError, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError)
-
-
 def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
     """Every file of checkpoint folder `ck`; a damaged one is a DamagedCheckpoint naming it."""
     try:
@@ -146,7 +138,9 @@ def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
                        (CKPT_OPTIM, lambda p: torch.load(p, weights_only=True, map_location="cpu"))):
         try:
             parts[name] = read(ck / name)
-        except DAMAGE as e:  # what a cut, overwritten or unreadable file raises; anything else is no damage
+        except MemoryError:
+            raise  # no damage: the machine is short of memory
+        except Exception as e:  # safetensors, torch.load (cut zip, bad pickle) and the system raise many kinds
             raise DamagedCheckpoint(f"{ck / name}: cannot read ({type(e).__name__}: {one_line(str(e))[:200]})") from None
     saved = parts[CKPT_OPTIM]
     if not isinstance(saved, dict) or not {"optimizer", "scheduler"} <= set(saved):
