@@ -69,15 +69,16 @@ def pick_device(spec: str = "auto"):
     return dev
 
 
-def thread_policy(requested: int | None = None) -> tuple[int, str]:
-    """(torch threads for this process, why), applied with torch.set_num_threads.
+def threads_per_rank(requested: int | None = None, ranks: int | None = None) -> tuple[int, str]:
+    """(torch threads for each of `ranks` processes on this node, why); ranks defaults to this
+    process's LOCAL_WORLD_SIZE.
 
     Gotcha: torch takes every core by default, and on cores that other work keeps busy two threads
     ran several times slower than one (27 vs 120 training tokens/s here). So, unless `threads` (the
     config key) or OMP_NUM_THREADS (torchrun sets 1 per rank) says otherwise: the cores this process
     may use, less those the load average says are busy, shared among this node's ranks."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ranks = max(1, ranks if ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if requested is not None:
         n, why = requested, "set by `threads`"
@@ -87,10 +88,16 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
         free = max(1, cores - int(load + 0.5))
         n = max(1, free // ranks)
         why = f"{cores} cores, load {load:.1f}" + (f", {ranks} ranks on this node" if ranks > 1 else "")
-    torch.set_num_threads(n)
     busy = load > cores - 0.5
     return n, f"{n} torch thread{'s' if n > 1 else ''} ({why})" + (
         f"; the machine is busy (load {load:.1f} on {cores} cores): speeds will be lower and vary" if busy else "")
+
+
+def thread_policy(requested: int | None = None) -> tuple[int, str]:
+    """(torch threads for this process, why) by threads_per_rank, applied with torch.set_num_threads."""
+    n, why = threads_per_rank(requested)
+    torch.set_num_threads(n)
+    return n, why
 
 
 def bf16_is_fast(device) -> bool:

@@ -143,6 +143,20 @@ def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
         torch.set_num_threads(before)
 
 
+def test_launched_ranks_share_the_free_cores(monkeypatch):
+    """train.processes=N: the launcher hands each rank its share of the cores the load leaves free
+    (torchrun alone would give every rank one thread)."""
+    from draftsmith.target import threads_per_rank
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr("os.getloadavg", lambda: (4.2, 4.2, 4.2))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert threads_per_rank(None, 2)[0] == 6  # (16 cores - 4 busy) // 2 ranks
+    assert threads_per_rank(None, 16)[0] == 1
+    assert threads_per_rank(3, 2)[0] == 3
+
+
 class FakeCuda:
     """torch.cuda as a node of 8 GPUs of 80 GB would answer (the device rule without a GPU)."""
 

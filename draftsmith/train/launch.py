@@ -3,7 +3,8 @@ torchrun (DDP, gloo on the CPU) and hands back the manifest rank 0 writes.
 
 Why on a CPU: two single-threaded ranks keep both cores busy through the whole step, where one
 process with two threads leaves one idle in every small or sequential op (measured here: ~930
-against ~700 tokens/s). Each rank gets cpu_count // N threads unless OMP_NUM_THREADS is set.
+against ~700 tokens/s). Each rank gets its share of the cores the load average leaves free
+(target.threads_per_rank), or `threads`, unless OMP_NUM_THREADS is set.
 """
 
 import contextlib
@@ -17,7 +18,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir
-from draftsmith.target import pick_device
+from draftsmith.target import pick_device, threads_per_rank
 from draftsmith.vllm_server import die_with_parent
 
 ERROR_PREFIX = "draftsmith: error: "  # how a rank's one-line error starts on its output
@@ -32,8 +33,8 @@ def launch_ranks(run, cfg, stage: str) -> dict:
     if device.type == "cuda" and n > torch.cuda.device_count():
         raise DraftsmithError(f"train.processes: {n} ranks need {n} GPUs, this node has {torch.cuda.device_count()}")
     env = dict(os.environ)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))
+    # torchrun would set OMP_NUM_THREADS=1 itself; each rank gets its share of the free cores instead
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.threads, n)[0]))
     # the ranks read the resolved config from a file: --set overrides are already applied in it
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".train-ranks-", dir=rd.path, delete=False) as f:
         f.write(cfg.to_yaml())
