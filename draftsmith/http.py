@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import httpx
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, scrub
 
 RETRY_STATUS = {408, 409, 425, 429} | set(range(500, 600))
 FATAL_STATUS = {401, 403}  # a wrong or missing key fails every request: stop at once
@@ -61,11 +61,6 @@ def health_ok(root: str, timeout_s: float, client: httpx.Client | None = None) -
         return False
 
 
-# What looks like a credential whatever its value: an Authorization header's token, an OpenAI-style key.
-_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=\\%-]{6,}")
-_KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\\/%+=-]{12,}")
-
-
 def _secret_pattern(secret: str) -> re.Pattern:
     """The secret in any encoding a server might echo it in: each character as itself, escaped by
     any number of backslashes (JSON writing a slash as backslash-slash, an escape of an escape), as a backslash-u escape, or
@@ -86,7 +81,7 @@ def redact(text: str, secret: str | None) -> str:
     anything shaped like a credential (a Bearer token, an sk- key) replaced as well."""
     if secret:
         text = _secret_pattern(secret).sub("***", text)
-    return _KEY_LIKE.sub("***", _BEARER.sub(r"\1***", text))
+    return scrub(text)
 
 
 def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -> float:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith import DraftsmithError, Terminated, one_line
+from draftsmith import DraftsmithError, Terminated, one_line, scrub
 from draftsmith.journal import (RATE_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
                                journal_state, read_journal, recent_rate)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
@@ -52,7 +52,7 @@ _current_log: list[Path] = []  # stage.log of the innermost active Progress
 def log(msg: str, *, stage: str | None = None, console: bool = True) -> None:
     """One log line, flushed at once, mirrored into the active stage's stage.log."""
     rank, _ = env_rank()
-    line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + msg
+    line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + scrub(msg)
     if console and rank == 0:
         print(line, flush=True)
     if _current_log:
@@ -221,7 +221,7 @@ class Progress:
 
     def log(self, msg: str) -> None:
         if self._bar is not None:
-            self._bar.console.print(f"{time.strftime('%H:%M:%S')} [{self.stage}] {msg}")
+            self._bar.console.print(f"{time.strftime('%H:%M:%S')} [{self.stage}] {scrub(msg)}")
             log(msg, stage=self.stage, console=False)
         else:
             log(msg, stage=self.stage, console=self.console)
@@ -291,7 +291,7 @@ class Progress:
 
 
 def _first_line(msg: str) -> str:
-    return msg.strip().splitlines()[0] if msg.strip() else "error"
+    return scrub(msg.strip().splitlines()[0]) if msg.strip() else "error"
 
 
 def error_line(exc: BaseException) -> str:

@@ -228,3 +228,23 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     for p in outputs:
         assert body not in (p.stdout + p.stderr).lower() and wrong not in p.stdout + p.stderr
     assert os.environ.get("DS_SECRET_KEY") is None  # the tests passed the key to the child processes only
+
+
+def test_credentials_scrubbed_by_shape_from_every_log_and_error_line(tmp_path, capsys):
+    """A key that draftsmith was never told is a key (a URL's user:password, a bearer token in a
+    library error) is still kept out of logs and error lines, by its shape."""
+    from draftsmith import one_line, scrub
+    from draftsmith.progress import _current_log, log
+
+    url = "http://alice:s3cr3t-pass@gpu-node:8000/v1"
+    assert scrub(f"servers: {url}, http://127.0.0.1:8000/v1") == "servers: http://***@gpu-node:8000/v1, http://127.0.0.1:8000/v1"
+    assert "s3cr3t" not in one_line(f"cannot reach {url}\nAuthorization: Bearer abcdef123456")
+    assert "abcdef123456" not in one_line("Authorization: Bearer abcdef123456")
+    stage_log = tmp_path / "stage.log"
+    _current_log.append(stage_log)
+    try:
+        log(f"model m on 1 server(s): {url}", stage="generate")
+    finally:
+        _current_log.pop()
+    assert "s3cr3t" not in stage_log.read_text() and "gpu-node:8000" in stage_log.read_text()
+    assert "s3cr3t" not in capsys.readouterr().out
