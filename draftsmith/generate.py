@@ -485,7 +485,7 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
     for resampled in (False, True):
         group = [p for p in order if (SAMPLING in p.meta) == resampled]
         batches += [group[b:b + gen.batch_size] for b in range(0, len(group), gen.batch_size)]
-    for batch in batches:
+    for j, batch in enumerate(batches):
         sampling = batch[0].meta.get(SAMPLING)
         config = generation_config(sampling["temperature"] if sampling else gen.temperature)
         if sampling:
@@ -516,7 +516,11 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
             for i, x in enumerate(ids):
                 input_ids[i, width - len(x):] = torch.tensor(x)
                 attention_mask[i, width - len(x):] = 1
-            with torch.inference_mode():
+            # no answer of a batch lands before its longest one ends: the phase keeps `status` saying
+            # "running" (not "stalled") through a batch that takes minutes on a busy CPU
+            turn = f", turn {k + 1}" if k else ""
+            with prog.busy(f"decoding batch {j + 1}/{len(batches)} ({len(active)} conversations{turn}, "
+                           f"up to {gen.max_tokens} tokens each)"), torch.inference_mode():
                 out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
                                      generation_config=config)
             new = out[:, width:].tolist()  # [B, <= max_tokens]; rows that stopped early are padded

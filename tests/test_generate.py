@@ -398,6 +398,10 @@ def test_local_backend_batched_matches_unbatched_and_is_deterministic(tmp_path, 
     assert len(r0["finish_reasons"]) == 2 and all(f in ("stop", "length") for f in r0["finish_reasons"])
     assert r0["truncated"] == ("length" in r0["finish_reasons"])
     assert 0 < r0["completion_tokens"] <= 12 and r0["prompt_tokens"] > 10
+    # each batch decodes under a named phase: `status` says running, not stalled, while no answer lands
+    phases = [e.get("phase") for e in map(json.loads, (tmp_path / "b3" / "generate" / "progress.jsonl").read_text().splitlines())]
+    assert "decoding batch 1/2 (3 conversations, up to 6 tokens each)" in phases
+    assert "decoding batch 2/2 (2 conversations, turn 2, up to 6 tokens each)" in phases
 
 
 def test_local_backend_resampled_answers_are_reproducible(tmp_path, tiny_target):
