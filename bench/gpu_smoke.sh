@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU smoke check (issue 23): the embedded target through every stage on one CUDA GPU with the
 # in-process (hf) backends, in well under 8 minutes, then one line: training tokens/s, peak GPU
-# memory of training, each stage's time. Then the flex-attention check (bench/gpu_smoke_flex.py).
+# memory of training, each stage's time. Then the flex-attention check (bench/gpu_smoke_flex.py), and
+# MLA serving: the tiny DeepSeek-V3 with its drafter in vLLM on CUDA (bench/gpu_smoke_mla.py).
 # Run it on any machine with a GPU:   bash bench/gpu_smoke.sh [RUN_DIR]
 # It needs the project set up (bash scripts/setup.sh, with a CUDA build of torch installed first).
 set -euo pipefail
@@ -28,3 +29,10 @@ tau = m["eval"].get("report", {}).get("acceptance_length")
 print(f"GPU smoke: training {tok_s:,.0f} tokens/s, peak memory {peak / 2**30:.2f} GiB; tau {tau}; stages: {times}")
 PYEOF
 if [ -f bench/gpu_smoke_flex.py ]; then "$PY" bench/gpu_smoke_flex.py; fi
+# MLA serving (issue 25): vLLM-CPU cannot pair an MLA target with a drafter, so the tiny DeepSeek-V3
+# is served with its drafter by vLLM on CUDA here (needs vLLM in this environment or vllm_python)
+if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"; then
+    "$PY" bench/gpu_smoke_mla.py "$RUN-mla"
+else
+    echo "GPU smoke MLA: skipped (no vllm in $PY's environment: pip install vllm)"
+fi

@@ -104,6 +104,14 @@ class ExtractConfig(_Section):
     batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch of the target (samples are grouped by length), in extraction and in online training.")
     force: bool = Field(False, description="Skip the free-disk-space refusal.")
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
+    store_format: Literal["bf16", "fp8"] = Field(
+        "bf16", description="How the sample files hold the states: `bf16` (aux and last hidden states in bfloat16, "
+        "(A+1) x H x 2 bytes per token) or `fp8` (float8 e4m3 with a float32 scale per token and layer, "
+        "(A+1) x (H + 4) bytes per token: about half; offline training dequantises on read). "
+        "meta.json's `store_format` says which a store holds; both stay readable.")
+    writers: int = Field(
+        4, ge=1, le=64, description="Writer threads that encode, hash and write sample files side by side "
+        "(files are fsynced in groups, about once a second and at each shard's end, then named done).")
     overwrite: bool = Field(
         False, description="When extract/ holds a store built with other layers, target or prepare output, delete it and start over (else refuse).")
     servers: list[str] = Field(

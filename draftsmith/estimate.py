@@ -16,7 +16,9 @@ hardware profile. They are first-order models, stated with their assumptions:
   it (train_memory: weights, gradients and AdamW state, the frozen embedding and teacher head,
   what each TTT step keeps for backward, the online target; within 15 % of the measurement,
   tests/test_estimate.py), and when it does not fit, the knobs that make it fit (fit_knobs);
-- disk: the extract store holds (3 auxiliary + 1 last) x hidden x 2 bytes + id and mask per token.
+- disk: the extract store holds (3 auxiliary + 1 last) x hidden x 2 bytes + id and mask per token
+  (extract.store_format=fp8: x (hidden + 4) bytes); extraction runs at the slower of the prefill
+  and the store's writer (writer_tokens_per_s, measured by bench/bench_store.py).
 
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
 runs, docs/benchmarks.md); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
@@ -68,6 +70,25 @@ HARDWARE = {
 }
 
 
+# The extract store's writer (draftsmith.extract.store.ShardWriter), measured by bench/bench_store.py
+# (docs/benchmarks.md, "Extract: the store's writer"): its writer threads write bf16 sample files at
+# WRITER_DISK_SHARE of the disk's raw sequential write with fsync. The fp8 format quantises where the
+# states are: on a GPU before the copy to the host (a negligible cost there), on a CPU in the writer
+# threads, CPU_FP8_VALUES_PER_S values a second over the 2-core machine (which then bounds it: 4,500
+# to 15,700 tokens/s at hidden 7168 and 4096 there, load 2 to 4). The bf16 writer measured 0.81x to
+# 0.96x of the raw write by the medians of the quiet runs (0.9 CPU second per GB, sha256 most of it).
+WRITER_DISK_SHARE = 0.8
+CPU_FP8_VALUES_PER_S = 1.3e8
+
+
+def writer_tokens_per_s(hw: "Hardware", bytes_per_token: float, store_format: str, hidden_size: int) -> float:
+    """Tokens/s the store's writer sustains on this hardware's disk (and CPU, for fp8 on a CPU)."""
+    disk = WRITER_DISK_SHARE * hw.disk_bw / bytes_per_token
+    if store_format == "fp8" and hw.cpu_ranks_gain is not None:  # a CPU profile: quantised on the host
+        return min(disk, CPU_FP8_VALUES_PER_S / (4 * hidden_size))
+    return disk
+
+
 # -------------------------------------------------------------------------------------------------
 # The target, from its config.json
 
@@ -84,8 +105,9 @@ class TargetShape:
     experts: int  # routed experts per MoE layer
     experts_per_token: int
     weight_bytes_per_param: float  # as served (fp8 checkpoints: 1)
-    intermediate_size: int  # the dense MLP width (the drafter's layer copies it)
-    kv_dim: int  # key/value width of a Llama-style attention (heads x head_dim)
+    intermediate_size: int  # the drafter's MLP width (model.drafter_intermediate_size's rule)
+    kv_dim: int  # key/value width of the drafter's attention (kv heads x head_dim, model.drafter_attention_shape)
+    q_dim: int = 0  # query/output width of the drafter's attention (heads x head_dim); 0: hidden_size
 
     @property
     def weight_bytes(self) -> float:
@@ -106,6 +128,31 @@ def _attention_params(c: dict, h: int) -> float:
     return h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o + k, v
 
 
+def drafter_widths(c: dict) -> tuple[int, int, int]:
+    """(q width, kv width, MLP width) of the drafter's layer for a target config dict: the rule of
+    model.Eagle3Config.from_target_config (drafter_attention_shape, drafter_intermediate_size),
+    restated on the plain dict so that `estimate` needs no torch; tests/test_families.py checks
+    that the two agree for every family."""
+    h = int(c["hidden_size"])
+    heads = c.get("num_attention_heads") or max(1, h // 64)
+    if c.get("kv_lora_rank"):  # MLA: head_dim v_head_dim, hidden // head_dim heads, <= 8 kv heads
+        hd = c.get("v_head_dim") or c.get("qk_nope_head_dim") or 128
+        if h % hd:
+            hd = 128 if h % 128 == 0 else h // heads
+        heads = h // hd
+        kv = next(k for k in (8, 4, 2, 1) if heads % k == 0)
+    else:
+        hd = c.get("head_dim") or h // heads
+        kv = c.get("num_key_value_heads") or heads
+    inter = c.get("intermediate_size", 4 * h)
+    experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+    if not c.get("moe_intermediate_size") and c.get("intermediate_size_mlp"):  # Llama 4's dense width
+        inter = c["intermediate_size_mlp"]
+    elif not c.get("moe_intermediate_size") and experts:  # intermediate_size is one expert's width
+        inter *= c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
+    return heads * hd, kv * hd, inter
+
+
 def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
     """Parameter counts of a transformers model from its config.json."""
     try:
@@ -118,6 +165,7 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
     except KeyError as e:
         raise DraftsmithError(f"{config_json}: no {e.args[0]} in the model config") from None
     inter = c.get("intermediate_size", 4 * h)
+    d_q, d_kv, d_inter = drafter_widths(c)
     attn = _attention_params(c, h)
     dense_mlp = 3 * h * inter  # gate, up, down
     experts = c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
@@ -140,8 +188,7 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
         num_layers=n, hidden_size=h, vocab_size=v,
         total_params=common + routed, active_params=common + moe_layers * per_tok * expert_mlp,
         expert_params=routed, experts=experts, experts_per_token=per_tok,
-        weight_bytes_per_param=bits or dtype_bytes, intermediate_size=inter,
-        kv_dim=(c.get("num_key_value_heads") or c.get("num_attention_heads", h // 64)) * (c.get("head_dim") or h // c.get("num_attention_heads", h // 64)))
+        weight_bytes_per_param=bits or dtype_bytes, intermediate_size=d_inter, kv_dim=d_kv, q_dim=d_q)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -166,9 +213,9 @@ def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1) -> tu
     """(trainable parameters, parameters used per token per TTT step) of the drafter: the fc over
     3 fused layers, a first Llama decoder layer at the target's widths whose q/k/v read
     [embedding; hidden] (2h), num_layers - 1 plain ones (q/k/v read h), and the draft LM head."""
-    h = t.hidden_size
-    mlp_o = h * h + 3 * h * t.intermediate_size
-    layers = 2 * h * (h + 2 * t.kv_dim) + mlp_o + (num_layers - 1) * (h * (h + 2 * t.kv_dim) + mlp_o)
+    h, q = t.hidden_size, t.q_dim or t.hidden_size
+    mlp_o = q * h + 3 * h * t.intermediate_size
+    layers = 2 * h * (q + 2 * t.kv_dim) + mlp_o + (num_layers - 1) * (h * (q + 2 * t.kv_dim) + mlp_o)
     fc, head = 3 * h * h, h * draft_vocab
     return fc + layers + head, layers + head
 
@@ -304,11 +351,14 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
 
     from draftsmith.extract import bytes_per_token as store_bytes  # the store's own rule; extract imports torch
 
-    bytes_per_token = store_bytes(3, t.hidden_size)  # 3 auxiliary layers + the last, bf16, + id and mask
+    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale per row), + id and mask
+    bytes_per_token = store_bytes(3, t.hidden_size, cfg.extract.store_format)
     prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
     if tr.mode == "offline":
+        # the writer overlaps the forward: the slower of the two sets the pace (writer_tokens_per_s)
+        writer = writer_tokens_per_s(hw, bytes_per_token, cfg.extract.store_format, t.hidden_size)
         stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
-                             "seconds": tokens / min(prefill, hw.disk_bw / bytes_per_token)}
+                             "seconds": tokens / min(prefill, writer)}
 
     trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers)
     flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)

@@ -8,8 +8,9 @@ The output, RUN/export/, is in the speculators format that vLLM's `eagle3` metho
                        default: shapes, eps, plain RoPE),
                        `draft_vocab_size`, `norm_before_residual: false`, `target_hidden_size`,
                        `eagle_aux_hidden_state_layer_ids`, `speculators_config` (proposal method
-                       and verifier = the target folder), plus a `draftsmith` block (target name
-                       and fingerprint, checkpoint, step)
+                       and verifier = the target's Hub id or its name in the config, never this
+                       machine's path), plus a `draftsmith` block (target name as given, architecture,
+                       config.json sha256 and folder fingerprint, checkpoint, step)
     model.safetensors  fc, layers.N.*, norm, lm_head, d2t, t2d (no embed_tokens: vLLM then
                        shares the target's embeddings, which is what the drafter trained with)
 
@@ -45,7 +46,7 @@ from draftsmith.model import FC_INPUT_SCALE, Eagle3Config, Eagle3Drafter
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook
-from draftsmith.target import target_info
+from draftsmith.target import config_sha256, target_info, verifier_name
 
 STAGE = "export"
 CONFIG_FILE = "config.json"
@@ -208,9 +209,10 @@ def check_vocab_maps(d2t, t2d, where: str) -> None:
 # The speculators config
 
 
-def speculators_config(config, aux_layers: list[int], *, target_path: str, target_arch: str,
+def speculators_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
                        num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
-    """config.json for vLLM (speculators format, eagle3)."""
+    """config.json for vLLM (speculators format, eagle3). `target_name`: the verifier's
+    name_or_path (target.verifier_name: a Hub id or the target as the config names it)."""
     layer = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -251,8 +253,9 @@ def speculators_config(config, aux_layers: list[int], *, target_path: str, targe
                 "verifier_accept_k": 1,
                 "accept_tolerance": 0.0,
             }],
-            # `vllm serve EXPORT_DIR` serves this model with the drafter attached
-            "verifier": {"name_or_path": target_path, "architectures": [target_arch]},
+            # vLLM reads name_or_path only for `vllm serve EXPORT_DIR` (it then serves that model
+            # with the drafter attached); `vllm serve TARGET --speculative-config ...` uses TARGET
+            "verifier": {"name_or_path": target_name, "architectures": [target_arch]},
         },
         "dtype": dtype,
         "draftsmith": draftsmith,
@@ -456,9 +459,13 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
         cj = speculators_config(
-            config, aux, target_path=info.path, target_arch=info.architecture,
+            config, aux, target_name=verifier_name(cfg.target, info), target_arch=info.architecture,
             num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
-            draftsmith={"version": __version__, "target": info.name, "target_fingerprint": info.fingerprint,
+            # what identifies the target wherever the drafter is deployed: the name the config
+            # gave, its architecture, the hash of its config.json; and the folder print training checked
+            draftsmith={"version": __version__, "target": info.name, "target_spec": cfg.target,
+                        "target_architecture": info.architecture, "target_config_sha256": config_sha256(info),
+                        "target_fingerprint": info.fingerprint,
                         "checkpoint": str(ckpt), "step": state.get("step"), "ttt_steps": meta.get("ttt_steps"),
                         "exported": time.time()},
         )

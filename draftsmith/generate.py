@@ -121,6 +121,27 @@ def split_reasoning(content: str, reasoning: str | None = None) -> tuple[str, st
     return content, ("\n\n".join(parts) if parts else None)
 
 
+# gpt-oss (harmony): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
+_HARMONY_MESSAGE = re.compile(
+    r"(?:<\|start\|>[^<]*)?<\|channel\|>([A-Za-z_]+)[^<]*<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
+    re.DOTALL)
+
+
+def split_harmony(text: str) -> tuple[str, str | None] | None:
+    """(answer, reasoning) of a reply in gpt-oss's harmony format, decoded with its special tokens:
+    the `final` channel is the answer, the `analysis` (and `commentary`) channels the reasoning.
+    None when the text is not harmony (no `<|channel|>`). A reply cut inside its analysis has
+    reasoning and an empty answer."""
+    if "<|channel|>" not in text:
+        return None
+    answer: list[str] = []
+    reasoning: list[str] = []
+    for channel, body in _HARMONY_MESSAGE.findall(text):
+        (answer if channel == "final" else reasoning).append(body.strip())
+    reasoning = [r for r in reasoning if r]
+    return "\n\n".join(a for a in answer if a), ("\n\n".join(reasoning) if reasoning else None)
+
+
 # -------------------------------------------------------------------------------------------------
 # The files: samples.jsonl / failures.jsonl, appended one whole line per write
 
@@ -183,7 +204,10 @@ class SampleStore:
 
     @staticmethod
     def summary(rec: dict) -> dict:
-        return {k: rec.get(k) for k in ("completion_tokens", "prompt_tokens", "reasoning", "truncated")}
+        out = {k: rec.get(k) for k in ("completion_tokens", "prompt_tokens", "reasoning", "truncated")}
+        answers = [m for m in rec.get("messages") or [] if isinstance(m, dict) and m.get("role") == "assistant"]
+        out["answers"], out["reasoning_answers"] = len(answers), sum(1 for m in answers if m.get("reasoning"))
+        return out
 
     def open(self) -> "SampleStore":
         seen_twice = 0
@@ -362,6 +386,10 @@ def parse_turn(server: str, data: dict) -> TurnResult:
         completion_tokens = int(usage.get("completion_tokens") or 0)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise BadReply(f"malformed reply: {type(e).__name__}: {e}") from None
+    harmony = split_harmony(content)  # a server that passes gpt-oss's channels through as text
+    if harmony is not None:
+        content, channel_reasoning = harmony
+        field_reasoning = "\n\n".join(r for r in (field_reasoning, channel_reasoning) if r) or None
     content, reasoning = split_reasoning(content, field_reasoning)
     return TurnResult(content, reasoning, choice.get("finish_reason"), prompt_tokens, completion_tokens)
 
@@ -446,6 +474,16 @@ async def _served_model(client: OpenAIClient, gen, prog) -> str:
 # Backend local (transformers, in-process)
 
 
+def decode_answer(tok, answer: list[int]) -> tuple[str, str | None]:
+    """(answer, reasoning) of generated token ids: gpt-oss's harmony channels are told apart by
+    their special tokens (decoded with them); any other reply is decoded without special tokens and
+    its `<think>` block moved out (Qwen3's `<think>` is a normal added token, kept by the decode)."""
+    harmony = split_harmony(tok.decode(answer, skip_special_tokens=False))
+    if harmony is not None:
+        return harmony
+    return split_reasoning(tok.decode(answer, skip_special_tokens=True))
+
+
 def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
     gen = cfg.generate
     with prog.busy("loading target"):
@@ -527,7 +565,7 @@ def _local_run(pending, cfg, prog, on_done, on_fail) -> dict:
             for p, x, row in zip(active, ids, new):
                 stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
                 answer = row if stop is None else row[:stop]
-                content, reasoning = split_reasoning(tok.decode(answer, skip_special_tokens=True))
+                content, reasoning = decode_answer(tok, answer)
                 n_out = len(answer) + (stop is not None)  # the stop token counts, as servers count it
                 results[p.id].append(TurnResult(content, reasoning, "length" if stop is None else "stop", len(x), n_out))
                 convs[p.id].append({"role": "assistant", "content": content})
@@ -706,7 +744,8 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
         totals = {k: sum(s[k] or 0 for s in sel_done) for k in ("prompt_tokens", "completion_tokens")}
         manifest = book.finish(
             counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0,
-                    "truncated": summary["truncated"], "reasoning": summary["reasoning"], **totals},
+                    "truncated": summary["truncated"], "reasoning": summary["reasoning"],
+                    "answers": summary["answers"], "reasoning_answers": summary["reasoning_answers"], **totals},
             outputs=[SAMPLES], extra={"summary": summary},
             inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
                     "model": extra.get("model"), "servers": len(servers)})
@@ -775,8 +814,12 @@ def _report(tally: _Tally, extra: dict, seconds: float, sel_done: list[dict], se
         line += (f" | {tally.completion_tokens} completion tokens ({tally.prompt_tokens} prompt) in {seconds:.1f}s"
                  f" = {rate:,.1f} tokens/s")
     line += f" | truncated {truncated_n}/{len(sel_done)}"
+    answers_n = sum(s.get("answers") or 0 for s in sel_done)
+    reasoning_answers = sum(s.get("reasoning_answers") or 0 for s in sel_done)
     if reasoning_n:
         line += f" | reasoning captured for {reasoning_n}/{len(sel_done)} ({100 * reasoning_n / max(1, len(sel_done)):.0f}%)"
+        if answers_n != len(sel_done):
+            line += f", {reasoning_answers}/{answers_n} answers"
     if extra.get("retried_requests"):
         line += f" | {extra['retried_requests']} requests retried"
     if len(extra.get("requests_per_server") or {}) > 1:
@@ -787,6 +830,8 @@ def _report(tally: _Tally, extra: dict, seconds: float, sel_done: list[dict], se
         "completion_tokens": tally.completion_tokens, "prompt_tokens": tally.prompt_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(rate, 2),
         "truncated": truncated_n, "reasoning": reasoning_n,
+        "answers": answers_n, "reasoning_answers": reasoning_answers,
+        "reasoning_rate": round(reasoning_n / len(sel_done), 4) if sel_done else None,
     }
 
 

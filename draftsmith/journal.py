@@ -19,6 +19,11 @@ from draftsmith.rundir import append_json_line
 
 TAIL_BYTES = 64 * 1024
 RATE_WINDOW_S = 60.0
+# ... stretched back, when that minute holds fewer units, to cover the last RATE_MIN_UNITS units (at most
+# RATE_MAX_WINDOW_S): a window of a few units jumps by a large share each time one enters or leaves it,
+# and the log line printed a few seconds earlier would then disagree with `status` (issue 28).
+RATE_MIN_UNITS = 20
+RATE_MAX_WINDOW_S = 300.0
 # A journal on another host is only judged by its heartbeats: this many stall thresholds
 # without one and it counts as dead rather than stalled.
 REMOTE_DEAD_FACTOR = 3.0
@@ -102,7 +107,8 @@ def recent_rate(points: list[tuple[float, float]], start_done: float) -> tuple[f
     """(units per second, warming up) from (time, done) points of one attempt, oldest first: the
     one rate rule of both the log lines and `status`, so that the two agree.
 
-    The rate is taken over the last RATE_WINDOW_S seconds of work, never over the start-up
+    The rate is taken over the last RATE_WINDOW_S seconds of work, or over the last RATE_MIN_UNITS
+    units when that minute holds fewer (at most RATE_MAX_WINDOW_S back), never over the start-up
     before the first unit (loading a model, starting a server), which would stretch the ETA for
     hours. While less than a whole window of work lies behind, the rate is marked as warming up."""
     if not points:
@@ -110,7 +116,12 @@ def recent_rate(points: list[tuple[float, float]], start_done: float) -> tuple[f
     last_t, last_done = points[-1]
     # Work began at the last point that still had nothing done in this attempt.
     began = max((t for t, d in points if d <= start_done), default=points[0][0])
-    first_t, first_done = next(((t, d) for t, d in points if t >= max(began, last_t - RATE_WINDOW_S)), points[-1])
+    usable = [(t, d) for t, d in points if t >= max(began, last_t - RATE_MAX_WINDOW_S)] or [points[-1]]
+    first_t, first_done = next(((t, d) for t, d in usable if t >= last_t - RATE_WINDOW_S), usable[-1])
+    if last_done - first_done < RATE_MIN_UNITS:
+        # the latest point at least RATE_MIN_UNITS units back, else the oldest usable one
+        first_t, first_done = max(((t, d) for t, d in usable if d <= last_done - RATE_MIN_UNITS),
+                                  default=usable[0], key=lambda p: p[0])
     if last_t - first_t < 2.0 or last_done <= first_done:
         return None, True
     return (last_done - first_done) / (last_t - first_t), last_t - began < RATE_WINDOW_S

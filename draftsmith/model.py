@@ -47,6 +47,8 @@ ATTENTION_PATHS = ("sdpa", "flex")
 # flex attention's tile (its default sparse block size): the block mask says, per tile of 128
 # queries x 128 keys, whether the tile is skipped, fully visible, or visible by the mask function
 FLEX_BLOCK = 128
+# query block of the SDPA TTT path (TTTMask): ttt_forward's default attn_block
+ATTN_BLOCK = 256
 
 
 @dataclass
@@ -119,32 +121,112 @@ class Eagle3Config:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1) -> Eagle3Config:
-        """Size a drafter for a transformers LlamaConfig-like target config.
+        """Size a drafter for a target's transformers (text) config; the rules per family below.
 
         Only the target's shapes are copied. The drafter always uses SiLU and
         default (unscaled) RoPE with the target's rope_theta: it is its own model,
         so a target's rope scaling (e.g. Llama 3.1's "llama3" type) is not
-        inherited, and the exported drafter config must say so.
+        inherited, and the exported drafter config must say so. Its layer is the
+        Llama layer of vLLM's `llama_eagle3` whatever the target's family; vLLM
+        builds its attention from `num_attention_heads`, `num_key_value_heads` and
+        `head_dim` (hidden_size // heads when absent), any of which may differ from
+        hidden_size's split, since q/k/v/o_proj map between the two widths.
+
+        Attention (see `drafter_attention_shape`):
+        - Llama-style targets (Llama 3, Qwen3, Mistral, Gemma 3, gpt-oss, ...): the
+          target's own heads, kv heads and head_dim.
+        - MLA targets (DeepSeek-V3/R1, Kimi-K2: a `kv_lora_rank` in the config):
+          their `head_dim` field is only the rope part (qk_rope_head_dim, 64), and
+          their 128 "kv heads" are the heads after the latent up-projection, so
+          neither describes a Llama layer. The drafter takes head_dim = v_head_dim
+          (128 for both: the width each head hands to o_proj), heads = hidden_size //
+          head_dim (56 for hidden 7,168) and 8 kv heads (the largest of 8, 4, 2, 1
+          dividing the heads). This is the shape of SpecForge's published DeepSeek-V3
+          EAGLE-3 config (configs/deepseek-v3-671b-eagle3.json: 56 heads, 8 kv heads,
+          head size 7,168 / 56 = 128); its Kimi-K2 config keeps head_dim 128 with the
+          target's 64 heads (8,192 wide), and either serves in vLLM. Never
+          qk_rope_head_dim x heads (4,096 against 7,168 for Kimi-K2).
+
+        MLP width (see `drafter_intermediate_size`):
+        - dense targets: the target's `intermediate_size`;
+        - MoE targets with a dense width beside the experts' (DeepSeek-V3, Kimi-K2:
+          18,432 for their first dense layers; Qwen3-MoE: 6,144 for 30B-A3B): that
+          dense `intermediate_size`, never `moe_intermediate_size` (2,048 / 768,
+          one expert's slice, too thin for a dense layer that has to do the work of
+          the whole routed MLP). SpecForge's Kimi-K2 EAGLE-3 config copies exactly
+          18,432; its Qwen3-MoE and Llama-4 drafters go wider still (2x the dense width);
+        - MoE targets whose `intermediate_size` is one expert's width and that have
+          no dense layer (gpt-oss: 2,880 with 4 experts per token; Mixtral): the
+          width the target spends per token, num_experts_per_tok x intermediate_size
+          (gpt-oss: 11,520; SpecForge's gpt-oss-20B drafter uses 17,280); Llama 4
+          names its dense width `intermediate_size_mlp`, which is taken.
         """
-        num_heads = hf_config.num_attention_heads
-        # transformers 5 moved rope_theta into the rope_parameters dict
-        rope_params = getattr(hf_config, "rope_parameters", None) or {}
-        rope_theta = getattr(hf_config, "rope_theta", None)
-        if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 10000.0)
+        num_heads, num_kv_heads, head_dim = drafter_attention_shape(hf_config)
         return cls(
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=drafter_intermediate_size(hf_config),
             num_attention_heads=num_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None),
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
-            rope_theta=float(rope_theta),
+            rope_theta=target_rope_theta(hf_config),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 8192),
             vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
             num_hidden_layers=num_hidden_layers,
         )
+
+
+def is_mla(hf_config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi-K2): keys and values come from a
+    compressed latent of width kv_lora_rank."""
+    return bool(getattr(hf_config, "kv_lora_rank", None))
+
+
+def _largest_divisor(n: int, candidates=(8, 4, 2, 1)) -> int:
+    return next(c for c in candidates if n % c == 0)
+
+
+def drafter_attention_shape(hf_config: Any) -> tuple[int, int, int | None]:
+    """(heads, kv heads, head_dim or None) of the drafter's attention for a target config; the
+    rule is in Eagle3Config.from_target_config's docstring."""
+    hidden = hf_config.hidden_size
+    if is_mla(hf_config):
+        head_dim = getattr(hf_config, "v_head_dim", None) or getattr(hf_config, "qk_nope_head_dim", None) or 128
+        if hidden % head_dim:
+            head_dim = 128 if hidden % 128 == 0 else hidden // hf_config.num_attention_heads
+        heads = hidden // head_dim
+        return heads, _largest_divisor(heads), head_dim
+    heads = hf_config.num_attention_heads
+    return heads, getattr(hf_config, "num_key_value_heads", None) or heads, getattr(hf_config, "head_dim", None)
+
+
+def drafter_intermediate_size(hf_config: Any) -> int:
+    """Width of the drafter's MLP for a target config; the rule is in
+    Eagle3Config.from_target_config's docstring."""
+    inter = hf_config.intermediate_size
+    if getattr(hf_config, "moe_intermediate_size", None):
+        return inter  # a dense width beside the experts' (DeepSeek-V3, Kimi-K2, Qwen3-MoE)
+    if getattr(hf_config, "intermediate_size_mlp", None):
+        return hf_config.intermediate_size_mlp  # Llama 4: the dense layers' width beside the experts' intermediate_size
+    experts = next((getattr(hf_config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(hf_config, k, None)), None)
+    if experts:  # intermediate_size is one expert's width (gpt-oss, Mixtral)
+        return inter * (getattr(hf_config, "num_experts_per_tok", None) or getattr(hf_config, "experts_per_token", None) or 1)
+    return inter
+
+
+def target_rope_theta(hf_config: Any) -> float:
+    """The target's RoPE base: `rope_theta`, or transformers 5's `rope_parameters` (per layer type
+    for Gemma 3, whose full-attention layers' base is taken: the drafter attends to the whole
+    context), else 10000."""
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
+            params = params["full_attention"]
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
 
 
 class RMSNorm(nn.Module):
@@ -192,6 +274,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def first_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] any ids -> [B, L] int64: the first position of each position's document in its row,
+    i.e. the first step-0 key its query sees in TTT attention. Fixed-shape ops only (a stable sort
+    per row groups the ids; the group's first element is its first position), so no device->host
+    read; also an id per document (equal ids <=> equal documents) bounded by L."""
+    B, L = doc_ids.shape
+    ids, order = doc_ids.sort(dim=-1, stable=True)  # [B, L]; within a group, positions ascending
+    at = torch.arange(L, device=doc_ids.device).expand(B, L)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    group_start = torch.where(starts, at, 0).cummax(-1).values  # [B, L] sorted index of the group's first
+    first_sorted = order.gather(-1, group_start)  # its position in the row
+    return torch.empty_like(order).scatter_(-1, order, first_sorted)
+
+
+def _block_floors(first: torch.Tensor, block: int) -> list[int]:
+    """[B, L] first visible key of each query -> per query block of `block` positions, the
+    smallest over the block and the rows (one device->host read)."""
+    B, L = first.shape
+    nb = -(-L // block)
+    padded = F.pad(first, (0, nb * block - L), value=L)  # a padded query sees nothing before L
+    return padded.view(B, nb, block).amin(dim=(0, 2)).tolist()
+
+
+def key_floors(doc_ids: torch.Tensor, block: int = ATTN_BLOCK) -> list[int]:
+    """ttt_forward's `key_floors` for doc_ids [B, L]: per query block of `block` positions, the first
+    step-0 key any of its queries sees. Computed where doc_ids is on the host (the data thread),
+    it spares ttt_forward a device->host read per micro-batch."""
+    return _block_floors(first_positions(doc_ids), block)
+
+
 class TTTMask:
     """The attention pattern of a training-time-test step, computed block-sparsely.
 
@@ -206,14 +319,17 @@ class TTTMask:
     per row, much less for short packed documents.
     """
 
-    def __init__(self, step0: torch.Tensor, block: int) -> None:
+    def __init__(self, step0: torch.Tensor, block: int, floors: list[int] | None = None) -> None:
+        """floors: key_floors(doc_ids, block) when the caller has it from the host (no device
+        read here); None: computed from `step0` (one device->host read)."""
         self.step0, self.block = step0, block
         L = step0.shape[-1]
-        first = step0[:, 0].to(torch.uint8).argmax(-1)  # [B, L] first visible key (argmax: first max)
+        if floors is None:
+            first = step0[:, 0].to(torch.uint8).argmax(-1)  # [B, L] first visible key (argmax: first max)
+            floors = _block_floors(first, block)
         # per query block b: (s, e, a) = its queries [s, e) and the first step-0 key
         # block a it needs (keys are taken in whole blocks, so from a * block on)
-        self.spans = [(s, min(L, s + block), int(first[:, s:s + block].min()) // block)
-                      for s in range(0, L, block)]
+        self.spans = [(s, min(L, s + block), floors[b] // block) for b, s in enumerate(range(0, L, block))]
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [B, heads, L, d]; keys, values [B, heads, (k+1)L, d] -> [B, heads, L, d]."""
@@ -274,10 +390,10 @@ class FlexTTTMask:
         self.L = L
         self.Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
         nb = self.Lp // FLEX_BLOCK
-        # documents renumbered 1.. (any ids, -1 padding included); the tile padding is 0
-        _, inverse = torch.unique(doc_ids, return_inverse=True)
-        self.doc = F.pad(inverse + 1, (0, self.Lp - L))  # [B, Lp]
-        n_docs = int(inverse.max()) + 2
+        # documents renumbered 1..L per row by their first position (any ids, -1 padding included;
+        # fixed-shape, no device->host read as torch.unique and a max would need); the tile padding is 0
+        self.doc = F.pad(first_positions(doc_ids) + 1, (0, self.Lp - L))  # [B, Lp]
+        n_docs = L + 1
         present = torch.zeros(B, nb, n_docs, dtype=torch.bool, device=doc_ids.device)
         present.scatter_(2, self.doc.view(B, nb, FLEX_BLOCK), True)  # [B, tiles, documents]
         # a query tile sees a key tile before it iff they share a document (every j < i there);
@@ -636,8 +752,9 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
-        attn_block: int | None = 256,
+        attn_block: int | None = ATTN_BLOCK,
         attention: str = "sdpa",
+        key_floors: list[int] | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test: simulate `steps` steps of chain drafting at every
         position at once.
@@ -662,6 +779,8 @@ class Eagle3Drafter(nn.Module):
         "flex" (compiled flex attention over a block mask, FlexTTTMask: no key
         copies, GQA in place; the lean and fast path on CUDA; on the CPU torch
         runs it forward only, and its first compile takes ~20 s).
+        key_floors: the SDPA path's key_floors(doc_ids, attn_block), computed where doc_ids is on
+        the host; None: computed here, one device->host read (a sync on CUDA) per call.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -691,7 +810,7 @@ class Eagle3Drafter(nn.Module):
             diag = torch.eye(L, dtype=torch.bool, device=device).expand(B, 1, L, L)
             return self._ttt_steps(input_ids, aux_hidden, steps, position_ids, return_hidden,
                                    lambda k: torch.cat([step0_mask] + [diag] * k, dim=-1))  # [B, 1, L, (k+1)L]
-        blocked = TTTMask(step0_mask, attn_block)
+        blocked = TTTMask(step0_mask, attn_block, key_floors)
         return self._ttt_steps(input_ids, aux_hidden, steps, position_ids, return_hidden, lambda k: blocked)
 
     def _ttt_steps(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int,

@@ -17,10 +17,18 @@ with the tokenizer's offsets; when a BPE merge straddles a span boundary, the te
 piece by piece at the boundaries instead (the way the model saw it: prompt tokens, then its own).
 
 Reasoning: a template that renders a `reasoning_content` / `reasoning` / `thinking` field gets it
-in that field (found by rendering a probe); for any other template the reasoning is written into
-the content as `<think>\\n{reasoning}\\n</think>\\n\\n{content}`. Templates that keep reasoning
-only for the last turn (Qwen3) drop it from earlier turns, as they do at inference; those turns
-are counted (`reasoning_dropped_by_template`).
+in that field (found by rendering a probe: Qwen3 `reasoning_content`, gpt-oss `thinking` as its
+analysis channel); for any other template the reasoning is written into the content as
+`<think>\\n{reasoning}\\n</think>\\n\\n{content}`. Templates that keep reasoning only for the last
+turn (Qwen3, gpt-oss) drop it from earlier turns, as they do at inference; those turns are counted
+(`reasoning_dropped_by_template`). Templates that drop it from the last turn too (DeepSeek-R1 and
+V3.1 strip everything up to `</think>`, Kimi-K2-Thinking renders the last answer as history with an
+empty `<think></think>`) get the last turn spliced the way the target produced it: the generation
+prompt (rendered with `thinking`/`enable_thinking` on, so V3.1's ends in `<think>`), then the reasoning
+in the think block that prompt opened or the template's own empty block shows, then the answer and
+the template's end of turn (`reasoning_spliced`). Each assistant turn with reasoning is counted
+(`reasoning_turns`), and so is each whose reasoning ends up inside the prepared ids and the loss
+mask (`reasoning_kept`): their ratio is the reasoning capture rate of the manifest and the log.
 
 Output: `prepare/samples.jsonl`, one line per kept sample in generate's order (see
 docs/run-directory.md), appended and flushed as each one is done. A rerun with the same
@@ -54,7 +62,11 @@ MAX_GAP = 64
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 THINK_FORMAT = "<think>\n{reasoning}\n</think>\n\n{content}"
 ROLES = ("system", "user", "assistant")
-NOTE_KEYS = ("reasoning_dropped_by_template", "turns_without_end_token", "boundary_retokenized", "boundary_overlap")
+NOTE_KEYS = ("reasoning_dropped_by_template", "turns_without_end_token", "boundary_retokenized", "boundary_overlap",
+             "reasoning_turns", "reasoning_kept", "reasoning_spliced", "generation_prompt_not_in_history")
+# Chat-template switches that put a template in thinking mode (Qwen3 `enable_thinking`, DeepSeek-V3.1
+# `thinking`): used only for the generation prompt of a last turn whose reasoning is spliced in.
+THINKING_KWARGS = {"enable_thinking": True, "thinking": True}
 
 
 
@@ -87,14 +99,15 @@ class ChatEncoder:
         # Longest first, so that a token is never matched by a shorter one it starts with.
         self.end_tokens = sorted({t for t in end_tokens if t}, key=len, reverse=True)
         self.reasoning_key = self._probe_reasoning_key()
+        self.think_slot = self.reasoning_key is None and self._probe_think_slot()
 
     @classmethod
     def for_target(cls, tokenizer, info) -> "ChatEncoder":
         return cls(tokenizer, info.name, end_of_turn_tokens(tokenizer, Path(info.path)))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
             raise TemplateProblem(f"the chat template of {self.target} fails on it ({type(e).__name__}: {e})") from None
         if not isinstance(text, str):
@@ -113,13 +126,25 @@ class ChatEncoder:
                 return None
         return None
 
+    def _probe_think_slot(self) -> bool:
+        """Whether the template writes its own (empty) think block before every answer it renders
+        (Kimi-K2-Thinking `<think></think>`, DeepSeek-V3.1 `</think>`): reasoning then cannot go into
+        the content as a <think> block (it would be rendered twice); the last turn is spliced instead."""
+        try:
+            text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], False)
+        except TemplateProblem:
+            return False
+        a = text.find("hi")
+        b = text.find("hello", a + 2)
+        return 0 <= a < b and "</think>" in text[a + 2:b]
+
     def _template_message(self, m: dict) -> dict:
         out = {"role": m["role"], "content": m["content"]}
         reasoning = m.get("reasoning")
         if m["role"] == "assistant" and reasoning:
             if self.reasoning_key:
                 out[self.reasoning_key] = reasoning
-            else:
+            elif not self.think_slot:
                 out["content"] = THINK_FORMAT.format(reasoning=reasoning.strip("\n"), content=m["content"])
         return out
 
@@ -132,35 +157,101 @@ class ChatEncoder:
         tmsgs = [self._template_message(m) for m in messages]
         full = self._render(tmsgs, False)
         spans: list[tuple[int, int]] = []  # [start, end) character ranges of assistant output
+        kept: list[tuple[int, int]] = []  # character ranges of reasoning that the rendered text holds
         notes: dict[str, int] = {}
+
+        def note(key: str) -> None:
+            notes[key] = notes.get(key, 0) + 1
+
         turn = 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
             prefix = self._render(tmsgs[:i], True)
-            if not full.startswith(prefix):
-                raise TemplateProblem(
-                    f"the chat template of {self.target} renders the conversation before assistant message "
-                    f"{i + 1} differently once later messages are added, so its tokens cannot be located")
-            start = len(prefix)
-            pos = start
             reasoning = (m.get("reasoning") or "").strip()
+            start = self._turn_start(full, prefix, tmsgs[:i], i)
+            if start < len(prefix):
+                note("generation_prompt_not_in_history")
+            pos = start
+            dropped = False
             if reasoning:
+                note("reasoning_turns")
                 k = full.find(reasoning, start)
                 if 0 <= k <= start + MAX_GAP:
                     pos = k + len(reasoning)
+                    kept.append((k, pos))
                 else:
-                    notes["reasoning_dropped_by_template"] = notes.get("reasoning_dropped_by_template", 0) + 1
-            content_end, end = self._locate_content(full, pos, m["content"].strip(), i)
+                    dropped = True
+            content = m["content"].strip()
+            content_end, end = self._locate_content(full, pos, content, i)
             ended = finish_reasons is None or turn >= len(finish_reasons) or finish_reasons[turn] != "length"
-            if end is None:
-                notes["turns_without_end_token"] = notes.get("turns_without_end_token", 0) + 1
-            spans.append((start, end if (end is not None and ended) else content_end))
             turn += 1
+            if dropped and i == len(messages) - 1:
+                spliced = self._splice_last(full, tmsgs[:i], start, content, content_end, end, reasoning, spans)
+                if spliced is not None:
+                    full, span, rspan = spliced
+                    spans.append(span if ended else (span[0], span[1] - (0 if end is None else end - content_end)))
+                    kept.append(rspan)
+                    note("reasoning_spliced")
+                    if end is None:
+                        note("turns_without_end_token")
+                    break
+            if dropped:
+                note("reasoning_dropped_by_template")
+            if end is None:
+                note("turns_without_end_token")
+            spans.append((start, end if (end is not None and ended) else content_end))
+        inside = sum(1 for a, b in kept if any(s <= a and b <= e for s, e in spans))
+        if inside:
+            notes["reasoning_kept"] = inside
         ids, mask, how = self._tokenize(full, spans)
         if how:
             notes[how] = 1
         return Encoded(ids, mask, assistant_turns=turn, notes=notes)
+
+    def _turn_start(self, full: str, prefix: str, before: list[dict], i: int) -> int:
+        """Where assistant message i starts in `full`: after its generation prompt, or, for a template
+        whose generation prompt holds text its history never shows (DeepSeek-R1's "<think>\\n" after
+        "<｜Assistant｜>"), where the two part (only ever inside the generation prompt itself)."""
+        if full.startswith(prefix):
+            return len(prefix)
+        base = self._render(before, False)
+        same = len(os.path.commonprefix([full, prefix]))
+        if prefix.startswith(base) and same >= len(base):
+            return same
+        raise TemplateProblem(
+            f"the chat template of {self.target} renders the conversation before assistant message "
+            f"{i + 1} differently once later messages are added, so its tokens cannot be located")
+
+    def _splice_last(self, full: str, before: list[dict], start: int, content: str, content_end: int, end: int | None,
+                     reasoning: str, spans: list[tuple[int, int]]):
+        """The conversation as the target produced its last turn, for a template that drops that turn's
+        reasoning: (text, the turn's span, the reasoning's range), or None when it cannot be built."""
+        try:
+            prompt = self._render(before, True, **THINKING_KWARGS)
+        except TemplateProblem:
+            return None
+        same = len(os.path.commonprefix([full, prompt]))
+        if any(e > same for _, e in spans):  # the earlier turns must stay as the template renders them
+            return None
+        content_start = content_end - len(content)
+        gap = full[start:content_start]  # what the template puts between its header and the answer
+        if prompt.endswith("<think>\n"):  # DeepSeek-R1: the prompt opens the block
+            head, tail_sep = "", "\n</think>\n\n"
+        elif prompt.endswith("<think>"):  # DeepSeek-V3.1 in thinking mode
+            head, tail_sep = "", "</think>"
+        elif "<think>" in gap and "</think>" in gap.split("<think>", 1)[1]:  # the template's own empty block (Kimi)
+            a = gap.index("<think>") + len("<think>")
+            b = gap.index("</think>", a)
+            nl = "\n" if "\n" in gap[a:b] else ""
+            head, tail_sep = gap[:a] + nl, nl + gap[b:]
+        else:
+            head, tail_sep = gap + "<think>\n", "\n</think>\n\n"
+        r0 = len(prompt) + len(head)
+        body = head + reasoning + tail_sep + content
+        text = prompt + body + full[content_end:]
+        stop = len(prompt) + len(body) + ((end - content_end) if end is not None else 0)
+        return text, (len(prompt), stop), (r0, r0 + len(reasoning))
 
     def _locate_content(self, full: str, pos: int, content: str, i: int) -> tuple[int, int | None]:
         """(end of the content, end of the end-of-turn token after it or None) in `full`."""
@@ -392,7 +483,8 @@ def run_prepare(run: RunDir, cfg) -> dict:
     with Progress(run, STAGE, total=len(keys), unit="samples", done=len(done_keys), stall_after_s=cfg.stall_after_s) as prog:
         prog.log(f"target {info.name}; {len(keys)} generated samples, {len(done_keys)} already prepared; "
                  f"max_length {cfg.prepare.max_length} ({cfg.prepare.overflow}); reasoning "
-                 + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else "written as <think> blocks"))
+                 + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else
+                    "spliced into the template's own think block (last turns)" if encoder.think_slot else "written as <think> blocks"))
         counts, dropped_examples = _encode_samples(gen_path, out_path, keys, done_keys, encoder, tally, cfg.prepare, prog)
         _log_summary(prog, gen_path, tally, counts, dropped_examples)
         manifest_counts = {
@@ -401,10 +493,12 @@ def run_prepare(run: RunDir, cfg) -> dict:
             "tokens": tally.tokens, "masked_tokens": tally.masked_tokens, "truncated": tally.truncated,
             "dropped": counts["dropped_too_long"] + counts["dropped_empty_mask"], **counts,
             **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
+            "reasoning_capture_rate": capture_rate(tally.notes),
         }
         manifest = book.finish(counts=manifest_counts, outputs=["samples.jsonl"],
                                inputs={"generate_samples_sha256": gen_sha},
-                               extra={"reasoning_key": encoder.reasoning_key, "end_tokens": encoder.end_tokens})
+                               extra={"reasoning_key": encoder.reasoning_key, "think_slot": encoder.think_slot,
+                                      "end_tokens": encoder.end_tokens})
         prog.end(samples=tally.samples, tokens=tally.tokens, masked_tokens=tally.masked_tokens)
     return manifest
 
@@ -482,6 +576,13 @@ def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, 
     return counts, dropped_examples
 
 
+def capture_rate(notes: dict[str, int]) -> float | None:
+    """Share of the assistant turns with reasoning whose reasoning is in the prepared ids, inside the
+    loss mask; None when no turn had any."""
+    turns = notes.get("reasoning_turns", 0)
+    return round(notes.get("reasoning_kept", 0) / turns, 4) if turns else None
+
+
 def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], dropped_examples: list[str]) -> None:
     """What was kept and dropped, as log lines; no sample kept is an error."""
     dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
@@ -493,8 +594,15 @@ def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], d
              f"{counts['dropped_empty_mask']} with no assistant tokens")
     if dropped_examples:
         prog.log("dropped, e.g.: " + "; ".join(dropped_examples))
+    if tally.notes.get("reasoning_turns"):
+        turns, kept = tally.notes["reasoning_turns"], tally.notes.get("reasoning_kept", 0)
+        prog.log(f"reasoning: {turns} assistant turns had reasoning; {kept} of them ({kept / turns:.0%}) kept in the "
+                 f"prepared ids and the loss mask" + (f" ({tally.notes['reasoning_spliced']} last turns spliced after the "
+                 f"generation prompt: the template drops their reasoning)" if tally.notes.get("reasoning_spliced") else ""))
     for k, msg in (("reasoning_dropped_by_template", "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
                    ("turns_without_end_token", "assistant turns with no end-of-turn token after them in the template"),
+                   ("generation_prompt_not_in_history", "assistant turns whose generation prompt the template's history does not show "
+                    "(e.g. DeepSeek-R1's '<think>\\n'): masked from where the two part"),
                    ("boundary_retokenized", "samples tokenized piecewise because a token straddled a turn boundary"),
                    ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
         if tally.notes.get(k):

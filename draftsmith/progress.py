@@ -41,23 +41,25 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line, scrub
-from draftsmith.journal import (RATE_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
+from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
                                journal_state, read_journal, recent_rate)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
 
 _current_log: list[Path] = []  # stage.log of the innermost active Progress
+_log_lock = threading.Lock()  # the heartbeat thread prints too: one whole line at a time
 
 
 def log(msg: str, *, stage: str | None = None, console: bool = True) -> None:
     """One log line, flushed at once, mirrored into the active stage's stage.log."""
     rank, _ = env_rank()
     line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + scrub(msg)
-    if console and rank == 0:
-        print(line, flush=True)
-    if _current_log:
-        with contextlib.suppress(OSError), open(_current_log[-1], "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+    with _log_lock:
+        if console and rank == 0:
+            print(line, flush=True)
+        if _current_log:
+            with contextlib.suppress(OSError), open(_current_log[-1], "a", encoding="utf-8") as f:
+                f.write(line + "\n")
 
 
 class Progress:
@@ -127,7 +129,7 @@ class Progress:
                 if ev.get("done") is not None:
                     # the points `status` reads back from this journal, for the log's rate
                     self._points.append((ev["t"], ev["done"]))
-                    while self._points and self._points[0][0] < ev["t"] - 2 * RATE_WINDOW_S:
+                    while self._points and self._points[0][0] < ev["t"] - 2 * RATE_MAX_WINDOW_S:
                         self._points.popleft()
 
     def _event(self, kind: str, **extra: Any) -> dict[str, Any]:
@@ -163,6 +165,13 @@ class Progress:
         while not self._stop.wait(self.heartbeat_s):
             with contextlib.suppress(OSError, DiskFull):  # the stage reports a full disk itself
                 self._write(self._event("p"))
+            # A line per interval even while no unit completes (a long batch, a slow spell), so the
+            # log's newest rate and ETA are never much older than what `status` computes now. Not
+            # before the first unit, nor inside a named long step (that has its own line).
+            now = time.time()
+            if (self._phase is None and self.done > self.start_done and not self._stop.is_set()
+                    and now - self._last_line_t >= self.interval_s):
+                self._print_line(now)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:

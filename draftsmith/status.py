@@ -81,6 +81,22 @@ def _count_extract(d: Path) -> tuple[int, int]:
     return n, size
 
 
+def extract_bytes_per_token(d: Path, size: int) -> float | None:
+    """Bytes on disk per token of the extract store's finished files (`size` bytes): their tokens
+    from meta.json's `lengths`; None before meta.json or a file exists."""
+    try:
+        lengths = json.loads((d / "meta.json").read_text())["lengths"]
+        tokens = 0
+        for shard in d.glob("rows_*"):
+            with os.scandir(shard) as it:
+                for e in it:
+                    if e.name.endswith(".safetensors") and not is_temp_name(e.name):
+                        tokens += int(lengths[int(e.name.split(".")[0])])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return size / tokens if tokens else None
+
+
 def _count_train(d: Path) -> tuple[int, int]:
     """The step of the newest complete checkpoint (a checkpoint folder holds `state.json`)."""
     best = 0
@@ -187,6 +203,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         except (OSError, json.JSONDecodeError, AttributeError, TypeError):
             pass
     row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage.split("-")[0]](d)  # eval-vllm counts like eval
+    if stage == "extract" and row["bytes_on_disk"]:
+        row["bytes_per_token"] = extract_bytes_per_token(d, row["bytes_on_disk"])
     return row
 
 
@@ -248,7 +266,8 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
         fmt_duration(r["elapsed_s"]) if r.get("elapsed_s") is not None else "-",
         f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending") else "-",
         str(r["pid"] or "-"),
-        f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])})" if r["bytes_on_disk"] else str(r["on_disk"] or "-"),
+        f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])}" + (f", {r['bytes_per_token']:,.0f} B/token" if r.get("bytes_per_token") else "")
+        + ")" if r["bytes_on_disk"] else str(r["on_disk"] or "-"),
     ]
 
 

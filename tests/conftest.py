@@ -76,6 +76,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory) -> Path:
+    """A tiny random Llama with 8 layers, so the default aux layers [2, 4, 5] are valid (the vLLM
+    extraction server also gives 8); one per test module."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     """Path of a tiny random Llama target folder (ChatML template)."""

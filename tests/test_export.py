@@ -67,7 +67,12 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
     sc = cj["speculators_config"]
     assert sc["algorithm"] == "eagle3"
     assert sc["proposal_methods"][0]["speculative_tokens"] == 3  # the checkpoint's ttt_steps
-    assert sc["verifier"]["name_or_path"] == info.path
+    # the verifier as the config names it (never this machine's resolved path), plus what identifies it
+    assert sc["verifier"]["name_or_path"] == str(tiny_target)
+    assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert cj["draftsmith"]["target_spec"] == str(tiny_target)
+    assert cj["draftsmith"]["target_architecture"] == "LlamaForCausalLM"
+    assert len(cj["draftsmith"]["target_config_sha256"]) == 64
     assert cj["draftsmith"]["target"] == info.name and cj["draftsmith"]["target_fingerprint"] == info.fingerprint
     assert cj["draftsmith"]["step"] == 10
 

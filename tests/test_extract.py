@@ -7,6 +7,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,12 +21,6 @@ from draftsmith.rundir import RunDir, file_sha256, fingerprint
 from conftest import REPO, build_tiny_target, run_cli
 
 LENGTHS = [23, 5, 64, 1, 40, 17, 33, 9, 50, 12]
-
-
-@pytest.fixture(scope="module")
-def tiny8(tmp_path_factory) -> Path:
-    """A tiny random Llama with 8 layers, so the default aux layers [2, 4, 5] are valid."""
-    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
 
 
 def make_samples(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> list[dict]:
@@ -216,16 +211,18 @@ def test_plan_batches_groups_by_length():
 def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
     run = make_run(tmp_path, tiny8)
     cfg = cfg_for(tiny8, "extract.shard_size=4", "extract.batch_tokens=64")
-    real_write = store.atomic_write_bytes
+    real_write = store.write_hashed
     calls = []
+    lock = threading.Lock()
 
-    def dying_write(path, data):
-        if len(calls) == 5:
-            raise OSError("disk went away")
-        calls.append(path)
-        real_write(path, data)
+    def dying_write(path, parts):
+        with lock:
+            if len(calls) >= 5:
+                raise OSError("disk went away")
+            calls.append(path)
+        return real_write(path, parts)
 
-    monkeypatch.setattr(store, "atomic_write_bytes", dying_write)
+    monkeypatch.setattr(store, "write_hashed", dying_write)
     with pytest.raises(OSError, match="disk went away"):
         run_extract(run, cfg)
     d = run.path / "extract"
@@ -236,7 +233,7 @@ def test_resume_after_crash_keeps_finished_files(tmp_path, tiny8, monkeypatch):
     journal = [json.loads(line) for line in (d / "progress.jsonl").read_text().splitlines()]
     assert journal[-1]["ev"] == "error" and "disk went away" in journal[-1]["error"]
 
-    monkeypatch.setattr(store, "atomic_write_bytes", real_write)
+    monkeypatch.setattr(store, "write_hashed", real_write)
     m = run_extract(run, cfg)
     assert m["counts"]["done"] == 10 and len(list(d.rglob("*.safetensors"))) == 10
     for p, stamp in first.items():
@@ -407,3 +404,162 @@ def test_bad_prepared_sample_is_named(tmp_path, tiny8):
     write_prepare(run, str(tiny8), samples)
     with pytest.raises(DraftsmithError, match=r"samples.jsonl:2: input_ids \(5\) and loss_mask \(4\)"):
         run_extract(run, cfg_for(tiny8))
+
+
+# -------------------------------------------------------------------------------------------------
+# The writer under SIGKILL: writer threads, group fsync, files named done only once synced
+
+WRITER_CHILD = r'''
+import sys
+from pathlib import Path
+
+import torch
+
+from draftsmith.extract import store
+
+d, fmt = Path(sys.argv[1]), sys.argv[2]
+A, H, SHARD = 3, 256, 16
+lengths = [40 + (i * 37) % 300 for i in range(48)]
+layers = [2, 4, 5]
+writer = store.ShardWriter(d, layers, threads=4, store_format=fmt)
+try:
+    for s in store.shard_ranges(len(lengths), SHARD):
+        store.remove_temps(d, s)  # what extract's resume does
+        if (d / store.shard_name(*s) / store.SHARD_RECORD).is_file():
+            continue
+        have = store.present(d, s)
+        for i in range(*s):
+            if i not in have:
+                g = torch.Generator().manual_seed(i)
+                aux, last = torch.randn(1, lengths[i], A, H, generator=g), torch.randn(1, lengths[i], H, generator=g)
+                sample = {"id": f"s{i}", "input_ids": [i % 100] * lengths[i], "loss_mask": [j % 2 for j in range(lengths[i])]}
+                writer.write_batch(s, [i], [sample], aux, last)
+        writer.finish_shard(s)
+    writer.close()
+except BaseException:
+    writer.abort()
+    raise
+'''
+
+
+def _store_state(d: Path) -> tuple[dict[str, bytes], dict[str, list]]:
+    files = {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.glob("rows_*/*.safetensors"))}
+    records = {p.parent.name: json.loads(p.read_text())["files"] for p in sorted(d.glob("rows_*/shard.json"))}
+    return files, records
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_writer_killed_during_writes_resumes_to_the_same_bytes(tmp_path, fmt):
+    """SIGKILL the writer (4 threads, fsync per group) while files are being written, three times,
+    resuming each time as extract does: a file under its final name is always whole (equal to an
+    uninterrupted run's), a shard.json only exists once all its files do and matches them, and
+    the last attempt ends with the uninterrupted run's bytes."""
+    script = tmp_path / "child.py"
+    script.write_text(WRITER_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def child(d: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(d), fmt], env=env, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    ref = tmp_path / "ref"
+    p = child(ref)
+    assert p.wait(timeout=300) == 0, p.communicate()
+    want_files, want_records = _store_state(ref)
+    assert len(want_files) == 48 and len(want_records) == 3
+
+    d = tmp_path / "killed"
+    rng = random.Random(f"kill-{fmt}")
+    killed = 0
+    for attempt in range(3):
+        p = child(d)
+        deadline = time.time() + 120
+        while p.poll() is None and time.time() < deadline and not list(d.glob("rows_*/.*.tmp")):
+            time.sleep(0.001)  # the kill lands while files are being written
+        time.sleep(rng.uniform(0.0, 0.3))
+        if p.poll() is None:
+            p.kill()
+            killed += 1
+        p.wait(timeout=60)
+        files, records = _store_state(d)
+        assert all(files[k] == want_files[k] for k in files), "a file under its final name is not whole"
+        for shard, recs in records.items():
+            assert recs == want_records[shard]
+            assert {f"{shard}/{r['name']}" for r in recs} <= files.keys()
+    assert killed >= 1, "no attempt was killed while writing"
+    p = child(d)
+    assert p.wait(timeout=300) == 0, p.communicate()
+    files, records = _store_state(d)
+    assert files == want_files and records == want_records
+    assert not list(d.rglob(".*.tmp"))
+
+
+# -------------------------------------------------------------------------------------------------
+# Store formats: bf16 (today's) and fp8 (e4m3 + a float32 scale per row)
+
+
+def test_encoder_writes_what_safetensors_would():
+    import torch
+    from safetensors.torch import save
+
+    s = {"id": "x", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]}
+    aux, last = torch.randn(6, 3, 16), torch.randn(6, 16)
+    for fmt in ("bf16", "fp8"):
+        t = store.sample_tensors(s, aux, last, fmt)
+        ref = store.canonical_safetensors(save({k: v.clone() for k, v in t.items()}, metadata=store.sample_metadata(3, s, [1, 2, 3])))
+        assert store.encode_sample(3, s, aux, last, [1, 2, 3], fmt) == ref
+
+
+def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
+    import torch
+
+    from draftsmith.status import render_table, run_status
+    from draftsmith.train.data import OfflineSource
+
+    samples = make_samples(vocab(tiny8))
+    runs = {}
+    for fmt in ("bf16", "fp8"):
+        runs[fmt] = make_run(tmp_path, tiny8, samples, name=fmt)
+        m = run_extract(runs[fmt], cfg_for(tiny8, "extract.shard_size=4", f"extract.store_format={fmt}"))
+        meta = json.loads((runs[fmt].path / "extract" / "meta.json").read_text())
+        assert meta["store_format"] == fmt and meta["fields"] == list(store.FORMAT_FIELDS[fmt])
+        assert abs(m["counts"]["bytes"] / sum(LENGTHS) - bytes_per_token(3, 64, fmt)) < 1024 * 10 / sum(LENGTHS)
+        # status: the store's bytes on disk and bytes per token (of the files there, while it runs too)
+        row = next(r for r in run_status(runs[fmt].path)["stages"] if r["name"] == "extract")
+        assert row["bytes_on_disk"] == m["counts"]["bytes"]
+        assert abs(row["bytes_per_token"] - m["counts"]["bytes"] / sum(LENGTHS)) < 1e-6
+        assert f"{row['bytes_per_token']:,.0f} B/token" in render_table(run_status(runs[fmt].path))
+    assert bytes_per_token(3, 4096, "fp8") / bytes_per_token(3, 4096) < 0.51
+    a, b = ExtractStore(runs["bf16"]), ExtractStore(runs["fp8"])
+    assert (a.store_format, b.store_format) == ("bf16", "fp8")
+    for i in range(len(samples)):
+        x, y = a[i], b[i]
+        assert set(y) == set(x) and y["aux_hidden"].dtype == torch.bfloat16
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for k in ("aux_hidden", "last_hidden"):
+            assert y[k].shape == x[k].shape
+            assert token_rel_err(y[k], x[k]) < 0.08, (i, k, token_rel_err(y[k], x[k]))  # e4m3: 3 mantissa bits
+        raw = b.raw(i)
+        assert raw["aux_hidden"].dtype == torch.float8_e4m3fn and tuple(raw["aux_scale"].shape) == (LENGTHS[i], 3)
+    # the training reader takes both the same way
+    for st in (a, b):
+        got = OfflineSource(st).sample(2, 1000)
+        assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["last_hidden"].dtype == torch.bfloat16
+
+    # --verify of an fp8 store: a good one passes untouched, a bad scale is found and redone
+    cfg = cfg_for(tiny8, "extract.shard_size=4", "extract.store_format=fp8")
+    before = all_files(runs["fp8"])
+    run_extract(runs["fp8"], cfg, verify=True)
+    assert all_files(runs["fp8"]) == before
+    p = runs["fp8"].path / "extract" / "rows_0-4" / "1.safetensors"
+    data = bytearray(p.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    off = json.loads(data[8:8 + n])["aux_scale"]["data_offsets"][0] + 8 + n
+    data[off:off + 4] = bytes.fromhex("0000c0ff")  # a NaN scale, same size
+    p.write_bytes(bytes(data))
+    assert store.check_sample_file(p, 1, samples[1], [2, 4, 5], 64, "fp8") is not None
+    run_extract(runs["fp8"], cfg, verify=True)
+    assert all_files(runs["fp8"]) == before
+    # a store of the other format is refused, not mixed
+    with pytest.raises(DraftsmithError, match="store_format"):
+        run_extract(runs["bf16"], cfg_for(tiny8, "extract.shard_size=4", "extract.store_format=fp8"))

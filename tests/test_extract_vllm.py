@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_tiny_target
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.extract import ExtractStore, HiddenCapture, run_extract
@@ -33,12 +32,6 @@ from draftsmith.target import target_info
 from test_extract import make_samples, write_prepare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny8(tmp_path_factory) -> Path:
-    """A tiny random Llama with 8 layers (default aux layers [2, 4, 5]; the server also gives 8)."""
-    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
 
 
 # -------------------------------------------------------------------------------------------------

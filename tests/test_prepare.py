@@ -169,7 +169,7 @@ def test_reasoning_through_a_think_template(think_target):
     out = enc.encode(msgs)
     runs = [tok.decode(r) for r in masked_runs(out.input_ids, out.loss_mask)]
     assert runs == ["<think>\nA poem about the sea.\n</think>\n\nThe sea and the sky.<|im_end|>"]
-    assert not out.notes
+    assert out.notes == {"reasoning_turns": 1, "reasoning_kept": 1}
 
 
 def test_think_template_drops_earlier_reasoning_counted(think_target):
@@ -182,7 +182,7 @@ def test_think_template_drops_earlier_reasoning_counted(think_target):
     runs = [tok.decode(r) for r in masked_runs(out.input_ids, out.loss_mask)]
     assert runs == ["Hello! How can I help?<|im_end|>",
                     "<think>\nA poem about the sea.\n</think>\n\nThe sea and the sky.<|im_end|>"]
-    assert out.notes == {"reasoning_dropped_by_template": 1}
+    assert out.notes == {"reasoning_dropped_by_template": 1, "reasoning_turns": 2, "reasoning_kept": 1}
 
 
 def test_reasoning_without_template_support_is_written_as_think_block(tiny_target):

@@ -339,8 +339,12 @@ def test_log_and_status_use_the_same_rate_after_a_long_start_up(tmp_path):
     log_rate = float(last.split(" | ")[1].split()[0].replace(",", ""))
     assert "(warming up)" in last and row["warming_up"]
     assert row["rate_per_s"] == pytest.approx(log_rate, rel=0.2), (row, last)
-    # the work itself goes at ~50/s; a rate over the whole attempt would be about half that
-    assert log_rate > 30, last
+    # the work itself goes at ~50/s on an idle machine; a rate over the whole attempt, start-up
+    # included, would be about half of the work's own (compared with that, not with 50/s: on busy
+    # cores the work itself goes slower)
+    done = int(last.split("] ")[1].split("/")[0])
+    elapsed = row["elapsed_s"]
+    assert log_rate > 1.3 * done / elapsed, (last, elapsed)
 
 
 def test_finished_stage_shows_how_long_it_took_and_how_fast(tmp_path):

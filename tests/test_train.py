@@ -43,12 +43,6 @@ DV = 64  # draft vocabulary of the tiny runs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny8(tmp_path_factory) -> Path:
-    """A tiny random Llama with 8 layers (default aux layers [2, 4, 5])."""
-    return build_tiny_target(tmp_path_factory.mktemp("tiny8"), num_layers=8)
-
-
 def cycle_samples(vocab_size: int, n: int, seed: int = 0, lengths=(24, 60), prompt=(3, 8)) -> list[dict]:
     """Prompts of random tokens (loss mask 0), answers that walk a fixed permutation cycle over
     40 token ids (loss mask 1): the next answer token is a function of the current one."""
@@ -896,7 +890,8 @@ def test_online_training_on_smollm2_lowers_the_loss(smol_target, tmp_path):
 
 def test_fsdp_mixed_precision_and_frozen_tensors_outside_the_shards(tmp_path):
     """train.fsdp under bf16: parameters gathered in bf16 and gradients reduced in float32; the frozen
-    embedding is kept whole (no shard, no all-gather each forward) and in bf16. On gloo, as FSDP runs here."""
+    embedding is kept whole (no shard, no all-gather each forward) and in bf16, the target head a bf16
+    buffer. On gloo, as FSDP runs here."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -915,6 +910,10 @@ def test_fsdp_mixed_precision_and_frozen_tensors_outside_the_shards(tmp_path):
         assert not embed.requires_grad and not isinstance(embed, DTensor) and embed.dtype == torch.bfloat16
         trainable = [p for p in objective.parameters() if p.requires_grad]
         assert trainable and all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in trainable)
-        assert objective.target_head.dtype == torch.float32  # the teacher's head: a buffer, never sharded
+        # the teacher's head: a bf16 buffer, never sharded; the root's policy is the layers'
+        head = objective.target_head
+        assert head.dtype == torch.bfloat16 and not isinstance(head, DTensor) and "target_head" in dict(objective.named_buffers())
+        root = objective._get_fsdp_state()._mp_policy
+        assert (root.param_dtype, root.reduce_dtype) == (torch.bfloat16, torch.float32)
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,7 @@
   `batch size x longest length <= extract.batch_tokens`, right-padded. Right padding under a
   causal mask cannot change a real token's state (it only attends to earlier, real tokens), and
   position ids are explicit 0..L-1 per row, so each sample's states equal a one-sample forward.
-- writing: store.ShardWriter, a thread that serialises and writes while the next batch computes.
+- writing: store.ShardWriter, threads that encode, hash and write while the next batch computes.
 
 HiddenCapture and make_batch also serve online training (train.mode=online), so its states equal
 what this backend stores.
@@ -116,7 +116,8 @@ def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepar
         with prog.busy("loading target"):
             target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
     capture = HiddenCapture(target.model, layers) if target is not None else None
-    writer = ShardWriter(d, layers, on_written=prog.advance)
+    writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
+                         store_format=cfg.extract.store_format)
     t0 = time.time()
     try:
         with torch.inference_mode():

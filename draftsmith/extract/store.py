@@ -7,34 +7,36 @@ Layout (docs/run-directory.md, "extract/"):
     extract/rows_{start}-{end}/shard.json    written once every file of the shard is complete
     extract/manifest.json                    written when every shard is complete
 
-A sample file holds input_ids [L] int32, loss_mask [L] uint8, aux_hidden [L, A, H] bf16 (the
-states entering the A auxiliary layers) and last_hidden [L, H] bf16 (the final normed state).
-Here: the layout, the prepared samples read by offset, the writer thread, the shard records,
---verify, and the reader (ExtractStore). Both backends (hf.py, vllm_backend.py) write through
-ShardWriter, so their stores are the same bytes.
+A sample file holds input_ids [L] int32, loss_mask [L] uint8, aux_hidden [L, A, H] (the states
+entering the A auxiliary layers) and last_hidden [L, H] (the final normed state), in bf16, or with
+extract.store_format=fp8 in float8 e4m3 with aux_scale [L, A] and last_scale [L] float32 (one scale
+per row; meta.json's `store_format` says which, absent = bf16; the reader returns bf16 for both).
+Here: the layout, the prepared samples read by offset, the writer (threads + a committer that
+fsyncs groups of files before naming them done), the shard records, --verify, and the reader
+(ExtractStore). Both backends (hf.py, vllm_backend.py) write through ShardWriter, so their stores
+are the same bytes.
 """
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import queue
 import shutil
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from draftsmith import DraftsmithError
 from draftsmith.progress import log
-from draftsmith.rundir import RunDir, atomic_write_bytes, atomic_write_json, file_sha256, is_temp_name
+from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_sha256, fsync_dir, fsync_paths, is_disk_full,
+                              is_temp_name, write_hashed)
 
 STAGE = "extract"
 META = "meta.json"
@@ -45,7 +47,7 @@ FORMAT_VERSION = 1
 FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 STORE_DTYPE = "bfloat16"
 # Meta keys that must match for files of two attempts to live in one store.
-COMPAT_KEYS = ("format", "target_fingerprint", "layers", "hidden_size", "dtype", "compute_dtype",
+COMPAT_KEYS = ("format", "store_format", "target_fingerprint", "layers", "hidden_size", "dtype", "compute_dtype",
                "prepare_fingerprint", "num_samples", "shard_size")
 FILE_OVERHEAD = 1024  # bytes per sample file beyond the tensors: safetensors header + metadata
 
@@ -67,8 +69,11 @@ def sample_name(index: int) -> str:
     return f"{index}.safetensors"
 
 
-def bytes_per_token(num_aux: int, hidden_size: int) -> int:
-    """Bytes on disk per token: (aux + last) bf16 states, an int32 id and a uint8 mask."""
+def bytes_per_token(num_aux: int, hidden_size: int, store_format: str = "bf16") -> int:
+    """Bytes on disk per token: (aux + last) states, an int32 id and a uint8 mask. bf16: 2 bytes
+    per value; fp8: 1 byte per value and a float32 scale per row (token and layer)."""
+    if store_format == "fp8":
+        return (num_aux + 1) * (hidden_size + 4) + 4 + 1
     return (num_aux + 1) * hidden_size * 2 + 4 + 1
 
 
@@ -128,28 +133,87 @@ def index_prepared(path: Path, vocab_size: int) -> Prepared:
     return Prepared(path=path, offsets=offsets, lengths=lengths)
 
 # -------------------------------------------------------------------------------------------------
-# Writing: a thread that serialises, hashes and atomically writes sample files and shard records
+# Store formats (extract.store_format; meta.json's `store_format`, absent in stores made before it: bf16)
 
 
-def sample_tensors(sample: dict, aux, last) -> dict:
-    """The tensors of one sample file; aux [T, A, H] and last [T, H] are cut to its length L."""
+STORE_FORMATS = ("bf16", "fp8")
+FORMAT_FIELDS = {
+    "bf16": FIELDS,
+    # aux/last as float8 e4m3 with one float32 scale per row (per token and layer): x ~= q * scale
+    "fp8": ("input_ids", "loss_mask", "aux_hidden", "aux_scale", "last_hidden", "last_scale"),
+}
+FORMAT_DTYPE = {"bf16": STORE_DTYPE, "fp8": "float8_e4m3fn"}  # meta.json's `dtype`: what the state tensors hold
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+
+
+def format_of(meta: dict) -> str:
+    """The store format a meta.json describes (stores written before the key: bf16)."""
+    return str(meta.get("store_format") or "bf16")
+
+
+def quantize_fp8(x):
+    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]): per row, scale = max|x| / 448,
+    so the row's largest value maps to e4m3's largest; an all-zero row gets scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q, scale, dtype=torch.bfloat16):
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# Encoding a sample file: the safetensors layout written straight from the tensors' memory
+
+
+def sample_tensors(sample: dict, aux, last, store_format: str = "bf16") -> dict:
+    """The tensors of one sample file (on the CPU); aux [T, A, H] and last [T, H] are cut to its
+    length L. Converted on their device first (a GPU casts/quantises before the copy to host)."""
     L = len(sample["input_ids"])
-    return {
-        "input_ids": torch.tensor(sample["input_ids"], dtype=torch.int32),
-        "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8),
-        # clone(): a slice of the batch tensor shares its storage; the file must hold just [L, ...]
-        "aux_hidden": aux[:L].to(torch.bfloat16).clone(),
-        "last_hidden": last[:L].to(torch.bfloat16).clone(),
-    }
+    out = {"input_ids": torch.tensor(sample["input_ids"], dtype=torch.int32),
+           "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8)}
+    if store_format == "fp8":
+        (qa, sa), (ql, sl) = quantize_fp8(aux[:L]), quantize_fp8(last[:L])
+        out.update(aux_hidden=qa.cpu(), aux_scale=sa.cpu(), last_hidden=ql.cpu(), last_scale=sl.cpu())
+    else:
+        out.update(aux_hidden=aux[:L].to(torch.bfloat16).cpu().contiguous(),
+                   last_hidden=last[:L].to(torch.bfloat16).cpu().contiguous())
+    return out
+
+
+# safetensors' dtype names, and the rank by which it orders tensors in a file (its Dtype enum,
+# larger first, then by name): reproduced so that files are byte-equal to safetensors.torch.save
+_ST_DTYPES = {torch.float64: ("F64", 12), torch.float32: ("F32", 11), torch.int32: ("I32", 9),
+              torch.bfloat16: ("BF16", 8), torch.float16: ("F16", 7), torch.float8_e4m3fn: ("F8_E4M3", 4),
+              torch.uint8: ("U8", 1), torch.int64: ("I64", 13)}
+
+
+def safetensors_parts(tensors: dict, metadata: dict) -> list:
+    """A safetensors file as buffers to write one after the other: [header, tensor bytes...].
+
+    The tensors' bytes are views of their memory (no copy, no serialised blob to re-slice); the
+    JSON header's keys are sorted, so equal tensors give byte-equal files whichever process or
+    rank wrote them (safetensors.torch.save emits them from a hash map). The header is padded
+    with spaces to a multiple of 8 bytes. Equal to canonical_safetensors(save(tensors, metadata))."""
+    names = sorted(tensors, key=lambda k: (-_ST_DTYPES[tensors[k].dtype][1], k))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    bufs, off = [], 0
+    for k in names:
+        t = tensors[k].contiguous()
+        b = t.reshape(-1).view(torch.uint8).numpy()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + b.nbytes]}
+        off += b.nbytes
+        bufs.append(b)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *bufs]
 
 
 def canonical_safetensors(data: bytes) -> bytes:
-    """The same safetensors file with its JSON header's keys sorted.
-
-    safetensors emits the header from a hash map, so key order (of the metadata) changes from one
-    process to the next; sorted, equal tensors give byte-equal files and checksums whichever
-    process or rank wrote them. The header stays padded to a multiple of 8 bytes.
-    """
+    """The same safetensors file with its JSON header's keys sorted (what safetensors_parts writes)."""
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8: 8 + n])
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -157,90 +221,217 @@ def canonical_safetensors(data: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + data[8 + n:]
 
 
-def encode_sample(index: int, sample: dict, aux, last, layers: list[int]) -> bytes:
-    meta = {"id": str(sample["id"]), "index": str(index), "layers": json.dumps(list(layers))}
-    return canonical_safetensors(save(sample_tensors(sample, aux, last), metadata=meta))
+def sample_metadata(index: int, sample: dict, layers: list[int]) -> dict:
+    return {"id": str(sample["id"]), "index": str(index), "layers": json.dumps(list(layers))}
+
+
+def encode_sample(index: int, sample: dict, aux, last, layers: list[int], store_format: str = "bf16") -> bytes:
+    """One sample file's bytes (tests and tools; the writer writes the parts without joining them)."""
+    parts = safetensors_parts(sample_tensors(sample, aux, last, store_format), sample_metadata(index, sample, layers))
+    return b"".join(bytes(memoryview(p)) for p in parts)
+
+
+# -------------------------------------------------------------------------------------------------
+# Writing: writer threads that encode, hash and write sample files; a committer that makes them done
+
+
+COMMIT_S = 1.0  # written files are fsynced and named done at least this often (and at each shard's end)
+COMMIT_BYTES = 1 << 30  # ... or as soon as this many bytes of one shard wait
+
+
+@dataclass
+class _Shard:
+    jobs: int = 0  # sample files queued or being written
+    pending: list = None  # written, not yet synced: (tmp path, final path, name, size, sha256)
+    pending_bytes: int = 0
+    finish: bool = False  # finish_shard was called: seal it once its jobs are done
+
+    def __post_init__(self):
+        self.pending = []
 
 
 class ShardWriter:
-    """Writes finished batches and shard records on a background thread.
+    """Writes sample files and shard records off the compute thread, at the disk's speed.
 
-    The queue is bounded (`depth` batches) so compute can run ahead of the disk by at most that
-    much memory. An error on the thread is raised in the caller at its next `put` or `close`.
+    - `threads` writer threads each take one sample: cast (or quantise, store_format fp8), lay the
+      safetensors file out from the tensors' memory, write it under a temp name while hashing it
+      (hashlib and os.write release the GIL), no fsync;
+    - a committer thread, every COMMIT_S seconds (or COMMIT_BYTES of a shard, or its end), fsyncs
+      the group of written files side by side, renames them to their final names, fsyncs the
+      folder, reports them to `on_written`; a shard's shard.json is written (fsynced) only after
+      all its files were committed. So a file under its final name is always whole and synced, a
+      crash loses at most the uncommitted temp files (which resume removes), and no file is
+      fsynced alone.
+    - at most `depth` batches (default: one per thread) are held in memory; an error on any
+      thread is raised in the caller at its next `write_batch` or at `close`. On an error the
+      files already written whole are still committed (the next attempt keeps them).
     """
 
-    def __init__(self, stage_dir: Path, layers: list[int], on_written=None, depth: int = 2):
+    def __init__(self, stage_dir: Path, layers: list[int], on_written=None, threads: int = 4, depth: int | None = None,
+                 store_format: str = "bf16"):
+        if store_format not in STORE_FORMATS:
+            raise DraftsmithError(f"extract.store_format: {store_format!r}, expected one of {list(STORE_FORMATS)}")
         self.stage_dir = stage_dir
         self.layers = layers
+        self.store_format = store_format
         self.on_written = on_written or (lambda n: None)
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.threads = max(1, int(threads))
         self.error: BaseException | None = None
-        self.records: dict[tuple[int, int], dict[str, dict]] = {}  # shard -> name -> {size, sha256}
-        self.bytes_written = 0
+        self.records: dict[tuple[int, int], dict[str, dict]] = {}  # shard -> name -> {size, sha256}, committed
+        self.bytes_written = 0  # committed bytes
         self.files_written = 0
-        self._thread = threading.Thread(target=self._loop, name="extract-writer", daemon=True)
-        self._thread.start()
+        self._slots = threading.Semaphore(depth or max(2, self.threads))
+        self._cv = threading.Condition()
+        self._shards: dict[tuple[int, int], _Shard] = {}
+        self._stop = False
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-writer")
+        self._sync_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-fsync")
+        self._committer = threading.Thread(target=self._commit_loop, name="extract-commit", daemon=True)
+        self._committer.start()
+        self._closed = False
 
+    # -- the caller's side ---------------------------------------------------------------------------
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def put(self, item) -> None:
-        while True:
-            self._check()
-            try:
-                self.q.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = e
+            self._cv.notify_all()
 
     def write_batch(self, shard: tuple[int, int], indices: list[int], samples: list[dict], aux, last) -> None:
-        self.put(("batch", shard, indices, samples, aux, last))
+        """Queue the samples of a batch: aux [B, T, A, H], last [B, T, H] (any device, any float dtype)."""
+        while not self._slots.acquire(timeout=0.5):
+            self._check()
+        try:
+            self._check()
+        except BaseException:
+            self._slots.release()
+            raise
+        left = [len(indices)]
+        with self._cv:
+            self._shards.setdefault(shard, _Shard()).jobs += len(indices)
+        for b, (i, s) in enumerate(zip(indices, samples)):
+            self._pool.submit(self._write_one, shard, i, s, aux, last, b, left)
 
     def finish_shard(self, shard: tuple[int, int]) -> None:
-        self.put(("shard", shard))
+        """Every sample of the shard was queued (or is on disk from an earlier attempt): seal it."""
+        self._check()
+        with self._cv:
+            self._shards.setdefault(shard, _Shard()).finish = True
+            self._cv.notify_all()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self.put(None)
-            self._thread.join()
+        """Write and commit everything queued, seal the finished shards; raise a thread's error."""
+        self._shutdown(cancel=False)
         self._check()
 
     def abort(self) -> None:
-        """Stop without raising (the caller is already failing): drop what is queued."""
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.q.get_nowait()
-        with contextlib.suppress(queue.Full):
-            self.q.put_nowait(None)
-        self._thread.join(timeout=60)
+        """Stop without raising (the caller is already failing): drop what is queued, commit the
+        files already written whole."""
+        self._shutdown(cancel=True)
 
-    def _loop(self) -> None:
+    def _shutdown(self, cancel: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._committer.join()
+        self._sync_pool.shutdown(wait=True)
+
+    # -- writer threads -------------------------------------------------------------------------------
+    def _write_one(self, shard, index: int, sample: dict, aux, last, b: int, left: list) -> None:
         try:
+            if self.error is not None:
+                return
             with torch.inference_mode():
-                while (item := self.q.get()) is not None:
-                    if item[0] == "batch":
-                        self._write_batch(*item[1:])
-                    else:
-                        self._write_shard_record(item[1])
-        except BaseException as e:  # surfaced to the main thread by _check()
-            self.error = e
+                tensors = sample_tensors(sample, aux[b], last[b], self.store_format)
+            parts = safetensors_parts(tensors, sample_metadata(index, sample, self.layers))
+            d = self.stage_dir / shard_name(*shard)
+            d.mkdir(parents=True, exist_ok=True)
+            name = sample_name(index)
+            tmp = d / f".{name}.{os.getpid()}-{threading.get_ident()}.tmp"
+            size, sha = write_hashed(tmp, parts)
+            with self._cv:
+                st = self._shards[shard]
+                st.pending.append((tmp, d / name, name, size, sha))
+                st.pending_bytes += size
+        except BaseException as e:
+            if is_disk_full(e):  # named by the file's final name, not its temp name
+                e = DiskFull(self.stage_dir / shard_name(*shard) / sample_name(index))
+            self._fail(e)
+        finally:
+            with self._cv:
+                self._shards[shard].jobs -= 1
+                left[0] -= 1
+                if left[0] == 0:
+                    self._slots.release()
+                self._cv.notify_all()
 
-    def _write_batch(self, shard, indices, samples, aux, last) -> None:
-        d = self.stage_dir / shard_name(*shard)
-        d.mkdir(parents=True, exist_ok=True)
-        aux, last = aux.cpu(), last.cpu()
-        for b, (i, s) in enumerate(zip(indices, samples)):
-            data = encode_sample(i, s, aux[b], last[b], self.layers)
-            atomic_write_bytes(d / sample_name(i), data)
-            self.records.setdefault(shard, {})[sample_name(i)] = {
-                "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            self.bytes_written += len(data)
-            self.files_written += 1
-        self.on_written(len(indices))
+    # -- the committer --------------------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        last = time.monotonic()
+        while True:
+            with self._cv:
+                while True:
+                    now = time.monotonic()
+                    due = now - last >= COMMIT_S or self._stop
+                    groups, seal = [], []
+                    for shard, st in self._shards.items():
+                        ready = st.finish and st.jobs == 0
+                        if st.pending and (due or ready or st.pending_bytes >= COMMIT_BYTES):
+                            groups.append((shard, st.pending))
+                            st.pending, st.pending_bytes = [], 0
+                        if ready and self.error is None:
+                            seal.append(shard)
+                    for shard in seal:
+                        del self._shards[shard]
+                    if groups or seal:
+                        break
+                    if self._stop:
+                        return
+                    self._cv.wait(timeout=max(0.01, COMMIT_S - (now - last)))
+                if due:
+                    last = time.monotonic()
+            for shard, files in groups:
+                self._commit(shard, files)
+            for shard in seal:
+                if self.error is None:
+                    try:
+                        write_shard_record(self.stage_dir, shard, self.layers, self.records.pop(shard, {}))
+                        fsync_dir(self.stage_dir / shard_name(*shard))
+                    except BaseException as e:
+                        self._fail(e)
 
-    def _write_shard_record(self, shard) -> None:
-        write_shard_record(self.stage_dir, shard, self.layers, self.records.pop(shard, {}))
+    def _commit(self, shard, files: list) -> None:
+        """fsync the written files together, then give them their final names (then fsync the folder)."""
+        try:
+            fsync_paths([f[0] for f in files], self._sync_pool)
+            for tmp, final, _, _, _ in files:
+                os.replace(tmp, final)
+            fsync_dir(self.stage_dir / shard_name(*shard))
+        except BaseException as e:
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f[0])
+            if is_disk_full(e):
+                e = DiskFull(files[0][1])
+            self._fail(e)
+            return
+        rec = self.records.setdefault(shard, {})
+        for _, _, name, size, sha in files:
+            rec[name] = {"size": size, "sha256": sha}
+            self.bytes_written += size
+        self.files_written += len(files)
+        try:
+            self.on_written(len(files))
+        except BaseException as e:
+            self._fail(e)
 
 
 def write_shard_record(stage_dir: Path, shard: tuple[int, int], layers: list[int], known: dict[str, dict]) -> dict:
@@ -306,22 +497,27 @@ def read_shard_record(stage_dir: Path, shard: tuple[int, int]) -> dict:
 # Checking finished files (--verify)
 
 
-def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], hidden_size: int) -> str | None:
-    """None when the file is a complete, consistent sample file; else what is wrong with it."""
+def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], hidden_size: int,
+                      store_format: str = "bf16") -> str | None:
+    """None when the file is a complete, consistent sample file of `store_format`; else what is wrong with it."""
     L = len(sample["input_ids"])
+    fields = FORMAT_FIELDS[store_format]
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
             meta = f.metadata() or {}
-            if keys != set(FIELDS):
-                return f"fields {sorted(keys)}, expected {list(FIELDS)}"
-            t = {k: f.get_tensor(k) for k in FIELDS}
+            if keys != set(fields):
+                return f"fields {sorted(keys)}, expected {list(fields)} (store format {store_format})"
+            t = {k: f.get_tensor(k) for k in fields}
     except Exception as e:  # safetensors raises its own error type for cut or garbled files
         return f"unreadable ({type(e).__name__}: {e})"
-    expect = {
-        "input_ids": (torch.int32, (L,)), "loss_mask": (torch.uint8, (L,)),
-        "aux_hidden": (torch.bfloat16, (L, len(layers), hidden_size)), "last_hidden": (torch.bfloat16, (L, hidden_size)),
-    }
+    A = len(layers)
+    expect = {"input_ids": (torch.int32, (L,)), "loss_mask": (torch.uint8, (L,))}
+    if store_format == "fp8":
+        expect.update(aux_hidden=(torch.float8_e4m3fn, (L, A, hidden_size)), aux_scale=(torch.float32, (L, A)),
+                      last_hidden=(torch.float8_e4m3fn, (L, hidden_size)), last_scale=(torch.float32, (L,)))
+    else:
+        expect.update(aux_hidden=(torch.bfloat16, (L, A, hidden_size)), last_hidden=(torch.bfloat16, (L, hidden_size)))
     for k, (dt, shape) in expect.items():
         if t[k].dtype != dt or tuple(t[k].shape) != shape:
             return f"{k} is {t[k].dtype} {tuple(t[k].shape)}, expected {dt} {shape}"
@@ -329,13 +525,19 @@ def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], h
         return f"metadata {meta} does not match sample {index} ({sample['id']!r}, layers {layers})"
     if t["input_ids"].tolist() != list(sample["input_ids"]) or t["loss_mask"].tolist() != list(sample["loss_mask"]):
         return "input_ids/loss_mask differ from prepare/samples.jsonl"
-    if not (torch.isfinite(t["aux_hidden"]).all() and torch.isfinite(t["last_hidden"]).all()):
+    if store_format == "fp8":
+        for k in ("aux_scale", "last_scale"):
+            if not (torch.isfinite(t[k]).all() and (t[k] > 0).all()):
+                return f"{k}: scales must be finite and positive"
+        if not (torch.isfinite(t["aux_hidden"].float()).all() and torch.isfinite(t["last_hidden"].float()).all()):
+            return "non-finite hidden states (NaN in float8)"
+    elif not (torch.isfinite(t["aux_hidden"]).all() and torch.isfinite(t["last_hidden"]).all()):
         return "non-finite hidden states"
     return None
 
 
 def verify_shard(stage_dir: Path, shard: tuple[int, int], prepared: Prepared, layers: list[int], hidden_size: int,
-                 log) -> int:
+                 log, store_format: str = "bf16") -> int:
     """Check a shard's finished files (and its shard.json checksums); delete the bad ones.
 
     Returns how many files were removed. A shard that loses a file loses its shard.json too.
@@ -359,7 +561,7 @@ def verify_shard(stage_dir: Path, shard: tuple[int, int], prepared: Prepared, la
     present = [i for i in range(*shard) if (d / sample_name(i)).is_file() and i not in bad]
     samples = prepared.read(present)
     for i in present:
-        problem = check_sample_file(d / sample_name(i), i, samples[i], layers, hidden_size)
+        problem = check_sample_file(d / sample_name(i), i, samples[i], layers, hidden_size, store_format)
         if problem:
             bad[i] = problem
     for i, why in sorted(bad.items()):
@@ -403,6 +605,8 @@ def check_store(stage_dir: Path, meta: dict, overwrite: bool) -> None:
     has_files = any(p.is_dir() and p.name.startswith("rows_") for p in stage_dir.iterdir())
     if old is None and not has_files:
         return
+    if old:
+        old = {**old, "store_format": format_of(old)}  # a store made before the key holds bf16
     diff = [k for k in COMPAT_KEYS if (old or {}).get(k) != meta[k]]
     if not diff:
         return
@@ -465,6 +669,9 @@ class ExtractStore:
 
     `run_or_path`: a RunDir, a run folder, or its extract/ folder. `.lengths` (tokens per sample)
     and `.meta` come from extract/meta.json, so batching by length opens no sample file.
+    Whatever the store format (`.store_format`: meta.json's `store_format`, bf16 when absent),
+    `store[i]` holds bf16 aux_hidden [L, A, H] and last_hidden [L, H]: an fp8 store's rows are
+    dequantised (q * scale) on read; `store.raw(i)` gives the file's own tensors.
     """
 
     def __init__(self, run_or_path: RunDir | str | os.PathLike):
@@ -483,6 +690,10 @@ class ExtractStore:
         self.layers: list[int] = list(self.meta["layers"])
         self.hidden_size: int = int(self.meta["hidden_size"])
         self.shard_size: int = int(self.meta["shard_size"])
+        self.store_format: str = format_of(self.meta)
+        if self.store_format not in STORE_FORMATS:
+            raise DraftsmithError(f"{meta_path}: store_format {self.store_format!r} is not one this draftsmith reads "
+                                  f"({', '.join(STORE_FORMATS)})")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -500,6 +711,15 @@ class ExtractStore:
         return self.dir / shard_name(start, min(start + self.shard_size, n)) / sample_name(i)
 
     def __getitem__(self, i: int) -> dict:
+        t = self.raw(i)
+        if self.store_format == "fp8":
+            return {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
+                    "aux_hidden": dequantize_fp8(t["aux_hidden"], t["aux_scale"]),
+                    "last_hidden": dequantize_fp8(t["last_hidden"], t["last_scale"])}
+        return t
+
+    def raw(self, i: int) -> dict:
+        """Sample i's tensors as stored in its file."""
         p = self.path(i)
         try:
             with safe_open(str(p), framework="pt") as f:

@@ -306,7 +306,9 @@ class HiddenStatesClient:
                                   f"set dtype to what the server runs")
         if not torch.isfinite(hs).all():
             raise BadReply(f"{path}: non-finite hidden states")
-        return hs[:, :A].clone(), self.norm(hs[:, A])
+        # views of the file's tensor, no copy here: the writer lays aux out contiguously (and casts
+        # or quantises) as it writes, the one copy this layout change needs
+        return hs[:, :A], self.norm(hs[:, A])
 
     # -- many samples ----------------------------------------------------------------------------------
     def map(self, items: Iterable[tuple[Any, list[int]]]) -> Iterator[tuple[Any, Any]]:
@@ -415,7 +417,9 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
     stats = {"samples": 0, "tokens": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0, "failed": 0}
     remaining = {s: len(todo[s]) for s in shards}
     failed_shards: set = set()
-    writer = ShardWriter(d, layers, on_written=prog.advance)
+    # depth: one sample per request in flight, so that every writer thread has work
+    writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
+                         depth=max(2, cfg.extract.concurrency), store_format=cfg.extract.store_format)
 
     def items():
         for s in shards:

@@ -39,8 +39,8 @@ from draftsmith.rundir import RunDir, fingerprinted
 from draftsmith.stage import StageBook
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
-                                         load_weights, newest_readable, save_checkpoint)
-from draftsmith.train.data import Packing, Prefetcher, count_steps, open_source, open_upstream, step_stream
+                                         pick_checkpoint, save_checkpoint)
+from draftsmith.train.data import DeviceFeeder, Packing, Prefetcher, count_steps, open_source, open_upstream, step_stream
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
@@ -171,7 +171,7 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) and are cut to it")
 
     drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc, lambda: source.batch(packing.plan(0)[0], packing.row_len),
-                                                init_layers, layers, say)
+                                                init_layers, layers, say, ranks)
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
                              tc.feature_noise, attention, tc.loss_chunk_tokens).to(ranks.device)
     meta = {
@@ -182,9 +182,10 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
         "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
     }
 
-    # resume: the weights now, optimizer/scheduler/RNG once they exist
-    resume = newest_readable(folder / "checkpoints", fp, say)
-    state = load_weights(resume, drafter) if resume is not None else {}
+    # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
+    # the other ranks the weights) once the optimizer exists
+    resume = pick_checkpoint(folder / "checkpoints", fp, drafter, ranks, say)
+    state = resume.state if resume is not None else {}
     start_step = int(state.get("step", 0))
     if state and int(state.get("total_steps", -1)) == start_step:
         total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
@@ -205,7 +206,7 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
                     metrics=state.get("metrics"))
     if resume is not None:
-        load_training_state(resume, objective, optimizer, scheduler, ranks.rank, ranks.device)
+        load_training_state(resume, objective, optimizer, scheduler, ranks)
         say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, micro-batch {ts.position[1]})")
     budget_note = "" if budget.budget_s is None else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)"
     say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} micro-batches "
@@ -235,16 +236,21 @@ def fit(ts: TrainState, prog: Progress) -> None:
     and checkpointing every train.checkpoint_every steps."""
     tc, device = ts.cfg.train, ts.ranks.device
     act_dtype = torch.bfloat16 if ts.precision == "bf16" else torch.float32
-    data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum)
+    layout_of = ts.objective.layouts()
+
+    def prepare(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
+        if tc.loss_on == "all":  # every token of every sample (padding excluded)
+            b = replace(b, loss_mask=b.doc_ids >= 0)
+        return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
+
+    data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
+                       prepare=prepare, feeder=DeviceFeeder(device, act_dtype))
     window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
     ts.budget.start()
     try:
         while ts.step < ts.total_steps:
             t = time.perf_counter()
-            ts.position, mbs = next(data)
-            mbs = [b.to(device, act_dtype) for b in mbs]
-            if tc.loss_on == "all":  # every token of every sample (padding excluded)
-                mbs = [replace(b, loss_mask=b.doc_ids >= 0) for b in mbs]
+            ts.position, mbs = next(data)  # on the device, with their layouts
             window.times["data"] += time.perf_counter() - t
 
             shared = _share_step(ts, mbs, window)
@@ -288,10 +294,14 @@ def _share_step(ts: TrainState, mbs: list, window: Window) -> dict:
 
 def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Window) -> float:
     """Forward and backward over this rank's micro-batches, then (unless a loss or the gradient
-    is not finite) one optimizer and scheduler step; returns the gradient norm before clipping."""
+    is not finite) one optimizer and scheduler step; returns the gradient norm before clipping.
+
+    Nothing is read back from the device per micro-batch (on CUDA the host queues them all
+    without waiting); the step's one read is the gradient norm with the finiteness of every loss.
+    """
     tc, world = ts.cfg.train, ts.ranks.world
     autocast = torch.autocast(ts.ranks.device.type, dtype=torch.bfloat16, enabled=ts.precision == "bf16")
-    bad: list[str] = []  # names of the samples in micro-batches with a non-finite loss
+    losses = []  # [] per micro-batch, on the device: read one by one only when the step's check fails
     for j, b in enumerate(mbs):
         # gradients are reduced across ranks once per step, after the last micro-batch
         last_mb = j == len(mbs) - 1
@@ -302,9 +312,8 @@ def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Windo
             t = time.perf_counter()
             with autocast:
                 loss, stats = ts.model(b.input_ids, b.loss_mask, b.doc_ids, b.position_ids,
-                                       b.aux_hidden, b.last_hidden, denom, scale=float(world))
-            if not math.isfinite(loss.item()):
-                bad += [ts.source.name(i) for i in b.samples]
+                                       b.aux_hidden, b.last_hidden, denom, scale=float(world), layout=b.layout)
+            losses.append(loss.detach())
             window.times["forward"] += time.perf_counter() - t
             t = time.perf_counter()
             loss.backward()
@@ -313,8 +322,11 @@ def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Windo
 
     t = time.perf_counter()
     norm_t = torch.nn.utils.clip_grad_norm_(ts.params, tc.grad_clip)
-    grad_norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
-    if not math.isfinite(grad_norm) or bad:
+    norm_t = norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t
+    # the step's one device->host read: the norm and whether every micro-batch's loss was finite
+    grad_norm, finite = torch.stack([norm_t.double(), torch.isfinite(torch.stack(losses)).all().double()]).tolist()
+    if not (finite and math.isfinite(grad_norm)):
+        bad = [ts.source.name(i) for b, loss in zip(mbs, losses) if not torch.isfinite(loss) for i in b.samples]
         raise _non_finite(ts, bad, grad_norm)
     ts.optimizer.step()
     if ts.step + 1 == tc.warmup_steps:

@@ -7,6 +7,11 @@
 
 A run killed at any point resumes from its newest checkpoint to the same final weights as a run
 never interrupted (model, optimizer, scheduler, data position and RNG are all restored).
+
+Several ranks: rank 0 alone picks, reads and writes checkpoint folders. On resume the others get
+the folder, state.json, the scheduler and their own RNG states in one broadcast_object_list, and
+the weights and optimizer state from rank 0 through torch's broadcast_from_rank0 loaders, each
+keeping only its own shard under FSDP: no other rank opens a file of the checkpoint.
 """
 
 import json
@@ -20,11 +25,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from draftsmith import DraftsmithError, one_line
 from draftsmith.model import FC_INPUT_SCALE
 from draftsmith.rundir import naming_full_disk, read_json_object, replace_dir
+from draftsmith.train.distributed import Ranks, on_rank0
 
 CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
     "model.safetensors", "drafter.json", "optimizer.pt", "rng.safetensors", "state.json")
@@ -78,8 +84,17 @@ def write_checkpoint(dest: Path, model_sd: dict, meta: dict, optim: dict, rng: d
 
 
 def prune_checkpoints(ck_dir: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints. Each is first renamed to a hidden
+    temporary name, then deleted: a kill in the middle of deleting leaves a `.step_N.tmp-prune-PID`
+    folder, which the next attempt removes (clear_for_attempt), never a step_N folder that has
+    lost its state.json and that no later prune would see (the kill soak found one)."""
     for _, d in complete_checkpoints(ck_dir)[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
+        doomed = d.parent / f".{d.name}.tmp-prune-{os.getpid()}"
+        try:
+            os.replace(d, doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def clear_for_attempt(folder: Path, fingerprint: str, say) -> None:
@@ -88,8 +103,15 @@ def clear_for_attempt(folder: Path, fingerprint: str, say) -> None:
     that training starts over; else remove final/ (rewritten at the end of this attempt)."""
     ck_dir, final_dir = folder / "checkpoints", folder / "final"
     for stale in list(folder.glob(".step_*")) + list(ck_dir.glob(".step_*")) + list(folder.glob(".final.*")):
-        shutil.rmtree(stale, ignore_errors=True)  # temporary folders of a killed attempt
+        shutil.rmtree(stale, ignore_errors=True)  # temporary folders of a killed attempt (a write, a prune)
     newest = complete_checkpoints(ck_dir)
+    # A step_N folder without state.json older than the newest complete checkpoint is what a kill
+    # while an earlier version deleted it left (write_checkpoint only ever renames whole folders in).
+    if newest and ck_dir.is_dir():
+        for d in ck_dir.iterdir():
+            if (d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit() and int(d.name[5:]) < newest[-1][0]
+                    and not (d / CKPT_STATE).exists()):
+                shutil.rmtree(d, ignore_errors=True)
 
     def other_run(ck: Path) -> bool:
         try:
@@ -115,9 +137,9 @@ class Checkpoint:
 
     folder: Path
     state: dict  # state.json
-    weights: dict[str, torch.Tensor]  # model.safetensors
-    saved: dict  # optimizer.pt: {"optimizer", "scheduler"}
-    rng: dict[str, torch.Tensor]  # rng.safetensors
+    weights: dict[str, torch.Tensor] | None  # model.safetensors (None on ranks other than 0: never read there)
+    saved: dict  # optimizer.pt: {"optimizer", "scheduler"} ({"scheduler"} alone on ranks other than 0)
+    rng: dict[str, torch.Tensor]  # rng.safetensors ("{cpu|cuda}.rank{r}"; rank r > 0 gets its own entries only)
 
 
 class DamagedCheckpoint(DraftsmithError):
@@ -151,7 +173,7 @@ def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
 def newest_readable(ck_dir: Path, fingerprint: str, say) -> Checkpoint | None:
     """The newest complete checkpoint whose files all read; past a damaged one (a disk error, a file
     cut or overwritten by hand) the one before it. The damaged folder stays for the user to look
-    at (every rank reads; none may move it under another) and is pruned as newer ones come."""
+    at and is pruned as newer ones come. Rank 0 alone calls it under several ranks (pick_checkpoint)."""
     found = complete_checkpoints(ck_dir)
     for _, ck in reversed(found):
         try:
@@ -164,9 +186,35 @@ def newest_readable(ck_dir: Path, fingerprint: str, say) -> Checkpoint | None:
     return None
 
 
+def pick_checkpoint(ck_dir: Path, fingerprint: str, drafter, ranks: Ranks, say) -> Checkpoint | None:
+    """Resume, part one (before the drafter is wrapped for DDP/FSDP): on rank 0 the newest readable
+    checkpoint (newest_readable), its weights loaded into `drafter`. Rank 0's choice (or error:
+    none readable, weights that do not fit) reaches every rank: the others get a Checkpoint of
+    its folder, state.json, scheduler state and their own RNG states, and receive the weights and
+    optimizer state in load_training_state. None when there is no checkpoint."""
+    read: list[Checkpoint] = []
+
+    def pick():
+        ck = newest_readable(ck_dir, fingerprint, say)
+        if ck is None:
+            return None
+        load_weights(ck, drafter)
+        read.append(ck)
+        # all ranks' RNG states: world x ~5 KB, small enough to send whole
+        return str(ck.folder), ck.state, ck.saved["scheduler"], ck.rng
+
+    shared = on_rank0(pick, ranks)
+    if shared is None:
+        return None
+    if ranks.rank == 0:
+        return read[0]
+    folder, state, scheduler, rng = shared
+    mine = {k: v for k, v in rng.items() if k.endswith(f".rank{ranks.rank}")}
+    return Checkpoint(folder=Path(folder), state=state, weights=None, saved={"scheduler": scheduler}, rng=mine)
+
+
 def load_weights(ck: Checkpoint, drafter) -> dict:
-    """Resume, part one (before the drafter is wrapped for DDP/FSDP): the drafter's weights; returns
-    the checkpoint's state.json."""
+    """The drafter's weights from `ck` (read on this rank); returns the checkpoint's state.json."""
     sd = dict(ck.weights)
     sd.pop(FC_INPUT_SCALE, None)  # recomputed by the caller, from the same first micro-batch
     missing, unexpected = drafter.load_state_dict(sd, strict=False)
@@ -176,9 +224,23 @@ def load_weights(ck: Checkpoint, drafter) -> dict:
     return ck.state
 
 
-def load_training_state(ck: Checkpoint, objective, optimizer, scheduler, rank: int, device) -> None:
-    """Resume, part two (once the optimizer exists): optimizer, scheduler and this rank's RNG."""
-    set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"], options=StateDictOptions(full_state_dict=True))
+def load_training_state(ck: Checkpoint, objective, optimizer, scheduler, ranks: Ranks) -> None:
+    """Resume, part two (once the optimizer exists, every rank): on several ranks rank 0's weights
+    and optimizer state broadcast tensor by tensor, each rank keeping its shard (FSDP) or a whole
+    copy (DDP); then the scheduler and this rank's RNG."""
+    rank, device = ranks.rank, ranks.device
+    if ranks.world > 1:
+        # FSDP sharded each rank's own (freshly initialised) copy, so the resumed weights must come
+        # from rank 0; strict=False: the frozen embedding is no part of a checkpoint
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        weights = ({f"drafter.{k}": v for k, v in ck.weights.items() if k != FC_INPUT_SCALE} if rank == 0 else {})
+        set_model_state_dict(objective, weights, options=opts)
+        # the other ranks pass {}: they get the param groups' values (lr) and, tensor by tensor,
+        # the moments of their own shard
+        set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"] if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"], options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(ck.saved["scheduler"])
     if f"cpu.rank{rank}" in ck.rng:
         torch.set_rng_state(ck.rng[f"cpu.rank{rank}"])
@@ -190,7 +252,8 @@ def save_checkpoint(dest: Path, objective, optimizer, scheduler, *, rank: int, w
                     state: dict, fc_scale=None, keep: int | None = None) -> None:
     """Every rank takes part (FSDP gathers shards, RNG states are gathered); rank 0 writes `dest`
     with drafter.json `meta` and state.json `state`, then, with `keep`, leaves the newest `keep`
-    checkpoints of its folder. fc_scale: [3H] train.fc_input_norm factor or None."""
+    checkpoints of its folder. fc_scale: [3H] train.fc_input_norm factor or None. An error of rank
+    0's (non-finite weights, a full disk) is raised on every rank as the same line (on_rank0)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(objective, options=opts)
     osd = get_optimizer_state_dict(objective, optimizer, options=opts)
@@ -202,7 +265,8 @@ def save_checkpoint(dest: Path, objective, optimizer, scheduler, *, rank: int, w
         dist.all_gather_object(gathered, rng_states)
     else:
         gathered = [rng_states]
-    if rank == 0:
+
+    def write():
         model_sd = {k[len("drafter."):]: v for k, v in full.items()
                     if k.startswith("drafter.") and k != "drafter.embed_tokens.weight"}
         bad = [k for k, v in model_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
@@ -215,5 +279,5 @@ def save_checkpoint(dest: Path, objective, optimizer, scheduler, *, rank: int, w
         write_checkpoint(dest, model_sd, meta, {"optimizer": osd, "scheduler": scheduler.state_dict()}, rng, state)
         if keep is not None:
             prune_checkpoints(dest.parent, keep)
-    if world > 1:
-        dist.barrier()
+
+    on_rank0(write, Ranks(rank, world, device))  # the others wait in its broadcast until rank 0 has written

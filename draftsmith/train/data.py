@@ -8,6 +8,11 @@ difference between the modes: all three hand the loop the same Batch.
 Packing: samples are packed into rows of `row_len` tokens (doc ids and per-document positions keep
 packed samples apart), `rows_per_batch` rows per micro-batch; an optimizer step takes
 `ranks x train.grad_accum` consecutive micro-batches, rank r the r-th, (r + world)-th, ...
+
+To the device: a step's micro-batches are read, packed and given their host-side layout (the
+sizes the loss needs, objective.ttt_layout) in the data thread (Prefetcher); on CUDA that thread
+also pins them and copies them to the GPU on a side stream (DeviceFeeder), so the copy overlaps
+the training step and the loop never waits on it.
 """
 
 import bisect
@@ -16,7 +21,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -118,13 +123,25 @@ class Batch:
     last_hidden: Any  # [R, T, H] the target's final normed state
     samples: list[int]  # sample indices (source.name(i) gives the id)
     tokens: int  # real (non-padding) tokens
+    layout: Any = None  # objective.TTTLayout: the loss's sizes, read on the host (None: the objective reads them)
 
-    def to(self, device, dtype) -> "Batch":
-        nb = device.type == "cuda"
+    def tensors(self) -> list:
+        return [self.input_ids, self.loss_mask, self.doc_ids, self.position_ids, self.aux_hidden, self.last_hidden]
+
+    def to(self, device, dtype, non_blocking: bool | None = None) -> "Batch":
+        """The batch on `device`, its states in `dtype`. non_blocking (default: on CUDA) is only
+        asynchronous from pinned memory (pin); from pageable memory the copy waits."""
+        nb = device.type == "cuda" if non_blocking is None else non_blocking
         return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
                      self.doc_ids.to(device, non_blocking=nb), self.position_ids.to(device, non_blocking=nb),
                      self.aux_hidden.to(device, dtype, non_blocking=nb), self.last_hidden.to(device, dtype, non_blocking=nb),
-                     self.samples, self.tokens)
+                     self.samples, self.tokens, self.layout)
+
+    def pin(self) -> "Batch":
+        """The batch with its host tensors in pinned (page-locked) memory, which a non_blocking copy
+        to the GPU reads asynchronously; tensors already on a device are left as they are."""
+        return Batch(*(t.pin_memory() if t.device.type == "cpu" else t for t in self.tensors()),
+                     self.samples, self.tokens, self.layout)
 
 
 def pack_rows(rows: list[list[dict]]) -> Batch:
@@ -358,25 +375,81 @@ def micro_batch_stream(plan_of, epoch: int, index: int) -> Iterator[tuple[int, i
         epoch, index = epoch + 1, 0
 
 
-def step_batches(stream, source, rank: int, world: int, accum: int, row_len: int) -> Iterator[tuple[tuple[int, int], list[Batch]]]:
-    """Per optimizer step: the data position after it and this rank's micro-batches.
+def step_batches(stream, source, rank: int, world: int, accum: int, row_len: int,
+                 prepare: Callable[[Batch], Batch] | None = None) -> Iterator[tuple[tuple[int, int], list[Batch]]]:
+    """Per optimizer step: the data position after it and this rank's micro-batches (each passed
+    through `prepare`, while still on the host, when given).
 
     A step consumes world*accum consecutive micro-batches of the stream; rank r takes r, r+world, ...
     """
     while True:
         group = [next(stream) for _ in range(world * accum)]
         mine = [source.batch(rows, row_len) for _, _, rows in group[rank::world]]
+        if prepare is not None:
+            mine = [prepare(b) for b in mine]
         epoch, index, _ = group[-1]
         yield (epoch, index + 1), mine
 
 
+class DeviceFeeder:
+    """Moves a step's micro-batches, (position, [Batch]), to the training device.
+
+    On CUDA, `send` runs in the data thread: each batch's host tensors are copied into pinned memory
+    and from there to the GPU on a side stream with non_blocking=True (from pageable memory such a
+    copy would wait, and on the training stream it would queue behind the step), then an event is
+    recorded on the side stream after the step's copies. `receive` runs in the training thread: the
+    current stream waits for that event (on the GPU; the host does not wait) and every tensor is
+    record_stream'ed on it, because its memory was allocated on the side stream, whose next
+    allocations could otherwise reuse it while the training stream still reads it.
+    Elsewhere (the CPU): `send` is the plain .to(device, dtype) of before, `receive` nothing.
+    """
+
+    def __init__(self, device, dtype):
+        self.device, self.dtype, self.stream = torch.device(device), dtype, None
+        if self.device.type == "cuda":
+            # the index now, from the training thread: the data thread's current device is GPU 0
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self.stream = torch.cuda.Stream(self.device)
+
+    def send(self, item: tuple) -> tuple:
+        """(position, [Batch] on the host) -> (position, [Batch] on the device, the event their copies end with or None)."""
+        position, mbs = item
+        if self.stream is None:
+            return position, [b.to(self.device, self.dtype) for b in mbs], None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            moved = [b.pin().to(self.device, self.dtype, non_blocking=True) for b in mbs]
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return position, moved, copied
+
+    def receive(self, sent: tuple) -> tuple:
+        """send's result -> (position, [Batch]) ready for the current stream."""
+        position, mbs, copied = sent
+        if copied is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(copied)
+            for b in mbs:
+                for t in b.tensors():
+                    t.record_stream(current)
+        return position, mbs
+
+
 class Prefetcher:
     """Runs an iterator in a background thread, `depth` items ahead (file reads and packing
-    overlap the training step; torch releases the GIL)."""
+    overlap the training step; torch releases the GIL).
 
-    def __init__(self, it: Iterator, depth: int = 2):
+    feeder: a DeviceFeeder whose `send` runs in the thread on each item and `receive` in the
+    consumer. With a side stream (CUDA) at most `on_device` items are on the device at once (the
+    one training and the next), as each holds a step's states in GPU memory.
+    """
+
+    def __init__(self, it: Iterator, depth: int = 2, feeder: DeviceFeeder | None = None, on_device: int = 2):
         self._q: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
+        self._feeder = feeder
+        self._slots = threading.Semaphore(on_device) if feeder is not None and feeder.stream is not None else None
+        self._handed = False  # an item was handed on: the next __next__ frees its device slot
         self._thread = threading.Thread(target=self._work, args=(it,), name="train-data", daemon=True)
         self._thread.start()
 
@@ -390,9 +463,20 @@ class Prefetcher:
                 continue
         return False
 
+    def _slot(self) -> bool:
+        """Wait for room on the device (with a side stream) unless the consumer has stopped."""
+        while self._slots is not None and not self._stop.is_set():
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return not self._stop.is_set()
+
     def _work(self, it: Iterator) -> None:
         try:
             for item in it:
+                if self._feeder is not None:
+                    if not self._slot():
+                        return
+                    item = self._feeder.send(item)
                 if not self._put(("ok", item)):
                     return
         except BaseException as e:  # handed to the consumer, raised there (unless it has stopped reading)
@@ -402,10 +486,13 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._slots is not None and self._handed:
+            self._slots.release()  # the consumer is done with the item it had (its memory is record_stream'ed)
         kind, item = self._q.get()
         if kind == "error":
             raise item
-        return item
+        self._handed = True
+        return self._feeder.receive(item) if self._feeder is not None else item
 
     def close(self) -> None:
         # Join, not just signal: a daemon thread still inside torch when the interpreter exits can
@@ -414,9 +501,17 @@ class Prefetcher:
         self._thread.join(timeout=60)
 
 
-def step_stream(packing: Packing, source, position: tuple[int, int], rank: int, world: int, accum: int):
+def step_stream(packing: Packing, source, position: tuple[int, int], rank: int, world: int, accum: int,
+                prepare: Callable[[Batch], Batch] | None = None, feeder: DeviceFeeder | None = None):
     """This rank's micro-batches of every optimizer step from data position (epoch, micro-batch)
-    on, read ahead in a thread when the source gains from it (close it with .close() then)."""
+    on, each through `prepare` on the host, then moved by `feeder` (when given) to the device;
+    read ahead in a thread when the source gains from it (close it with .close() then)."""
     stream = micro_batch_stream(packing.plan, *position)
-    steps = step_batches(stream, source, rank, world, accum, packing.row_len)
-    return Prefetcher(steps) if source.prefetch else steps
+    steps = step_batches(stream, source, rank, world, accum, packing.row_len, prepare)
+    if source.prefetch:
+        return Prefetcher(steps, feeder=feeder)
+    if feeder is None:
+        return steps
+    # the online target computes the states on the training device itself: a plain move there,
+    # on the current stream (a side stream would not wait for the target's forwards)
+    return ((pos, [b.to(feeder.device, feeder.dtype) for b in mbs]) for pos, mbs in steps)

@@ -8,14 +8,15 @@ few named numbers in one all-reduce (sum_by_name).
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, one_line
 from draftsmith.journal import env_rank
 from draftsmith.target import bf16_is_fast, pick_device
 
@@ -67,7 +68,12 @@ def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
     FSDP: with bf16 precision, parameters are gathered in bf16 and gradients reduced in float32
     (MixedPrecisionPolicy). Frozen parameters (the target's embedding the drafter reads) are no
     shard of anything: kept whole on every rank, in bf16 under bf16 precision, so that no forward
-    all-gathers a [V, H] table that never changes (the target head is a buffer, never sharded)."""
+    all-gathers a [V, H] table that never changes (the target head is a buffer, never sharded).
+    Under bf16 the target head [Dv, H] is stored in bf16 on every path (one rank, DDP, FSDP)."""
+    if precision == "bf16":
+        # the teacher's head [Dv, H] only ever enters a matmul under autocast, which rounds it to
+        # bf16 anyway: stored in bf16 it computes the same numbers in half the memory, on any world
+        objective.target_head = objective.target_head.to(torch.bfloat16)
     if ranks.world > 1 and fsdp:
         # fully_shard is importable from torch.distributed.fsdp from torch 2.6 on (draftsmith
         # allows 2.4): imported only when train.fsdp asks for it
@@ -88,7 +94,11 @@ def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
         return objective
     if ranks.world > 1:
         device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
-        return DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
+        # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce bucket instead of a
+        # second copy of every gradient; accumulation under no_sync and clip_grad_norm_'s in-place
+        # scaling write into the same memory
+        return DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False,
+                                       gradient_as_bucket_view=True)
     return objective
 
 
@@ -109,3 +119,66 @@ def sum_by_name(values: dict, ranks: Ranks) -> dict:
         dist.all_reduce(flat)
     out = flat.tolist()
     return {name: out[a:b] if is_vector else out[a] for name, (a, b, is_vector) in spans.items()}
+
+
+def on_rank0(fn: Callable[[], Any], ranks: Ranks) -> Any:
+    """fn() run on rank 0 alone (it reads or writes files); its result, a small picklable object,
+    sent to every rank in one broadcast_object_list. An error of fn is raised on every rank as
+    the same one line (rank 0 raises its own), where rank 0 failing alone would leave the others
+    waiting in their next collective. The broadcast also holds the others until fn is done."""
+    if ranks.world == 1:
+        return fn()
+    box: list = [None, None]  # [result, error line]
+    error = None
+    if ranks.rank == 0:
+        try:
+            box[0] = fn()
+        except Exception as e:  # noqa: BLE001 - every kind must reach the other ranks, then rank 0 re-raises it
+            error = e
+            box[1] = str(e) if isinstance(e, DraftsmithError) else f"rank 0: {type(e).__name__}: {one_line(str(e))[:300]}"
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[1] is not None:
+        raise DraftsmithError(box[1])
+    return box[0]
+
+
+def from_rank0(tensors: list | None, ranks: Ranks) -> list:
+    """Rank 0's `tensors` (a list of tensors or None) on every rank, on the CPU: first their
+    shapes and dtypes (one broadcast_object_list), then each tensor's bytes (dist.broadcast, on
+    this rank's device: the GPU under NCCL). A tensor listed twice (a tied head) is sent once.
+    The other ranks pass None; rank 0 gets its own tensors back."""
+    if ranks.world == 1:
+        return list(tensors)
+    head: list = [None]
+    if ranks.rank == 0:
+        first: dict[int, int] = {}  # id(tensor) -> index of its first listing
+        head[0] = []
+        for i, t in enumerate(tensors):
+            if t is None:
+                head[0].append(None)
+            elif id(t) in first:
+                head[0].append(("same", first[id(t)]))
+            else:
+                first[id(t)] = i
+                head[0].append((tuple(t.shape), t.dtype))
+    dist.broadcast_object_list(head, src=0)
+    out: list = []
+    for i, desc in enumerate(head[0]):
+        if desc is None:
+            out.append(None)
+        elif desc[0] == "same":
+            out.append(out[desc[1]])
+        elif ranks.rank == 0:
+            t = tensors[i].contiguous()
+            # sent as bytes: gloo and NCCL move uint8 whatever the dtype (bf16, fp8)
+            dist.broadcast(t.reshape(-1).view(torch.uint8).to(ranks.device), src=0)
+            out.append(tensors[i])
+        else:
+            shape, dtype = desc
+            buf = torch.empty(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8,
+                              device=ranks.device)
+            dist.broadcast(buf, src=0)
+            out.append(buf.cpu().view(dtype).reshape(shape))
+    return out

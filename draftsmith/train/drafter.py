@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from draftsmith import DraftsmithError
 from draftsmith.model import Eagle3Config, Eagle3Drafter, check_target_layer
 from draftsmith.target import load_target
+from draftsmith.train.distributed import Ranks, from_rank0, on_rank0
 from draftsmith.train.objective import fc_input_scale
 
 # -------------------------------------------------------------------------------------------------
@@ -29,9 +30,21 @@ def _weight_map(folder: Path) -> dict[str, str]:
     return {}
 
 
-def read_target_weights(info, log=print):
+def read_target_weights(info, log=print, ranks: Ranks | None = None):
     """(embed [V, H], lm_head [V, H], final norm [H] or None) of the target, read from its
-    safetensors files without building the model; loads the model only when they are absent."""
+    safetensors files without building the model; loads the model only when they are absent.
+
+    With several ranks only rank 0 reads them (N ranks reading a [V, H] table each would multiply
+    the disk traffic by N) and broadcasts them in their stored dtype; a read error is every rank's."""
+    if ranks is None or ranks.world == 1:
+        return _read_target_weights(info, log)
+    read: list = []
+    on_rank0(lambda: read.extend(_read_target_weights(info, log)), ranks)
+    embed, head, norm = from_rank0(read if ranks.rank == 0 else None, ranks)
+    return embed, head, norm
+
+
+def _read_target_weights(info, log):
     folder = Path(info.path)
     where = _weight_map(folder)
 
@@ -57,8 +70,11 @@ def read_target_weights(info, log=print):
     norm = get(norm_key) if norm_key else None
     V = info.vocab_size
     if embed.shape[0] != V or head.shape[0] != V:
-        # some checkpoints pad the embedding matrix beyond config.vocab_size
-        embed, head = embed[:V], head[:V]
+        # some checkpoints pad the embedding matrix beyond config.vocab_size; a tied head stays
+        # the same tensor (sent once to the other ranks)
+        tied = head is embed
+        embed = embed[:V]
+        head = embed if tied else head[:V]
     return embed, head, (None if norm is None else torch.as_tensor(norm))
 
 
@@ -123,14 +139,15 @@ def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
 
 
 def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: list[dict] | None,
-                  aux_layers: list[int], say):
+                  aux_layers: list[int], say, ranks: Ranks | None = None):
     """(drafter, target_head, fc input scale) before the first step, seeded with train.seed.
 
     target_head: W_d [Dv, H] float32, the target lm_head's rows at the draft ids (the objective's
     teacher). The scale ([3H], or None without train.fc_input_norm) comes from `first_batch()`,
-    the first micro-batch of epoch 0: the same on every rank and after a resume.
+    the first micro-batch of epoch 0: the same on every rank and after a resume. With several
+    `ranks`, rank 0 alone reads the target's tensors (read_target_weights).
     """
-    embed, head, norm = read_target_weights(info, log=say)
+    embed, head, norm = read_target_weights(info, log=say, ranks=ranks)
     torch.manual_seed(tc.seed)
     drafter = Eagle3Drafter(dcfg)
     draft_ids = d2t + torch.arange(d2t.numel())

@@ -13,17 +13,22 @@ the acceptance length of chain drafting.
 Memory at the recipes' scale (docs/scaling.md): the loss is taken a chunk of teacher positions at
 a time (ChunkedKL), so no [tokens, draft vocab] float32 block of a whole micro-batch lives at once;
 TTT attention runs through flex attention on CUDA (resolve_attention).
+
+Host syncs: every size the loss takes from the data (positions per step, teacher rows, chunk
+bounds, the SDPA path's key blocks) is a TTTLayout computed where the batch is still on the host
+(the data thread, ttt_layout); with it, forward and backward read nothing back from the device
+(fixed-shape gathers instead of nonzero()), so a micro-batch queues its kernels without waiting.
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
-from draftsmith.model import flex_attention
+from draftsmith.model import flex_attention, key_floors
 from draftsmith.train.data import Batch
 
 # Teacher positions per chunk of the loss when chunk_tokens is None: each [tokens, Dv] float32
@@ -50,6 +55,56 @@ def ttt_masks(input_ids, loss_mask, doc_ids, t2d, steps: int) -> list[tuple[Any,
             valid[:, :T - s] = masked[:, :T - s] & in_vocab[:, s:]
         out.append((masked, valid))
     return out
+
+
+def teacher_need(masks: list[tuple[Any, Any]]):
+    """[R, T] bool: the teacher rows, every position j = i+1+k some step needs (its next token is
+    step k's target at index i), each once for all steps; masks as ttt_masks returns them."""
+    valid0 = masks[0][1]
+    T = valid0.shape[1]
+    need = torch.zeros_like(valid0)
+    for k, (_, valid) in enumerate(masks):
+        need[:, 1 + k:] |= valid[:, :T - 1 - k]
+    return need
+
+
+def fixed_positions(mask, n: int):
+    """[M] bool with n True entries -> [n] int64 their indices, ascending, by fixed-shape ops:
+    nonzero() (and boolean indexing) would read the count back to the host, a device sync."""
+    slot = torch.where(mask, mask.cumsum(0) - 1, n)  # [M] each True entry's rank; the others to slot n
+    out = torch.zeros(n + 1, dtype=torch.long, device=mask.device)
+    return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:n]
+
+
+@dataclass
+class TTTLayout:
+    """The sizes one micro-batch's loss takes from its data, as host ints (so DDP/FSDP hand it on
+    as is). Computed where the batch is on the host (ttt_layout, in the data thread), they let
+    TTTObjective.forward use fixed-shape gathers and no device->host read."""
+
+    counts: list[int]  # [steps] N_k: positions where step k's KL is taken
+    teacher: int  # N: teacher rows (teacher_need)
+    bounds: list[list[int]]  # per step: where each chunk of `chunk` teacher rows begins among its N_k positions, then N_k
+    key_floors: list[int] | None  # the SDPA path's TTTMask key blocks (model.key_floors); None for flex
+
+
+def ttt_layout(input_ids, loss_mask, doc_ids, t2d, steps: int, chunk: int, attention: str) -> TTTLayout:
+    """The TTTLayout of a micro-batch ([R, T] tensors; t2d [V] bool), read on the host: tensors on
+    a device are copied to the host first (device syncs: for callers without a layout)."""
+    input_ids, loss_mask, doc_ids, t2d = (x.cpu() for x in (input_ids, loss_mask, doc_ids, t2d))
+    masks = ttt_masks(input_ids, loss_mask, doc_ids, t2d, steps)
+    need = teacher_need(masks).flatten()
+    row_of = need.cumsum(0) - 1  # [R*T] teacher row of each needed position
+    counts, bounds = [], []
+    N = int(need.sum())
+    cuts = torch.tensor(list(range(0, N, chunk)) + [N]) if chunk > 0 else None
+    for k, (_, valid) in enumerate(masks):
+        vi = valid.flatten().nonzero().squeeze(1)
+        counts.append(vi.numel())
+        # the teacher row of step k's position i is that of i+1+k (ascending with i)
+        bounds.append(torch.searchsorted(row_of[vi + 1 + k], cuts).tolist() if cuts is not None else [])
+    floors = key_floors(doc_ids) if attention == "sdpa" else None
+    return TTTLayout(counts=counts, teacher=N, bounds=bounds, key_floors=floors)
 
 
 def resolve_attention(spec: str, device) -> str:
@@ -81,6 +136,7 @@ class KLPlan:
     rows: list
     targets: list
     weights: list[float]
+    bounds: list[list[int]]  # TTTLayout.bounds: per step, where each chunk's positions begin (then N_k)
     d2t: Any  # [Dv] int64
     temperature: float
     chunk: int  # teacher rows per chunk
@@ -113,9 +169,7 @@ class ChunkedKL(torch.autograd.Function):
         gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
         gxs = [torch.zeros_like(x) for x in xs] if plan.grad_states else []
         starts = list(range(0, N, plan.chunk))
-        cuts = torch.tensor(starts + [N], device=plan.rows[0].device)
-        # per step: where each chunk's positions begin and end ([N_k] rows ascending)
-        bounds = [torch.searchsorted(rows, cuts).tolist() for rows in plan.rows]
+        bounds = plan.bounds  # per step: where each chunk's positions begin and end (host ints)
         for c, a in enumerate(starts):
             t_logits = teacher_hidden[a:a + plan.chunk] @ teacher_head.t()  # [C, Dv]
             t_logp = torch.log_softmax(t_logits.float() / plan.temperature, dim=-1)
@@ -151,7 +205,8 @@ class ChunkedKL(torch.autograd.Function):
         ctx.save_for_backward(*([gw] if gw is not None else []), *gxs)
         ctx.has_gw, ctx.steps, ctx.w_dtype = gw is not None, steps, weight.dtype
         ctx.mark_non_differentiable(kl, correct)
-        loss = (kl * torch.tensor(plan.weights, dtype=torch.float64, device=kl.device)).sum()
+        # weighted by Python floats: a tensor of the weights would be a host->device copy (a sync)
+        loss = torch.stack([kl[k] * w for k, w in enumerate(plan.weights)]).sum()
         return loss.to(torch.float32), kl, correct
 
     @staticmethod
@@ -186,19 +241,30 @@ class TTTObjective(nn.Module):
         self.attention = attention
         self.chunk_tokens = max(1, KL_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None else chunk_tokens
 
-    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0):
+    def layouts(self) -> Callable[..., TTTLayout]:
+        """ttt_layout for this objective: a function of (input_ids, loss_mask, doc_ids) on the host,
+        for the data thread (the draft vocabulary read to the host once, here)."""
+        t2d = self.drafter.t2d.cpu()
+        return lambda input_ids, loss_mask, doc_ids: ttt_layout(input_ids, loss_mask, doc_ids, t2d, self.steps,
+                                                               self.chunk_tokens, self.attention)
+
+    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0,
+                layout: TTTLayout | None = None):
         """Returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
 
         loss = scale * sum_k gamma^k * KL_sum_k / denom[k]; denom [steps] = valid positions of
         step k over the whole optimizer step (all micro-batches, all ranks), so that the
         accumulated gradient is the token mean of the step whatever the micro-batching.
         denom is a list of floats (no device sync); scale = number of ranks, which undoes the
-        gradient averaging of DDP/FSDP.
+        gradient averaging of DDP/FSDP. layout: the batch's TTTLayout (self.layouts()), read on
+        the host; None: computed here from the device tensors (device->host reads).
         """
         d = self.drafter
         R, T = input_ids.shape
         H = d.config.hidden_size
         masks = ttt_masks(input_ids, loss_mask, doc_ids, d.t2d, self.steps)
+        if layout is None:
+            layout = ttt_layout(input_ids, loss_mask, doc_ids, d.t2d, self.steps, self.chunk_tokens, self.attention)
         if self.feature_noise > 0 and self.training:
             # train.feature_noise: Gaussian noise of std feature_noise x each state's own RMS
             # (per token and aux layer), so the noise follows the residual stream's scale
@@ -209,18 +275,16 @@ class TTTObjective(nn.Module):
         if self.fc_input_scale is not None:
             aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
         states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=position_ids,
-                               doc_ids=doc_ids, return_hidden=True, attention=self.attention)  # steps x [R, T, H]
+                               doc_ids=doc_ids, return_hidden=True, attention=self.attention,
+                               key_floors=layout.key_floors)  # steps x [R, T, H]
 
-        # The teacher rows: every position j = i+1+k some step needs (its next token is step k's
-        # target at index i), each once for all steps.
-        need = torch.zeros(R, T, dtype=torch.bool, device=input_ids.device)
-        for k, (_, valid) in enumerate(masks):
-            need[:, 1 + k:] |= valid[:, :T - 1 - k]
-        need_idx = need.flatten().nonzero().squeeze(1)
+        # The teacher rows, each once for all steps; sizes from the layout, so no nonzero()
+        need_idx = fixed_positions(teacher_need(masks).flatten(), layout.teacher)  # [N]
         row_of = torch.full((R * T,), -1, dtype=torch.long, device=input_ids.device)
-        row_of[need_idx] = torch.arange(need_idx.numel(), device=input_ids.device)
+        row_of[need_idx] = torch.arange(layout.teacher, device=input_ids.device)
         weights = [scale * self.gamma ** k / denom[k] if denom[k] > 0 else 0.0 for k in range(self.steps)]
-        vis = [valid.flatten().nonzero().squeeze(1) for _, valid in masks]  # [N_k] flat drafting positions
+        # [N_k] flat drafting positions of each step
+        vis = [fixed_positions(valid.flatten(), n) for (_, valid), n in zip(masks, layout.counts)]
         xs = [d.norm(states[k].reshape(-1, H)[vi]) for k, vi in enumerate(vis)]  # [N_k, H]
         teacher = last_hidden.reshape(-1, H)[need_idx]  # [N, H]
         if self.chunk_tokens == 0:
@@ -228,11 +292,11 @@ class TTTObjective(nn.Module):
         else:
             plan = KLPlan(rows=[row_of[vi + 1 + k] for k, vi in enumerate(vis)],
                           targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
-                          d2t=d.d2t, temperature=self.teacher_temperature, chunk=self.chunk_tokens,
+                          bounds=layout.bounds, d2t=d.d2t, temperature=self.teacher_temperature, chunk=self.chunk_tokens,
                           grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
                           grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs))
             loss, kl, correct = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
-        counts = torch.tensor([float(vi.numel()) for vi in vis], dtype=torch.float64, device=kl.device)
+        counts = torch.stack([valid.sum() for _, valid in masks]).double()  # on the device: no host->device copy
         masked = torch.stack([m.sum() for m, _ in masks]).double()
         return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked], dim=1)
 

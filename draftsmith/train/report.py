@@ -47,7 +47,8 @@ class Window:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(folder / "tb"), purge_step=start_step + 1)
-        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions
+        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions; on
+        # the device, summed there every micro-batch and read only at log time (summary)
         self.stats = torch.zeros(tc.ttt_steps, 4, dtype=torch.float64, device=device)
         self.reset()
 
@@ -68,10 +69,10 @@ class Window:
         (every rank must call it); NaN for a step without positions."""
         if world > 1:
             dist.all_reduce(self.stats)
-        s = self.stats.cpu()
-        steps = range(s.shape[0])
-        loss_k = [float(s[k, 0] / s[k, 1]) if s[k, 1] > 0 else float("nan") for k in steps]
-        acc_k = [float(s[k, 2] / s[k, 3]) if s[k, 3] > 0 else float("nan") for k in steps]
+        # the window's statistics accumulate on the device (no read per step); this is their one read
+        s = self.stats.tolist()
+        loss_k = [kl / n if n > 0 else float("nan") for kl, n, _, _ in s]
+        acc_k = [c / m if m > 0 else float("nan") for _, _, c, m in s]
         return loss_k, acc_k, time.perf_counter() - self.t0
 
     def write(self, metrics: dict, eta_s: float) -> None:

@@ -1,0 +1,143 @@
+"""Tiny random targets of the families users bring, built offline with transformers' own config
+classes and SmolLM2's tokenizer (the embedded target's, converted once into the draftsmith cache).
+
+Every model has 8 decoder layers and hidden size 128 (so the default auxiliary layers are
+[2, 4, 5]) and is saved as a bf16 safetensors folder with the tokenizer and its ChatML template:
+
+    from families import FAMILIES, make_tiny
+    folder = make_tiny("deepseek_v3", tmp_path / "ds")
+
+Each family keeps the quirks a drafter or vLLM trips over (see FAMILY_NOTES): Llama-3 rope
+scaling, Qwen3's q/k norms, a Qwen3-MoE with a dense first layer and an `intermediate_size`
+different from its `moe_intermediate_size`, Mistral's sliding window, Gemma 3's text model
+(scaled embeddings, tied head, sliding and full layers), gpt-oss (MoE with attention sinks and
+biases), DeepSeek-V3 (MLA attention with a `head_dim` that is only the rope part, a dense first
+layer, `topk_method: noaux_tc` so the router's `e_score_correction_bias` is saved as vLLM expects).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3")
+
+NUM_LAYERS = 8
+HIDDEN = 128
+
+FAMILY_NOTES = {
+    "llama": "LlamaForCausalLM, Llama-3 rope scaling (rope_type llama3), untied head",
+    "qwen3": "Qwen3ForCausalLM, q/k norms, tied head",
+    "qwen3_moe": "Qwen3MoeForCausalLM, 4 experts (top 2), dense layer 0 (mlp_only_layers), moe_intermediate_size != intermediate_size",
+    "mistral": "MistralForCausalLM, sliding window",
+    "gemma3": "Gemma3ForCausalLM (gemma3_text), scaled embeddings, tied head, sliding/full layers",
+    "gpt_oss": "GptOssForCausalLM, 4 experts (top 2), attention sinks, sliding/full layers",
+    "deepseek_v3": "DeepseekV3ForCausalLM, MLA (q/kv LoRA, rope head 16), dense layer 0, noaux_tc router",
+}
+
+
+def smollm2_tokenizer_folder() -> Path:
+    """The folder of the embedded SmolLM2 target (its tokenizer is what every tiny family uses)."""
+    from draftsmith.target import target_info
+
+    return Path(target_info("smollm2-135m", log=lambda *a, **k: None).path)
+
+
+def family_config(family: str, *, bos: int, eos: int, pad: int, vocab_size: int, num_layers: int = NUM_LAYERS):
+    """The transformers config of the tiny model of `family` (not saved)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=num_layers,
+                  max_position_embeddings=2048, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    if family == "llama":
+        common["max_position_embeddings"] = 131072  # Llama-3.1's, above the rope's original 8192
+        cfg = tf.LlamaConfig(
+            **common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        arch = "LlamaForCausalLM"
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, tie_word_embeddings=True)
+        arch = "Qwen3ForCausalLM"
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                                num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32, norm_topk_prob=True,
+                                tie_word_embeddings=False)
+        arch = "Qwen3MoeForCausalLM"
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, sliding_window=64, tie_word_embeddings=False)
+        arch = "MistralForCausalLM"
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=32, query_pre_attn_scalar=32, sliding_window=64, tie_word_embeddings=True)
+        arch = "Gemma3ForCausalLM"
+    elif family == "gpt_oss":
+        common["max_position_embeddings"] = 131072  # yarn factor 32 over the original 4096
+        cfg = tf.GptOssConfig(**common, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                              tie_word_embeddings=False)
+        arch = "GptOssForCausalLM"
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(
+            **common, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+            v_head_dim=32, num_nextn_predict_layers=0, tie_word_embeddings=False, topk_method="noaux_tc",
+            scoring_func="sigmoid")
+        arch = "DeepseekV3ForCausalLM"
+    else:
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
+    cfg.architectures = [arch]
+    return cfg
+
+
+def make_tiny(family: str, folder: Path, *, num_layers: int = NUM_LAYERS, seed: int = 0,
+              dtype: str = "bfloat16", lively: bool = True) -> Path:
+    """Build the tiny random model of `family` into `folder` (created) and return it.
+
+    `lively`: draw the 2-D weights with std 0.2 instead of transformers' 0.02, so that greedy
+    decoding does not repeat one token forever (the random model's logits are otherwise nearly
+    flat and generate's answers collapse into whitespace that prepare rightly drops)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_folder())
+    cfg = family_config(family, bos=tok.bos_token_id, eos=tok.eos_token_id, pad=tok.pad_token_id,
+                        vocab_size=len(tok), num_layers=num_layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if lively:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 and "norm" not in name:
+                    p.normal_(0, 0.2 if p.dim() == 2 else 0.05)
+            if family == "gemma3":
+                # Gemma scales its (tied) embeddings by sqrt(hidden): at std 0.2 the input token
+                # dominates the residual stream and greedy decoding repeats it forever
+                model.get_input_embeddings().weight.normal_(0, 0.02)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = getattr(torch, dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    (folder / "draftsmith-family.json").write_text(json.dumps({"family": family, "note": FAMILY_NOTES[family]}))
+    return folder
+
+
+if __name__ == "__main__":  # python tests/families.py OUT_DIR: every family into OUT_DIR/<family>
+    import sys
+    import time
+
+    import transformers
+
+    print("transformers", transformers.__version__)
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/draftsmith-families")
+    for fam in FAMILIES:
+        t0 = time.time()
+        p = make_tiny(fam, out / fam)
+        print(f"{fam:12s} {time.time() - t0:5.1f}s {p}")

@@ -1,0 +1,33 @@
+"""Test hook, active only when DRAFTSMITH_TEST_OPENS names a folder (tests/test_train_ranks.py puts
+this folder on PYTHONPATH of the ranks it starts): each torchrun rank appends to
+opens.rank{RANK}.txt one line per file it opens, "open PATH" (Python's open event: torch.load,
+json, builtins) or "safe_open PATH" (safetensors, whose Rust reader raises no Python event)."""
+
+import os
+import sys
+
+_folder = os.environ.get("DRAFTSMITH_TEST_OPENS")
+_rank = os.environ.get("RANK")
+if _folder and _rank is not None:
+    _log = open(os.path.join(_folder, f"opens.rank{_rank}.txt"), "a", buffering=1)
+
+    def _record(kind, path):
+        _log.write(f"{kind} {os.path.abspath(os.fsdecode(path))}\n")
+
+    def _audit(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            _record("open", args[0])
+
+    sys.addaudithook(_audit)
+
+    # before anything imports `safe_open` by name (safetensors.torch, draftsmith), so that every
+    # reader goes through the recording wrapper
+    import safetensors
+
+    _safe_open = safetensors.safe_open
+
+    def _recording_safe_open(filename, *args, **kwargs):
+        _record("safe_open", filename)
+        return _safe_open(filename, *args, **kwargs)
+
+    safetensors.safe_open = _recording_safe_open

@@ -1,0 +1,91 @@
+"""The log's ETA and `status`'s agree on a running stage (issue 28: within 20 % on a running
+generate, measured by bench/bench_eta.py). Two things made them drift apart on a real generate
+through vLLM: a rate over a minute that held only a few samples jumped by a large share whenever
+one left the window, and the log printed nothing while no sample completed, so its newest ETA grew
+stale while `status` kept computing."""
+
+import socket
+import time
+
+import pytest
+
+from draftsmith.journal import RATE_MIN_UNITS, RATE_WINDOW_S, journal_state, recent_rate
+from draftsmith.progress import Progress
+from draftsmith.rundir import RunDir
+
+
+def bursty_points(until: float, burst: int = 4, every: float = 40.0, heartbeat: float = 2.0) -> list[tuple[float, float]]:
+    """A stage that completes `burst` units at once every `every` seconds (the answers of concurrent
+    requests), with heartbeats in between: 0.1 units/s by default."""
+    pts, t = [], 0.0
+    while t <= until:
+        pts.append((t, float(burst * int(t // every))))
+        t += heartbeat
+    return pts
+
+
+def test_few_units_a_minute_stretch_the_window_so_the_rate_does_not_jump():
+    # 4 units every 40 s: the last minute alone holds one burst or two, so its rate halved or doubled
+    # between two completions, while the log's newest line still showed the other value
+    pts = bursty_points(600)
+    rates = {t: (recent_rate([p for p in pts if p[0] <= t], 0.0)[0], pts[int(t // 2)][1]) for t in range(300, 601, 2)}
+    assert all(r == pytest.approx(0.1, rel=0.3) for r, _ in rates.values()), rates
+    for t in range(300, 591, 2):  # a log line printed at t, `status` read 10 s later, no unit completed between
+        (a, done_a), (b, done_b) = rates[t], rates[t + 10]
+        if done_a == done_b:
+            assert abs(b / a - 1) < 0.1, (t, a, b)
+
+
+def test_fast_stages_keep_the_one_minute_window():
+    pts = [(t / 10, t * 5.0) for t in range(0, 3001)]  # 50 units/s for 300 s, then 500 units/s for 10 s
+    pts += [(300 + t / 10, 15000 + t * 50.0) for t in range(1, 101)]
+    r, warming = recent_rate(pts, 0.0)
+    assert not warming and r == pytest.approx((20000 - 12500) / RATE_WINDOW_S, rel=0.02)  # the last minute only
+    assert RATE_MIN_UNITS < 50 * RATE_WINDOW_S
+
+
+def test_the_window_never_reaches_into_the_start_up():
+    # 100 s loading (heartbeats with nothing done), then a unit every 10 s
+    pts = [(float(t), 0.0) for t in range(0, 101, 2)] + [(100 + t, float(t // 10)) for t in range(1, 61)]
+    r, warming = recent_rate(pts, 0.0)
+    assert warming and r == pytest.approx(6 / 60, rel=0.2)
+
+
+def log_lines(run: RunDir, stage: str) -> list[str]:
+    log = run.path / stage / "stage.log"
+    return [ln for ln in log.read_text().splitlines() if "ETA" in ln] if log.exists() else []
+
+
+def test_a_log_line_per_interval_while_no_unit_completes(tmp_path, capsys):
+    run = RunDir(tmp_path).ensure()
+    with Progress(run, "generate", total=10, unit="samples", interval_s=0.3, heartbeat_s=0.1) as prog:
+        time.sleep(1.0)  # before the first unit: no progress line (the start-up has its own lines)
+        assert log_lines(run, "generate") == []
+        prog.advance()
+        n = len(log_lines(run, "generate"))
+        time.sleep(1.5)  # one unit done, the next slow: the log keeps its rate and ETA current
+        assert len(log_lines(run, "generate")) >= n + 3
+        with prog.busy("a long single step"):
+            before = len(log_lines(run, "generate"))
+            time.sleep(1.0)
+            assert len(log_lines(run, "generate")) == before  # a named step is not repeated
+        prog.advance(9)
+    lines = log_lines(run, "generate")
+    assert lines[-1].split("] ")[1].startswith("10/10 samples")
+    assert all(ln.count(" | ") == 3 for ln in lines)  # whole lines, never two interleaved
+    assert capsys.readouterr().out.count("ETA") == len(lines)
+
+
+def test_the_log_line_and_status_give_the_same_eta(tmp_path):
+    """Both come from journal.recent_rate over the same journal points: read at the same moment they
+    agree to within the drift of the seconds between the last journal line and now."""
+    run = RunDir(tmp_path).ensure()
+    with Progress(run, "generate", total=400, unit="samples", interval_s=60, heartbeat_s=0.2) as prog:
+        for i in range(30):
+            time.sleep(0.05 if i % 4 else 0.3)  # in bursts, like answers of concurrent requests
+            prog.advance()
+        time.sleep(0.3)  # a heartbeat line after the last unit
+        line = prog.status_line()
+        row = journal_state(prog.journal_path, time.time(), socket.gethostname())
+    log_rate = float(line.split(" | ")[1].split()[0])
+    assert row["rate_per_s"] == pytest.approx(log_rate, rel=0.1), (row, line)
