@@ -6,7 +6,8 @@ What runs: the project's own training step as train._optimizer_step runs it on o
 (TTTObjective: the drafter's TTT forward and the loss, under bf16 autocast; backward; gradient
 clipping; the fused AdamW step; zero_grad), with the recipes' shapes: a drafter sized by
 Eagle3Config.from_target_config from the target's config.json, fp32 master weights and the frozen
-fp32 embedding as training keeps them, the frozen fp32 teacher head, the micro-batch's bf16 target
+fp32 embedding as training keeps them, the frozen teacher head (bf16 under bf16, as
+train.distributed.distribute stores it), the micro-batch's bf16 target
 states, and for online training the target itself in bf16 (transformers' model built from the
 same config).
 
@@ -24,9 +25,9 @@ backward, as CUDA's memory-efficient kernel keeps them).
 
 Not counted: the CUDA context and cuBLAS workspaces (~0.5-1 GB), the caching allocator's
 fragmentation (bench/gpu_smoke_flex.py compares with torch.cuda.max_memory_allocated on a GPU),
-NCCL buffers, and DDP's gradient buckets (a second copy of the gradients on multi-GPU DDP runs,
-4 bytes per trainable parameter), which the table adds as its own column for the recipes that
-run DDP. Worst-case data: every position is trained (loss on every token, each in the draft
+NCCL buffers. DDP's gradient buckets are the gradients themselves (gradient_as_bucket_view); the
+step as it was before (`before`) kept them as a second copy (4 bytes per trainable parameter), which
+the table adds to that column for the recipes that run DDP. Worst-case data: every position is trained (loss on every token, each in the draft
 vocabulary) and each row is one document (the longest attention).
 
 Rows: Llama-3.1-8B (configs/llama-8b-1xh100.yaml: 16,384 tokens a micro-batch, online with the
@@ -189,8 +190,8 @@ def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target
     with mode:
         torch.manual_seed(0)
         drafter = Eagle3Drafter(dcfg)
-        target_head = torch.randn(dcfg.draft_vocab_size, H)
         act = torch.bfloat16 if precision == "bf16" else torch.float32  # as train.fit moves each batch
+        target_head = torch.randn(dcfg.draft_vocab_size, H, dtype=act)  # stored as distribute() stores it
         aux = torch.randn(rows, seq_len, A * H, dtype=act)
         last = torch.randn(rows, seq_len, H, dtype=act)
         target = None
@@ -280,11 +281,11 @@ def table(names: list[str]) -> list[dict]:
         shape = target_shape(REPO / row.target_config)
         hw = HARDWARE[row.hardware]
         trainable, _ = _drafter_params(shape, cfg.vocab.draft_vocab_size, cfg.train.num_layers)
-        # DDP's gradient buckets: a second copy of the gradients on every rank of a multi-GPU run
+        # before gradient_as_bucket_view, DDP's buckets were a second copy of the gradients on every rank
         ddp = 4 * trainable if row.devices > 1 and not cfg.train.fsdp else 0
         got = {v: measure_row(row, v) for v in VARIANTS}
         est = train_memory(cfg.train, shape, hw, row.devices, cfg.vocab.draft_vocab_size)["total"]
-        after = got["after"]["peak"] + ddp
+        after = got["after"]["peak"]
         out.append({"row": name, "rows": max(1, cfg.train.batch_tokens // row.seq_len), "seq_len": row.seq_len,
                     "ttt_steps": row.ttt_steps, "mode": cfg.train.mode, "before": got["before"]["peak"] + ddp,
                     "after": after, "ddp_buckets": ddp, "resident": got["after"]["resident"], "estimate": est,
@@ -303,17 +304,17 @@ def main() -> None:
         ap.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
     results = table(names)
     print(f"# peak memory of one training step per GPU (GB = 1e9 bytes), torch {torch.__version__}, fake tensors")
-    head = (f"| {'row':<19} | {'micro-batch':>11} | {'before':>7} | {'after':>7} | {'of which DDP':>12} | "
+    head = (f"| {'row':<19} | {'micro-batch':>11} | {'before':>7} | {'after':>7} | {'DDP copy (before)':>17} | "
             f"{'estimate':>8} | {'est/after':>9} | {'device':<18} | fits |")
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for r in results:
         print(f"| {r['row']:<19} | {r['rows']:>2} x {r['seq_len']:<6} | {r['before'] / GB:>7.1f} | {r['after'] / GB:>7.1f} | "
-              f"{r['ddp_buckets'] / GB:>12.1f} | {r['estimate'] / GB:>8.1f} | {r['estimate'] / r['after']:>9.3f} | "
+              f"{r['ddp_buckets'] / GB:>17.1f} | {r['estimate'] / GB:>8.1f} | {r['estimate'] / r['after']:>9.3f} | "
               f"{r['device']:<18} | {'yes' if r['fits'] else 'NO':<4} |")
     print("(before: SDPA per 256-query block, GQA heads expanded, the loss over the whole micro-batch; after: flex "
           "attention, the loss in chunks. Llama rows train online, the bf16 target on the same GPU; Kimi rows offline "
-          "under DDP on 8 GPUs, its gradient buckets added. Not counted: CUDA context, workspaces, fragmentation.)")
+          "under DDP on 8 GPUs (before: its gradient buckets a second copy, added; after: the gradients themselves). Not counted: CUDA context, workspaces, fragmentation.)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -266,8 +266,9 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
 
     weights: fp32 master weights, gradients and AdamW's two moments of the trainable parameters
     (16 B each; with train.fsdp over several devices sharded, plus the whole unsharded weights and
-    gradients while the step computes), the frozen fp32 embedding and teacher head, and on DDP
-    ranks the gradient buckets (4 B per trainable parameter); target: the target's weights
+    gradients while the step computes; DDP's gradients are views into its all-reduce buckets, no
+    second copy), the frozen embedding (bf16 under FSDP with bf16, else fp32) and teacher head
+    (bf16 under bf16 precision, else fp32); target: the target's weights
     (online training runs it on every rank); activations: the micro-batch's states and what
     the TTT steps keep for backward; loss: the head's gradient the chunked loss accumulates and a
     chunk's blocks.
@@ -276,13 +277,12 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     H, Dv = t.hidden_size, draft_vocab
     head = H * Dv  # the drafter's LM head: trainable unless train.freeze_lm_head
     trainable = P - head if tr.freeze_lm_head else P
-    if gpus > 1 and tr.fsdp:
-        weights = 16 * trainable / gpus + 8 * trainable
-    else:
-        weights = 16 * trainable + (4 * trainable if gpus > 1 else 0)
-    frozen = 4 * t.vocab_size * H + 4 * Dv * H + (4 * head if tr.freeze_lm_head else 0)
     prec = _precision(tr, hw)
     act = 2 if prec == "bf16" else 4
+    sharded = gpus > 1 and tr.fsdp
+    weights = 16 * trainable / gpus + 8 * trainable if sharded else 16 * trainable
+    embed = 2 if sharded and prec == "bf16" else 4  # train.distributed.distribute's rule
+    frozen = embed * t.vocab_size * H + act * Dv * H + (4 * head if tr.freeze_lm_head else 0)
     tokens = max(1, tr.batch_tokens // min(tr.seq_len, tr.batch_tokens)) * min(tr.seq_len, tr.batch_tokens)
     first, later, b = ACT_PER_TOKEN_STEP[prec]
     per_step = (first + later * (tr.num_layers - 1)) * H + b * tr.num_layers * t.intermediate_size

@@ -108,12 +108,21 @@ def sum_by_name(values: dict, ranks: Ranks) -> dict:
     values: {name: a number or a 1-D tensor}; returns {name: a float, or a list of floats for a
     tensor}. A value only rank 0 knows (a decision, a clock) is shared by passing 0 on the others.
     """
+    # tensors (already on the device) first, then the plain numbers as one host tensor moved in a
+    # single copy: one host-to-device transfer per call, not one per number (each a sync on CUDA)
+    tensors = {k: v for k, v in values.items() if torch.is_tensor(v)}
+    numbers = {k: float(v) for k, v in values.items() if not torch.is_tensor(v)}
     parts, spans, off = [], {}, 0
-    for name, v in values.items():
-        t = torch.as_tensor(v, dtype=torch.float64).reshape(-1).to(ranks.device)
-        spans[name] = (off, off + t.numel(), torch.is_tensor(v))
+    for name, v in tensors.items():
+        t = v.to(ranks.device, torch.float64).reshape(-1)
+        spans[name] = (off, off + t.numel(), True)
         parts.append(t)
         off += t.numel()
+    for name in numbers:
+        spans[name] = (off, off + 1, False)
+        off += 1
+    if numbers:
+        parts.append(torch.tensor(list(numbers.values()), dtype=torch.float64).to(ranks.device))
     flat = torch.cat(parts)
     if ranks.world > 1:
         dist.all_reduce(flat)
