@@ -112,7 +112,9 @@ def test_non_finite_weights_stop_every_rank_with_the_same_line(two_rank_run, tin
     assert p.returncode != 0
     line = "draftsmith: error: train: the weights are non-finite ("
     errors = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith("draftsmith: error:")]
-    assert len(errors) == 2 and all(x.startswith(line) and "lower train.lr" in x for x in errors), errors
+    # each rank raises this line; torchrun may stop rank 1 once rank 0 has exited, before it prints
+    # its own (the two-rank delivery is asserted in process: test_on_rank0_*), so one or two lines
+    assert 1 <= len(errors) <= 2 and all(x.startswith(line) and "lower train.lr" in x for x in errors), errors
     assert not (run.path / "train" / "checkpoints" / "step_1").exists() and not (run.path / "train" / "final").exists()
 
 
@@ -168,6 +170,28 @@ def test_on_rank0_hands_rank_0s_result_and_its_error(gloo):
 
     with pytest.raises(DraftsmithError, match="^bad checkpoint$"):
         on_rank0(fail, ranks)
+
+
+def _on_rank0_fails_on(rank: int, pg_file: str, out_dir: str) -> None:
+    """One of two spawned ranks: rank 0's function fails; each rank records the error it raised."""
+    dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=2)
+    try:
+        def fail():
+            raise DraftsmithError("train: the weights are non-finite (fc.weight)")
+        try:
+            on_rank0(fail, Ranks(rank=rank, world=2, device=torch.device("cpu")))
+            got = "no error"
+        except DraftsmithError as e:
+            got = str(e)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(got)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_rank0_raises_rank_0s_error_on_every_rank(tmp_path):
+    """The other rank raises rank 0's line instead of waiting in its next collective."""
+    torch.multiprocessing.spawn(_on_rank0_fails_on, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2)
+    assert {(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)} == {"train: the weights are non-finite (fc.weight)"}
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
