@@ -151,7 +151,9 @@ def remaining_line(plan: DemoPlan, done: dict[str, float]) -> str:
     planned = sum(plan.expected_s[k] for k in timed)
     took = sum(done[m] for k in timed for m in groups[k])
     pace = took / planned if planned > 0 and took > 0 else 1.0
-    left = sum(v for k, v in plan.expected_s.items() if k not in finished) * pace
+    # a group half done (extract finished, train not) counts what its finished stages already took
+    left = sum(max(0.0, v * pace - sum(done.get(m) or 0.0 for m in groups.get(k, ())))
+               for k, v in plan.expected_s.items() if k not in finished)
     return f"demo: about {fmt_minutes(left)} left (the finished stages took {pace:.1f}x what the calibration expected)"
 
 

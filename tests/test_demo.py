@@ -48,6 +48,11 @@ def test_what_is_left_follows_the_pace_of_the_finished_stages():
     assert f"about {left / 60:.0f} min left" in line and "2.0x" in line
     skipped = remaining_line(plan, {"generate": None})  # up to date: no evidence of pace
     assert "1.0x" in skipped
+    # half a group done: what its finished stages took comes off the group's share
+    g = e["generate"]
+    half = remaining_line(plan, {"generate": g, "prepare": 1.0, "vocab": 1.0, "extract": 0.5 * e["extract+train"]})
+    left = 0.5 * e["extract+train"] - 2.0 + e["eval"] + e["eval-vllm"]
+    assert f"about {left / 60:.0f} min left" in half and "1.0x" in half
 
 
 @pytest.mark.integration
