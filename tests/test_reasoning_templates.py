@@ -28,6 +28,7 @@ from draftsmith.target import load_tokenizer, target_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from openai_fakes import FakeOpenAIServer  # noqa: E402
+from test_prepare import masked_runs  # noqa: E402
 
 # Qwen3 (Qwen/Qwen3-8B tokenizer_config.json), without the tools branch.
 QWEN3 = """{%- if messages[0].role == 'system' %}
@@ -270,16 +271,8 @@ def kind_target(tmp_path_factory):
 
 
 def masked_text(tok, ids, mask) -> list[str]:
-    runs, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r) for r in runs]
+    """The text of each contiguous run of masked tokens."""
+    return [tok.decode(r) for r in masked_runs(ids, mask)]
 
 
 def encoder(target: Path) -> tuple[ChatEncoder, object]:
