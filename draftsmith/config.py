@@ -200,6 +200,8 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature.")
     max_tokens: int = Field(128, ge=1, description="Tokens per answer.")
     server: str | None = Field(None, description="Use this running vLLM server instead of starting one.")
+    drafter: str | None = Field(
+        None, description="Evaluate this drafter folder (speculators format: config.json + safetensors, e.g. another toolkit's) instead of RUN/export; the export stage is then not needed. Its fingerprint is the sha256 of its config.json and weights.")
     vllm_args: list[str] = Field(
         ["--enforce-eager"], description="More `vllm serve` arguments for the servers the vllm engine starts (default `--enforce-eager`: a one-minute start-up instead of several for compilation, same decode speed on CPU).")
     baseline: bool = Field(True, description="Also measure plain decoding for the speedup.")

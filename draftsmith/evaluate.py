@@ -31,6 +31,7 @@ j+1 tokens were accepted) / drafts, as vLLM computes from /metrics.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import re
@@ -856,8 +857,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         raise DraftsmithError(f"eval.engine={ec.engine}: not available in this build; use one of {', '.join(ENGINES)}")
     run.ensure()
     started = time.time()
-    export_manifest = upstream(run, "export", by="draftsmith eval")
-    export_dir = run.path / "export"
+    export_manifest, export_dir = drafter_source(run, ec.drafter)
     cj = read_json_object(export_dir / CONFIG_FILE)
     info = target_info(cfg.target, cfg.trust_remote_code)
     ds = cj.get("draftsmith") or {}
@@ -911,6 +911,25 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     )
 
 
+def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:
+    """(the manifest eval depends on, the drafter folder): RUN/export's, or for eval.drafter a
+    folder from elsewhere (another toolkit's speculators-format drafter), fingerprinted by the
+    sha256 of its config.json and weight files so that a changed drafter is evaluated again."""
+    if drafter is None:
+        return upstream(run, "export", by="draftsmith eval"), run.path / "export"
+    folder = Path(drafter).expanduser().resolve()
+    weights = sorted(folder.glob("*.safetensors"))
+    if not (folder / CONFIG_FILE).is_file() or not weights:
+        raise DraftsmithError(f"eval.drafter={drafter}: not a drafter folder (needs {CONFIG_FILE} and *.safetensors)")
+    h = hashlib.sha256()
+    for f in [folder / CONFIG_FILE, *weights]:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return {"fingerprint": h.hexdigest(), "drafter": str(folder)}, folder
+
+
 def _resume_answers(answers: Path, record_fp: str, prompts: list) -> dict[str, dict]:
     """The answers already decoded with these settings, by prompt id; answers.jsonl is rewritten to
     hold exactly this selection of prompts (status counts its lines)."""
@@ -953,7 +972,7 @@ def _write_report(run: RunDir, cfg, d: Path, records: list[dict], info, cj: dict
         "target": info.name, "target_fingerprint": info.fingerprint,
         # what "auto" resolved to on this machine
         "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
-        "drafter": str(run.path / "export"), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
+        "drafter": str(Path(ec.drafter).resolve() if ec.drafter else run.path / "export"), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
         "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
     }
     if ec.engine == "vllm":

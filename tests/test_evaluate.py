@@ -12,7 +12,7 @@ import torch
 from conftest import build_tiny_target, write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.evaluate import (ENGINES, SpecDecoder, eos_ids, read_train_metrics, run_eval,
+from draftsmith.evaluate import (ENGINES, SpecDecoder, drafter_source, eos_ids, read_train_metrics, run_eval,
                                  speculative_verify)
 from draftsmith.export import load_exported, run_export
 from draftsmith.rundir import RunDir
@@ -299,6 +299,31 @@ def test_run_eval_sampling(exported_run, lively_target, tmp_path):
     full = json.loads((run.path / "eval" / "report.json").read_text())
     assert full["temperature"] == 0.9 and full["greedy_same_as_baseline"] is None
     assert report["acceptance_length"] >= 1.0
+
+
+def test_eval_of_a_drafter_from_elsewhere(exported_run, lively_target, tmp_path):
+    """eval.drafter: a speculators-format folder made elsewhere (here: the export without its
+    manifest) is evaluated in a run that has no export stage; changing its weights makes the
+    up-to-date eval stale, and a folder that is no drafter is refused in one line."""
+    import shutil
+
+    foreign = tmp_path / "peer-drafter"
+    shutil.copytree(exported_run.path / "export", foreign, ignore=shutil.ignore_patterns("manifest.json", "*.yaml"))
+    run = RunDir(tmp_path / "r3").ensure()
+    cfg = _cfg(lively_target, _prompts_file(tmp_path), f"eval.drafter={foreign}", "eval.limit=2")
+    m = run_eval(run, cfg, warmup=False)
+    report = json.loads((run.path / "eval" / "report.json").read_text())
+    assert report["drafter"] == str(foreign.resolve()) and report["prompts"] == 2
+    # the same drafter as RUN/export: the same acceptance, since only where it was read from differs
+    ref = run_eval(exported_run, _cfg(lively_target, _prompts_file(tmp_path), "eval.limit=2"), warmup=False)
+    assert m["report"]["acceptance_length"] == pytest.approx(ref["report"]["acceptance_length"])
+    assert run_eval(run, cfg, warmup=False) == m  # up to date
+    weights = next(foreign.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b" ")  # any change to the weights' bytes
+    assert m["inputs"]["export"] != drafter_source(run, str(foreign))[0]["fingerprint"]
+    (foreign / "config.json").unlink()
+    with pytest.raises(DraftsmithError, match="eval.drafter=.*not a drafter folder"):
+        run_eval(run, cfg, warmup=False)
 
 
 def test_eval_errors(exported_run, lively_target, tmp_path):

@@ -510,6 +510,25 @@ def test_encoder_writes_what_safetensors_would():
         assert store.encode_sample(3, s, aux, last, [1, 2, 3], fmt) == ref
 
 
+def test_quantize_fp8_rows():
+    """Per-row scale = max|x| / 448 (the largest value maps to e4m3's largest), an all-zero row
+    scale 1, a float32 input left as it was (the writer quantises the forward's own buffers)."""
+    import torch
+
+    x = torch.randn(5, 3, 64) * torch.tensor([1e-3, 1.0, 300.0]).view(1, 3, 1)
+    x[0, 1] = 0.0
+    x[2, 0, 7] = -50.0  # the row's max|x| on a negative value
+    before = x.clone()
+    q, scale = store.quantize_fp8(x)
+    assert torch.equal(x, before)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3) and scale.dtype == torch.float32
+    assert scale[0, 1] == 1 and torch.all(q[0, 1].float() == 0)
+    assert scale[2, 0] == pytest.approx(50.0 / 448) and q[2, 0, 7].float() == -448
+    back = store.dequantize_fp8(q, scale, torch.float32)
+    assert torch.all((back - x).abs() <= x.abs().amax(-1, keepdim=True) * 2 ** -4 + 1e-12)  # half an e4m3 step
+    assert torch.equal(store.quantize_fp8(x.bfloat16())[0].float(), store.quantize_fp8(x.bfloat16().float())[0].float())
+
+
 def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
     import torch
 
