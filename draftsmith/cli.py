@@ -260,11 +260,14 @@ def export(
   draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server with the drafter)
 
   draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)
+
+  draftsmith eval --run runs/other --engine vllm --drafter path/to/drafter   (a speculators-format drafter from elsewhere)
 """)
 def eval_(
     run: RunOpt,
     engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM server, counts from its /metrics.")] = None,
     server: Annotated[Optional[str], typer.Option("--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of starting one (eval.server).")] = None,
+    drafter: Annotated[Optional[str], typer.Option("--drafter", help="A speculators-format drafter folder to evaluate instead of RUN/export (eval.drafter).")] = None,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
     offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
@@ -278,7 +281,7 @@ def eval_(
     from draftsmith.evaluate import REPORT_JSON, fmt_value, run_eval
 
     cfg = stage_config(config, sets, **{
-        "eval.engine": engine, "eval.server": server, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
+        "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
     torch_threads(cfg)

@@ -362,6 +362,13 @@ def test_cli_eval(exported_run, lively_target, tmp_path, cli):
     assert p.returncode == 0, p.stderr
     assert "acceptance length" in p.stdout
     assert json.loads((run / "eval" / "report.json").read_text())["prompts"] == 1
+    # --drafter: a run with no export evaluates a drafter folder from elsewhere
+    other = tmp_path / "r4"
+    p = cli("eval", "--run", str(other), "--drafter", str(run / "export"), "--prompts", str(_prompts_file(tmp_path)),
+            "--limit", "1", "--max-tokens", "4", "-k", "2", "--set", f"target={lively_target}", "--set", "dtype=float32",
+            env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    assert json.loads((other / "eval" / "report.json").read_text())["drafter"] == str((run / "export").resolve())
 
 
 # --- the real target -------------------------------------------------------------------------------
