@@ -46,3 +46,36 @@ def test_no_evaluation_prompt_in_training_data(path):
             assert t not in evals, f"{path.name}: training prompt {p.id} is an evaluation prompt"
             hit = next((e for e in long_evals if e in t), None)
             assert hit is None, f"{path.name}: training prompt {p.id} contains an evaluation prompt: {hit[:60]}"
+
+
+def test_peer_comparison_prompt_sets_are_disjoint_and_unseen(tmp_path):
+    """bench/peer/compare.py's four evaluation sets for the 400-prompt recipe: 40 prompts each,
+    MT-bench 81-120 (test) and 121-160 (validation), and two ShareGPT slices after the training
+    prompts; no two sets share a text and none is a training prompt's (ShareGPT repeats short
+    first turns such as "continue", which are skipped)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("compare", CONFIGS.parent / "bench" / "peer" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    cfg = load_config(CONFIGS / "smollm2-cpu-400.yaml")
+    files = compare.prompt_sets(cfg, tmp_path)
+    texts = {}
+    for name, f in files.items():
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        assert len(rows) == 40, name
+        texts[name] = {r["messages"][-1]["content"].strip() for r in rows}
+        assert len(texts[name]) == 40, name
+    ids = [json.loads(line)["id"] for line in files["test-mtbench"].read_text().splitlines()]
+    assert ids[0] == "mt-bench-81" and ids[-1] == "mt-bench-120"
+    assert json.loads(files["val-mtbench"].read_text().splitlines()[0])["id"] == "mt-bench-121"
+    names = sorted(texts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not texts[a] & texts[b], (a, b)
+    g = cfg.generate
+    train = {p.turns[0].strip() for p in load_prompts(g.prompts, limit=g.limit, skip_invalid=g.skip_invalid, first_turn_only=True,
+                                                      min_chars=g.min_chars, max_chars=g.max_chars)}
+    for name in ("test-sharegpt", "val-sharegpt"):
+        assert not texts[name] & train, name
