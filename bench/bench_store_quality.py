@@ -13,13 +13,18 @@ eval.offset=0 eval.limit=40 for MT-bench questions 1-40: choosing a default is c
 
 Printed: bytes per token of each store (extract's manifest: bytes written / tokens), vLLM-measured
 acceptance length and per-position acceptance for each seed, the mean per format, its difference to
-the first format, and the noise: the largest difference between two seeds of one format. A format is
-"within noise" when |mean - first format's mean| <= that noise. Written to OUT/store_quality.json.
+the first format, and two measures of noise: the largest difference between two seeds of one format
+(training's randomness), and a 95% interval of the difference from a paired bootstrap over the
+prompts (each resample draws prompts with replacement and computes both formats' tau, seeds pooled,
+on the same prompts: the evaluation set's sampling). A format is "within noise" when that interval
+holds 0 or its difference is no larger than the seed spread. Written to
+OUT/store_quality.json. --report-only reads finished runs in OUT again without running anything.
 """
 
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -73,6 +78,28 @@ def read_variant(run: Path) -> dict:
             "max_tokens": report["max_tokens"], "k": report["num_speculative_tokens"]}
 
 
+def prompt_counts(run: Path) -> dict[str, tuple[int, int]]:
+    """Per prompt id: (drafts, accepted tokens) from the evaluation's answers.jsonl."""
+    out = {}
+    for line in (run / "eval" / "answers.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["id"]] = (r["num_drafts"], r["num_accepted_tokens"])
+    return out
+
+
+def paired_bootstrap(a: list[dict], b: list[dict], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of tau(b) - tau(a) over resampled prompts; a and b: per seed, {id: (drafts, accepted)}."""
+    ids = sorted(set.intersection(*(set(c) for c in a + b)))
+    rng = random.Random(seed)
+
+    def tau(runs, pick):
+        drafts = sum(c[i][0] for c in runs for i in pick)
+        return 1 + sum(c[i][1] for c in runs for i in pick) / drafts if drafts else 1.0
+
+    diffs = sorted(tau(b, pick) - tau(a, pick) for pick in ([rng.choice(ids) for _ in ids] for _ in range(rounds)))
+    return diffs[int(0.025 * rounds)], diffs[int(0.975 * rounds) - 1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, required=True)
@@ -81,6 +108,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--set", nargs="*", default=[], help="Overrides for every variant, as draftsmith's --set.")
+    p.add_argument("--report-only", action="store_true", help="Only read the finished runs in --out.")
     args = p.parse_args()
     args.config, args.base, args.out = args.config.resolve(), args.base.resolve(), args.out.resolve()
     for stage in UPSTREAM:
@@ -90,7 +118,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for fmt in args.formats:
         for seed in args.seeds:
-            row = read_variant(run_variant(args, fmt, seed, args.seeds[0]))
+            run = args.out / f"{fmt}-s{seed}" if args.report_only else run_variant(args, fmt, seed, args.seeds[0])
+            row = {**read_variant(run), "counts": prompt_counts(run)}
             results.setdefault(fmt, []).append({"seed": seed, **row})
 
     first = args.formats[0]
@@ -99,18 +128,26 @@ def main() -> None:
     r0 = results[first][0]
     print(f"\nstore formats judged by vLLM: {r0['prompts']} {r0['source']} prompts from offset {r0['offset']}, "
           f"K={r0['k']}, {r0['max_tokens']} tokens, {r0['train_steps']} training steps, {r0['store_tokens']:,} tokens stored")
-    print("| format | bytes/token | x first | seed | tau | per position | mean tau | vs first | within noise |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+    print("| format | bytes/token | x first | seed | tau | per position | mean tau | vs first | 95% interval (prompts) | within noise |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | --- |")
+    intervals = {}
     for fmt, rows in results.items():
         bpt = rows[0]["bytes_per_token"]
         ratio = bpt / results[first][0]["bytes_per_token"]
         d = means[fmt] - means[first]
+        lo, hi = intervals[fmt] = paired_bootstrap([r["counts"] for r in results[first]], [r["counts"] for r in rows])
+        within = fmt == first or lo <= 0 <= hi or abs(d) <= noise
         for i, r in enumerate(rows):
             pos = " / ".join(f"{a:.2f}" for a in r["per_position"])
-            tail = (f"{means[fmt]:.3f} | {d:+.3f} | {'yes' if abs(d) <= noise else 'no'}" if i == 0 else " | | ")
+            tail = (f"{means[fmt]:.3f} | {d:+.3f} | {lo:+.3f} .. {hi:+.3f} | {'yes' if within else 'no'}" if i == 0 else " | | | ")
             print(f"| {fmt if i == 0 else ''} | {bpt:,.0f} | {ratio:.3f}x | {r['seed']} | {r['tau']:.3f} | {pos} | {tail} |")
-    print(f"noise (largest seed-to-seed difference within one format): {noise:.3f}")
-    out = {"formats": results, "mean_tau": means, "noise": noise, "sets": args.set, "config": str(args.config)}
+    print(f"noise: largest seed-to-seed difference within one format {noise:.3f}; "
+          f"paired bootstrap over {len(results[first][0]['counts'])} prompts, 2,000 resamples")
+    for rows in results.values():
+        for r in rows:
+            r.pop("counts")
+    out = {"formats": results, "mean_tau": means, "noise": noise, "bootstrap_95": intervals, "sets": args.set,
+           "config": str(args.config)}
     (args.out / "store_quality.json").write_text(json.dumps(out, indent=2))
 
 
