@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/peer/compare.py --out runs/peer-vs-us --train-minutes 44 \\
         [--config configs/smollm2-cpu-400.yaml] [--set generate.answers_per_prompt=1 ...] \\
-        [--peer-train-minutes M] [--sets validation | --sets test]
+        [--peer-train-minutes M] [--sets validation | test | val-mtbench | ...]
 
 Both pipelines take the same prompts (the config's generate selection: for the 400-prompt recipe the
 first 400 ShareGPT first turns of 8-2,000 characters) and run end to end on this machine:
@@ -56,6 +56,7 @@ from draftsmith.config import load_config  # noqa: E402
 from draftsmith.prompts import load_prompts  # noqa: E402
 
 SETS = {"validation": ("val-mtbench", "val-sharegpt"), "test": ("test-mtbench", "test-sharegpt")}
+SETS.update({name: (name,) for names in list(SETS.values()) for name in names})  # or one set alone
 EVAL_PROMPTS = 40
 EVAL_ARGS = ["--engine", "vllm", "-k", "3", "--temperature", "0", "--max-tokens", "128"]
 
