@@ -188,14 +188,15 @@ def fake_server(tmp_path):
 
 def vllm_cfg(target, servers, *more):
     return load_config(None, [f"target={target}", "extract.backend=vllm", f"extract.servers={json.dumps(servers)}",
-                              "extract.backoff_s=0", "extract.shard_size=4", "extract.timeout_s=30", *more])
+                              "extract.backoff_s=0", "extract.shard_size=4", "extract.timeout_s=30", "extract.store_format=bf16", *more])
 
 
 def hf_store(tmp_path, target, samples, name="hf") -> RunDir:
     """The hf backend's store for the same samples, one sample per forward in bf16."""
     run = RunDir(tmp_path / name)
     write_prepare(run, str(target), samples)
-    run_extract(run, load_config(None, [f"target={target}", "dtype=bfloat16", "extract.batch_tokens=1", "extract.shard_size=4"]))
+    run_extract(run, load_config(None, [f"target={target}", "dtype=bfloat16", "extract.batch_tokens=1", "extract.shard_size=4",
+                                  "extract.store_format=bf16"]))
     return run
 
 
@@ -470,13 +471,13 @@ def test_real_server_states_equal_the_hf_backend(tmp_path, smol_target):
     write_prepare(run, smol_target, samples)
     # bf16 on both sides (auto would pick float32 on a CPU without AMX, where the two agree to the last bit)
     m = run_extract(run, load_config(None, [f"target={smol_target}", "dtype=bfloat16", "extract.backend=vllm",
-                                            "extract.concurrency=4"]))
+                                            "extract.concurrency=4", "extract.store_format=bf16"]))
     assert m is not None and m["counts"]["done"] == len(samples) and m["settings"]["backend"] == "vllm"
     d = run.path / "extract"
     assert not (d / ".vllm_states").exists() and "extract_hidden_states" in (d / "vllm.log").read_text(errors="replace")
     hf = RunDir(tmp_path / "hf")
     write_prepare(hf, smol_target, samples)
-    run_extract(hf, load_config(None, [f"target={smol_target}", "dtype=bfloat16"]))
+    run_extract(hf, load_config(None, [f"target={smol_target}", "dtype=bfloat16", "extract.store_format=bf16"]))
     sv, sh = ExtractStore(run), ExtractStore(hf)
     assert sv.meta["compute_dtype"] == sh.meta["compute_dtype"] == "bfloat16" and sv.layers == sh.layers == layers
 

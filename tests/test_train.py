@@ -74,8 +74,10 @@ def write_prepare(run: RunDir, target, samples: list[dict]) -> dict:
 
 
 def base_sets(target, **train) -> list[str]:
+    # a bf16 store: the tests hold offline training to online training's (and the forward's) numbers
     sets = {"target": str(target), "vocab.draft_vocab_size": DV, "train.seq_len": 64, "train.batch_tokens": 128,
-            "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every_s": 0.001, "train.checkpoint_every": 1000}
+            "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every_s": 0.001, "train.checkpoint_every": 1000,
+            "extract.store_format": "bf16"}
     sets.update({f"train.{k}" if "." not in k else k: v for k, v in train.items()})
     return [f"{k}={v}" for k, v in sets.items()]
 

@@ -64,7 +64,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     compute_dtype = _compute_dtype(cfg, target)
     settings = {"target": cfg.target, "layers": layers, "shard_size": ec.shard_size, "backend": ec.backend,
                 "compute_dtype": compute_dtype}
-    if ec.store_format != "bf16":  # (absent at the default, so stores made before the key stay current)
+    if ec.store_format != "bf16":  # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
         settings["store_format"] = ec.store_format
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
