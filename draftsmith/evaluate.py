@@ -972,7 +972,7 @@ def _write_report(run: RunDir, cfg, d: Path, records: list[dict], info, cj: dict
         "target": info.name, "target_fingerprint": info.fingerprint,
         # what "auto" resolved to on this machine
         "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
-        "drafter": str(Path(ec.drafter).resolve() if ec.drafter else run.path / "export"), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
+        "drafter": str(Path(ec.drafter).expanduser().resolve() if ec.drafter else run.path / "export"), "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids"),
         "export_fingerprint": export_manifest.get("fingerprint"), "seed": ec.seed,
     }
     if ec.engine == "vllm":

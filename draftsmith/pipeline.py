@@ -78,7 +78,10 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
             if stage == "extract" and not cfg.extract.overwrite:
                 # `run` promises that a changed input reruns every later stage; a store built from
                 # other prepared samples or settings is useless to them, so it is replaced (a
-                # store of the same build is resumed, never cleared).
+                # store of the same build is resumed, never cleared). Not a finished store of the
+                # other format, though: the default changed from bf16 to fp8, and days of
+                # extraction must not go because a run was resumed with a newer draftsmith.
+                _refuse_other_format(run, cfg.extract.store_format)
                 stage_cfg = cfg.model_copy(deep=True)
                 stage_cfg.extract.overwrite = True
             manifests[stage] = fn(run, stage_cfg)
@@ -95,6 +98,18 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
     atomic_write_json(run.path / "pipeline.json", state)
     log(f"all stages done in {time.time() - t0:.0f}s", stage="run")
     return manifests
+
+
+def _refuse_other_format(run: RunDir, wanted: str) -> None:
+    old = run.read_manifest("extract")
+    if old is None:
+        return
+    held = (old.get("settings") or {}).get("store_format", "bf16")  # absent: a bf16 store
+    if held != wanted:
+        raise DraftsmithError(
+            f"{run.path / 'extract'}: holds a finished {held} store, but extract.store_format is {wanted} "
+            f"(fp8 is the default since issue 26); set extract.store_format={held} to keep training from it, "
+            f"or extract.overwrite=true to replace it")
 
 
 def summarize(run: RunDir) -> str:

@@ -97,6 +97,13 @@ def test_run_from_until(recipe, tmp_path):
     assert json.loads((run.path / "pipeline.json").read_text())["stages"] == ["generate", "prepare", "vocab"]
     run_pipeline(run, cfg, from_stage="extract", until_stage="train")
     assert set(finished(run)) == {"generate", "prepare", "vocab", "extract", "train"}
+    # a finished store of the other format is not replaced by `run` unless asked (the default
+    # changed from bf16 to fp8; a resumed run must not delete days of extraction)
+    assert run.read_manifest("extract")["settings"]["store_format"] == "fp8"
+    store = {p: p.read_bytes() for p in (run.path / "extract").rglob("*.safetensors")}
+    with pytest.raises(DraftsmithError, match=r"holds a finished fp8 store, but extract.store_format is bf16.*overwrite=true"):
+        run_pipeline(run, load_config(recipe, ["extract.store_format=bf16"]), from_stage="extract", until_stage="train")
+    assert {p: p.read_bytes() for p in (run.path / "extract").rglob("*.safetensors")} == store and store
     with pytest.raises(DraftsmithError, match="--from eval comes after --until train"):
         planned_stages(cfg, "eval", "train")
     with pytest.raises(DraftsmithError, match="--from extract: not a stage of this run"):
