@@ -202,7 +202,7 @@ class EvalConfig(_Section):
     max_tokens: int = Field(128, ge=1, description="Tokens per answer.")
     server: str | None = Field(None, description="Use this running vLLM server instead of starting one.")
     drafter: str | None = Field(
-        None, description="Evaluate this drafter folder (speculators format: config.json + safetensors, e.g. another toolkit's) instead of RUN/export; the export stage is then not needed. Its fingerprint is the sha256 of its config.json and weights.")
+        None, description="Evaluate this drafter folder (speculators format: config.json + safetensors, e.g. another toolkit's) instead of RUN/export; the export stage is then not needed. Its fingerprint is the sha256 of its config.json and weights. Engine vllm serves any drafter vLLM loads; engine local only draftsmith's architecture (a speculators drafter with norm_before_residual true is refused in one line).")
     vllm_args: list[str] = Field(
         ["--enforce-eager"], description="More `vllm serve` arguments for the servers the vllm engine starts (default `--enforce-eager`: a one-minute start-up instead of several for compilation, same decode speed on CPU).")
     baseline: bool = Field(True, description="Also measure plain decoding for the speedup.")
