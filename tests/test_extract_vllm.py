@@ -295,7 +295,7 @@ def test_cli_verify_resume_and_preflight(tmp_path, tiny8, fake_server, cli, monk
     run = RunDir(tmp_path / "vllm")
     write_prepare(run, str(tiny8), samples)
     sets = ["--set", f"target={tiny8}", "--set", "extract.backend=vllm", "--set", f"extract.servers=[{srv.url}]",
-            "--set", "extract.shard_size=4"]
+            "--set", "extract.shard_size=4", "--set", "extract.store_format=bf16"]
     p = cli("extract", "--run", str(run.path), *sets)
     assert p.returncode == 0, p.stderr
     good = store_files(run)
