@@ -108,7 +108,7 @@ def _refuse_other_format(run: RunDir, wanted: str) -> None:
     if held != wanted:
         raise DraftsmithError(
             f"{run.path / 'extract'}: holds a finished {held} store, but extract.store_format is {wanted} "
-            f"(fp8 is the default since issue 26); set extract.store_format={held} to keep training from it, "
+            f"(the default is fp8; stores made before it are bf16); set extract.store_format={held} to keep training from it, "
             f"or extract.overwrite=true to replace it")
 
 
