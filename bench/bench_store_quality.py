@@ -52,7 +52,13 @@ def run_variant(args, fmt: str, seed: int, first_seed: int) -> Path:
         link_tree(args.out / f"{fmt}-s{first_seed}" / "extract", run / "extract")
         start = "train"
     sets = [f"extract.store_format={fmt}", f"train.seed={seed}", *args.set]
-    cmd = [sys.executable, "-m", "draftsmith", "run", str(args.config), "--run", str(run), "--from", start]
+    run_draftsmith(args.config, run, ["--from", start], sets)
+    return run
+
+
+def run_draftsmith(config: Path, run: Path, stages: list[str], sets: list[str]) -> None:
+    """`draftsmith run CONFIG --run RUN STAGES --set ...`, its output in RUN.log beside the run; exits on failure."""
+    cmd = [sys.executable, "-m", "draftsmith", "run", str(config), "--run", str(run), *stages]
     for s in sets:
         cmd += ["--set", s]
     print(f"--- {run.name}: {' '.join(cmd[2:])}", flush=True)
@@ -62,7 +68,6 @@ def run_variant(args, fmt: str, seed: int, first_seed: int) -> Path:
     if rc != 0:
         sys.exit(f"{run.name}: draftsmith run exited {rc}; see {run.parent / (run.name + '.log')}")
     print(f"    done in {time.time() - t0:.0f}s", flush=True)
-    return run
 
 
 def read_variant(run: Path) -> dict:

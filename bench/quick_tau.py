@@ -11,6 +11,8 @@ local` measures in float32 with the same answers, without decoding anything.
 
     # once: greedy answers of MT-bench questions 81-120 (first turns, 128 tokens) and their states
     .venv/bin/python bench/quick_tau.py build --run runs/mtbench-81-120
+    # a validation set to choose knobs on: MT-bench 121-160, or any prompt file
+    .venv/bin/python bench/quick_tau.py build --run runs/val-mtbench --offset 40
     # per drafter (an export folder, or a run whose export/ it uses)
     .venv/bin/python bench/quick_tau.py score --states runs/mtbench-81-120 --drafter runs/cpu
 
@@ -37,31 +39,37 @@ from draftsmith.target import target_info  # noqa: E402
 from draftsmith.train.drafter import read_target_weights  # noqa: E402
 
 EVAL_SET = """\
-# The greedy answers the target gives to MT-bench questions 81-120 (first turns), as eval asks them.
+# The greedy answers the target gives to held-out prompts (first turns), as eval asks them.
 target: smollm2-135m
 generate:
   backend: local
-  prompts: mt-bench
+  prompts: {prompts}
   limit: {limit}
+  offset: {offset}
   first_turn_only: true
   max_tokens: {max_tokens}
   temperature: 0.0
   batch_size: 8
 """
-LAYERS = """\
+STORE = """\
 extract:
+  store_format: bf16        # scoring states as close to the engines' as the store holds them
+"""
+LAYERS = """\
   layers: {layers}          # the auxiliary layers of the drafters it will score
 """
 
 
 def build(args) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(EVAL_SET.format(limit=args.limit, max_tokens=args.max_tokens))
+        f.write(EVAL_SET.format(prompts=json.dumps(args.prompts), limit=args.limit, offset=args.offset,
+                                max_tokens=args.max_tokens))
+        f.write(STORE)
         if args.layers:
             f.write(LAYERS.format(layers=json.dumps([int(x) for x in args.layers.split(",")])))
-    cmd = [str(ROOT / ".venv" / "bin" / "draftsmith"), "run", f.name, "--run", args.run, "--until", "extract"]
+    cmd = [sys.executable, "-m", "draftsmith", "run", f.name, "--run", args.run, "--until", "extract"]
     print("$", " ".join(cmd), flush=True)
-    sys.exit(subprocess.call(cmd))
+    sys.exit(subprocess.call(cmd, cwd=ROOT))
 
 
 def walk(correct: torch.Tensor, start: int, end: int) -> tuple[int, int, list[int]]:
@@ -103,6 +111,7 @@ def score(args) -> dict:
     t0 = time.time()
     steps = produced = 0
     per_pos = [0] * K
+    counts = {}  # store index -> (verification steps, accepted drafts): for paired comparisons over prompts
     first = min(args.offset, len(store))
     n_prompts = min(len(store) - first, args.limit or len(store))
     for i in range(first, first + n_prompts):
@@ -125,13 +134,14 @@ def score(args) -> dict:
             if n > 0:
                 correct[k, :n] = pred[:n] == ids[0, 2 + k:]
         a, b, c = walk(correct, start, end)
+        counts[i] = (a, b - a)
         steps, produced = steps + a, produced + b
         per_pos = [x + y for x, y in zip(per_pos, c)]
     out = {"tau": produced / steps, "per_position": [round(x / steps, 4) for x in per_pos],
            "verification_steps": steps, "tokens": produced, "prompts": n_prompts, "k": K,
            "drafter": str(folder), "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out), flush=True)
-    return out
+    return {**out, "counts": counts}
 
 
 def main() -> None:
@@ -139,6 +149,9 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="greedy answers + hidden states of held-out prompts")
     b.add_argument("--run", required=True)
+    b.add_argument("--prompts", default="mt-bench",
+                   help="as generate.prompts: a packaged set or a JSONL file (e.g. compare.py's prompts/val-sharegpt.jsonl)")
+    b.add_argument("--offset", type=int, default=0, help="skip the first N prompts (40: MT-bench 121-160, validation)")
     b.add_argument("--limit", type=int, default=40)
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--layers", default=None, help="aux layer ids, e.g. 2,15,29 (default: the target's default)")

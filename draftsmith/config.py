@@ -137,7 +137,13 @@ class ExtractConfig(_Section):
 class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM server(s) with extract.backend=vllm).")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")
-    gamma: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step k's loss is gamma**k.")
+    gamma: float = Field(
+        0.8, gt=0.0, le=4.0, description="Weight of step k's loss is gamma**k: below 1 the first drafts count most (a later draft is only "
+        "accepted after the earlier ones), above 1 the later steps, where acceptance collapses, get more of the gradient.")
+    loss_kl: float = Field(1.0, ge=0.0, description="Weight of the forward KL(target || drafter) per position: EAGLE's loss.")
+    loss_rkl: float = Field(0.0, ge=0.0, description="Weight of the reverse KL(drafter || target): mode-seeking, it punishes mass the drafter puts where the target puts none.")
+    loss_tv: float = Field(0.0, ge=0.0, description="Weight of the total variation 0.5 * sum |target - drafter|: one minus it is the chance a sampled draft token is kept.")
+    loss_top1: float = Field(0.0, ge=0.0, description="Weight of the cross-entropy on the target's most likely token: what greedy (temperature 0) verification accepts. The logged loss stays the forward KL whatever the weights, so runs read alike.")
     loss_on: Literal["assistant", "all"] = Field(
         "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
     fc_input_norm: bool = Field(
@@ -165,8 +171,18 @@ class TrainConfig(_Section):
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decay floor, as a share of lr.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Where the decay ends, as a share of lr.")
+    lr_schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="After warm-up: `cosine` decays from lr to min_lr_ratio x lr over the run; `wsd` (warm-up, stable, "
+        "decay) holds lr, then decays linearly to min_lr_ratio x lr over the last `cooldown_share` of the run. Either "
+        "follows train.max_minutes' clock when that is further along than the steps.")
+    cooldown_share: float = Field(
+        0.2, ge=0.0, le=1.0, description="lr_schedule wsd: the share of the run after warm-up spent decaying (0: a constant lr).")
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    ema: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the weights with this decay per optimizer step "
+        "(ramped as min(ema, (1 + step) / (10 + step)) so early steps are not averaged with the initial weights); final/ and "
+        "so the export hold the average, checkpoints the raw weights (the average rides in their optimizer state). 0: off.")
     batch_tokens: int = Field(4096, ge=16, description="Tokens per micro-batch (samples packed into rows).")
     seq_len: int = Field(2048, ge=16, description="Length of a packed row.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -184,6 +200,12 @@ class TrainConfig(_Section):
     fsdp: bool = Field(False, description="Use FSDP instead of DDP when distributed.")
     processes: int = Field(
         1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the CPU), each taking its own micro-batches, so an optimizer step is N x batch_tokens x grad_accum tokens. On a 2-core CPU two one-thread ranks train ~1.3x faster than one two-thread process. Ignored inside torchrun.")
+
+    @model_validator(mode="after")
+    def _some_loss(self):
+        if self.loss_kl + self.loss_rkl + self.loss_tv + self.loss_top1 <= 0:
+            raise ValueError("loss_kl, loss_rkl, loss_tv, loss_top1: at least one weight must be above 0")
+        return self
 
 
 class ExportConfig(_Section):

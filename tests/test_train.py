@@ -29,8 +29,9 @@ from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Prefetcher, pack_epoch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
-from draftsmith.train.objective import KL_CHUNK_ELEMENTS, TTTObjective, acceptance_length, resolve_attention, ttt_masks
-from draftsmith.train.schedule import TimeBudget, lr_lambda
+from draftsmith.train.objective import (KL_CHUNK_ELEMENTS, LossMix, TTTObjective, acceptance_length, mix_terms,
+                                       resolve_attention, ttt_masks)
+from draftsmith.train.schedule import TimeBudget, ema_decay, lr_lambda
 from draftsmith.vocab import run_vocab
 
 DV = 64  # draft vocabulary of the tiny runs
@@ -293,9 +294,9 @@ def _packed_case(seed=0, R=2, T=50):
     return ids, lm, doc, pos, torch.randn(R, T, 48, generator=g), torch.randn(R, T, 16, generator=g)
 
 
-def _loss_and_grads(d, W_d, chunk, batch, autocast=False, temperature=1.0):
+def _loss_and_grads(d, W_d, chunk, batch, autocast=False, temperature=1.0, mix=LossMix()):
     d.zero_grad()
-    obj = TTTObjective(d, W_d, 3, 0.8, teacher_temperature=temperature, chunk_tokens=chunk)
+    obj = TTTObjective(d, W_d, 3, 0.8, teacher_temperature=temperature, chunk_tokens=chunk, mix=mix)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss, stats = obj(*batch, [30.0, 25.0, 20.0], scale=2.0)
     loss.backward()
@@ -322,6 +323,47 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_its_gradients(chunk):
     for n in ref[2]:
         tol = dict(rtol=2e-2, atol=1e-2 * float(ref[2][n].abs().max())) if n == "lm_head.weight" else dict(rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2][n], ref[2][n], **tol, msg=n)
+
+
+MIXES = [LossMix(kl=0.5, top1=0.5), LossMix(kl=0.0, tv=1.0), LossMix(kl=0.3, rkl=0.7), LossMix(kl=0.0, rkl=0.2, tv=0.3, top1=1.5)]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"kl{m.kl}-rkl{m.rkl}-tv{m.tv}-top1{m.top1}")
+def test_loss_mixes_chunked_equal_the_whole_batch_and_their_gradients_are_autograds(mix):
+    """Each LossMix: the chunked loss's hand-written gradient (mix_grad) against autograd through the
+    whole-batch loss (mix_terms), loss and every gradient to 1e-5; the statistics still report the
+    forward KL, the same as under the pure KL loss."""
+    d, W_d = tiny_drafter(seed=3)
+    batch = _packed_case(seed=1)
+    ref = _loss_and_grads(d, W_d, 0, batch, temperature=0.8, mix=mix)
+    kl_only = _loss_and_grads(d, W_d, 0, batch, temperature=0.8)
+    torch.testing.assert_close(ref[1], kl_only[1])  # the logged KL does not depend on the mix
+    assert not torch.allclose(ref[0], kl_only[0])  # ... but the loss does
+    for chunk in (1, 4, None):
+        got = _loss_and_grads(d, W_d, chunk, batch, temperature=0.8, mix=mix)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+        assert got[2].keys() == ref[2].keys()
+        for n in ref[2]:  # float32 rounding of sums over the vocabulary: relative to the gradient's size
+            atol = 1e-6 * max(1.0, float(ref[2][n].abs().max()))
+            torch.testing.assert_close(got[2][n], ref[2][n], rtol=1e-5, atol=atol, msg=n)
+
+
+def test_loss_mix_terms_by_hand():
+    """mix_terms on one position against the textbook formulas."""
+    logits_p, logits_q = torch.tensor([[2.0, 0.5, -1.0, 0.0]]), torch.tensor([[0.0, 1.5, 0.2, -0.3]])
+    p, logq = torch.softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    q = logq.exp()
+    assert mix_terms(LossMix(kl=0, rkl=1), p, p.log(), logq).item() == pytest.approx(float((q * (q.log() - p.log())).sum()))
+    assert mix_terms(LossMix(kl=0, tv=1), p, None, logq).item() == pytest.approx(float(0.5 * (p - q).abs().sum()))
+    assert mix_terms(LossMix(kl=0, top1=1), p, None, logq).item() == pytest.approx(-float(logq[0, 0]))  # argmax p = 0
+    assert LossMix().pure_kl and not LossMix(kl=0.5).pure_kl and not LossMix(top1=0.1).pure_kl
+    with pytest.raises(DraftsmithError, match="at least one weight"):
+        load_config(None, ["train.loss_kl=0"])
+    for bad in ("train.loss_tv=-1", "train.gamma=5"):
+        with pytest.raises(DraftsmithError, match=bad.split("=")[0]):
+            load_config(None, [bad])
+    assert load_config(None, ["train.gamma=1.5", "train.loss_top1=0.5"]).train.loss_top1 == 0.5
 
 
 class _VocabBlocks(TorchDispatchMode):
@@ -380,6 +422,18 @@ def test_acceptance_length_and_schedule():
     assert g(1) == 0.5 and g(10) == pytest.approx(0.55) and g(998) == pytest.approx(0.1, abs=1e-4)
     share[0] = 1.3
     assert g(10) == pytest.approx(0.1)
+    # wsd: flat after warm-up, then linear to the floor over the last cooldown share (of steps or time)
+    w = lr_lambda(warmup=4, total=104, min_ratio=0.1, schedule="wsd", cooldown=0.2)
+    assert [w(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert w(4) == 1.0 and w(84) == 1.0 and w(94) == pytest.approx(0.55) and w(104) == pytest.approx(0.1)
+    share[0] = 0.9
+    wt = lr_lambda(warmup=4, total=1000, min_ratio=0.1, time_share=lambda: share[0], schedule="wsd", cooldown=0.2)
+    assert wt(10) == pytest.approx(0.55)
+    constant = lr_lambda(warmup=0, total=10, min_ratio=0.1, schedule="wsd", cooldown=0.0)
+    assert [constant(s) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
+    assert load_config(None, ["train.lr_schedule=wsd"]).train.cooldown_share == 0.2
+    with pytest.raises(DraftsmithError, match="train.lr_schedule"):
+        load_config(None, ["train.lr_schedule=linear"])
 
 
 def test_prefetcher_hands_on_items_and_errors_and_its_thread_ends_on_close():
@@ -568,6 +622,35 @@ def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run
     run_train(run, cfg)
     again = final_weights(run)
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+def test_ema_final_holds_the_average_and_a_resume_restores_it(synth_run, tiny8, tmp_path):
+    """train.ema: final/ holds the moving average (not the last step's weights, which the last
+    checkpoint keeps), the average follows ema_decay's ramp, and a run resumed from a checkpoint
+    ends with the same average as one never interrupted (it rides in the optimizer state)."""
+    import shutil
+
+    run = copy_run(synth_run, tmp_path / "run")
+    cfg = cfg_for(tiny8, max_steps=20, checkpoint_every=10, ema=0.9)
+    run_train(run, cfg)
+    d = run.path / "train"
+    avg, raw = final_weights(run), load_file(str(d / "checkpoints" / "step_20" / "model.safetensors"))
+    assert avg.keys() == raw.keys() and any(not torch.equal(avg[k], raw[k]) for k in avg)
+    saved = torch.load(d / "checkpoints" / "step_20" / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    assert all("ema" in st for st in saved.values())
+    assert ema_decay(0.9, 1) == pytest.approx(2 / 11) and ema_decay(0.9, 1000) == 0.9
+    # without the average the run ends at the raw weights
+    plain = copy_run(synth_run, tmp_path / "plain")
+    run_train(plain, cfg_for(tiny8, max_steps=20, checkpoint_every=10))
+    w = final_weights(plain)
+    assert all(torch.equal(w[k], raw[k]) for k in w)
+
+    shutil.rmtree(d / "final")
+    shutil.rmtree(d / "checkpoints" / "step_20")
+    (d / "manifest.json").unlink()
+    run_train(run, cfg)  # from step_10
+    again = final_weights(run)
+    assert all(torch.equal(again[k], avg[k]) for k in avg)
 
 
 def test_init_layer_starts_from_the_target_layer_and_a_bad_value_keeps_the_run(synth_run, tiny8, tmp_path):
@@ -812,7 +895,8 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     samples = cycle_samples(target_info(str(tiny8)).vocab_size, 24, seed=5, lengths=(64, 64))
     base = make_run(tmp_path / "base", tiny8, samples)
     synthesize_states(base, tiny8)
-    sets = dict(max_steps=4, precision="fp32", lr=1e-3, checkpoint_every=2)
+    # with the weights' average on: it is kept per parameter in the optimizer state, sharded by FSDP
+    sets = dict(max_steps=4, precision="fp32", lr=1e-3, checkpoint_every=2, ema=0.5)
 
     one = copy_run(base, tmp_path / "one")  # 1 rank, batch 2b
     run_train(one, cfg_for(tiny8, batch_tokens=128, **sets))

@@ -10,7 +10,8 @@ into rows of `train.seq_len` tokens, `train.batch_tokens // seq_len` rows per mi
 `train.grad_accum` micro-batches per rank per optimizer step.
 
 Objective (objective.py): the forward KL from the target's next-token distribution to the
-drafter's, over `train.ttt_steps` unrolled drafting steps weighted gamma**k.
+drafter's (or a mix with other distances, train.loss_*), over `train.ttt_steps` unrolled drafting
+steps weighted gamma**k.
 
 Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/ and final/ (checkpoint.py),
 metrics.jsonl and tb/ (report.py), the manifest. A run killed at any point resumes from its
@@ -44,9 +45,9 @@ from draftsmith.train.data import DeviceFeeder, Packing, Prefetcher, count_steps
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
-from draftsmith.train.objective import TTTObjective, acceptance_length, resolve_attention, step_counts
+from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, resolve_attention, step_counts
 from draftsmith.train.report import Window
-from draftsmith.train.schedule import TimeBudget, make_optimizer, make_scheduler
+from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
 from draftsmith.vocab import load_vocab
 
 STAGE = "train"
@@ -56,7 +57,8 @@ TRAIN_VERSION = 1
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
                      "attention", "loss_chunk_tokens")
 # knobs added after runs were made, with their defaults
-LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None}
+LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0, "loss_tv": 0.0,
+               "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2, "ema": 0.0}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -172,8 +174,9 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
 
     drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc, lambda: source.batch(packing.plan(0)[0], packing.row_len),
                                                 init_layers, layers, say, ranks)
+    mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
-                             tc.feature_noise, attention, tc.loss_chunk_tokens).to(ranks.device)
+                             tc.feature_noise, attention, tc.loss_chunk_tokens, mix).to(ranks.device)
     meta = {
         "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
         "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
@@ -329,6 +332,8 @@ def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Windo
         bad = [ts.source.name(i) for b, loss in zip(mbs, losses) if not torch.isfinite(loss) for i in b.samples]
         raise _non_finite(ts, bad, grad_norm)
     ts.optimizer.step()
+    if tc.ema > 0:
+        update_ema(ts.optimizer, ts.params, tc.ema, ts.step + 1)
     if ts.step + 1 == tc.warmup_steps:
         ts.budget.warmup_end_s = ts.budget.clock_s  # before the scheduler computes the first post-warm-up rate
     ts.scheduler.step()
@@ -398,6 +403,8 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
     if ts.step > ts.start_step:
         _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=ts.cfg.train.keep_checkpoints)
     final_dir = ts.folder / "final"
+    if ts.cfg.train.ema > 0:
+        load_ema(ts.optimizer, ts.params)  # after the last checkpoint, which keeps the raw weights to resume from
     _save(ts, final_dir)
     manifest = None
     if ts.ranks.rank == 0:

@@ -6,6 +6,9 @@ softmax(W_d @ last_hidden[i+1+k]) over the draft vocabulary (W_d = rows of the t
 the draft ids, [Dv, H]). The loss is the forward KL(target || drafter), averaged over the positions
 where it is defined (i+2+k inside the row and the same document, loss_mask[i+2+k] = 1, t[i+2+k] in
 the draft vocabulary) across the whole optimizer step and all ranks, weighted gamma**k per step.
+`LossMix` adds other distances between the same two distributions (reverse KL, total variation,
+cross-entropy on the target's argmax: what greedy verification checks) to or instead of that KL;
+the logged loss stays the forward KL whatever the mix, so runs with different mixes read alike.
 Accuracy at step k counts the d2t-mapped argmax == t[i+2+k] over every loss-masked position
 (tokens outside the draft vocabulary are misses), so that 1 + sum_k prod_{j<=k} acc_j estimates
 the acceptance length of chain drafting.
@@ -126,6 +129,54 @@ def resolve_attention(spec: str, device) -> str:
     return spec
 
 
+@dataclass(frozen=True)
+class LossMix:
+    """Weights of the distances between the target's distribution p and the drafter's q, per position:
+    kl: forward KL(p || q), the EAGLE objective (mass-covering); rkl: reverse KL(q || p) (mode-seeking);
+    tv: total variation 0.5 * sum |p - q|, of which 1 - tv bounds the chance a sampled draft is kept;
+    top1: -log q(argmax p), the cross-entropy on the token greedy verification accepts."""
+
+    kl: float = 1.0
+    rkl: float = 0.0
+    tv: float = 0.0
+    top1: float = 0.0
+
+    @property
+    def pure_kl(self) -> bool:
+        return self.kl == 1 and self.rkl == 0 and self.tv == 0 and self.top1 == 0
+
+
+def mix_terms(mix: LossMix, p, logp, logq, q=None):
+    """The mix at each position of a chunk ([n, Dv] float32: p, logp the teacher's (logp may be None
+    when mix.rkl is 0), logq the drafter's; q = exp(logq) if already taken) -> [n] the mixed
+    distance per position, without its forward-KL part (sum p log p - sum p log q, taken apart)."""
+    q = logq.exp() if q is None else q
+    out = logq.new_zeros(logq.shape[0])
+    if mix.rkl:
+        out += mix.rkl * (q * (logq - logp)).sum(-1)
+    if mix.tv:
+        out += mix.tv * 0.5 * (q - p).abs().sum(-1)
+    if mix.top1:
+        out -= mix.top1 * logq.gather(1, p.argmax(-1, keepdim=True)).squeeze(1)
+    return out
+
+
+def mix_grad(mix: LossMix, p, logp, logq, q):
+    """d (sum over positions of mix_terms + mix.kl * KL) / d logits, [n, Dv] float32 (the softmax's
+    Jacobian applied: for f(q), df/dz = q * (df/dq - sum q df/dq))."""
+    g = mix.kl * (q - p)
+    if mix.rkl:
+        d = logq - logp  # d/dq of sum q (log q - log p) is (log q - log p) + 1; the 1 cancels in the Jacobian
+        g += mix.rkl * q * (d - (q * d).sum(-1, keepdim=True))
+    if mix.tv:
+        s = 0.5 * torch.sign(q - p)
+        g += mix.tv * q * (s - (q * s).sum(-1, keepdim=True))
+    if mix.top1:
+        g += mix.top1 * q
+        g.scatter_add_(1, p.argmax(-1, keepdim=True), torch.full_like(q[:, :1], -mix.top1))
+    return g
+
+
 @dataclass
 class KLPlan:
     """What ChunkedKL needs besides the tensors it differentiates. Per TTT step k, over its trained
@@ -142,10 +193,12 @@ class KLPlan:
     chunk: int  # teacher rows per chunk
     grad_weight: bool  # compute the gradient of the drafter's head
     grad_states: bool  # ... and of the states it reads
+    mix: LossMix = LossMix()  # the loss's distances; its forward KL is what `kl` reports either way
 
 
 class ChunkedKL(torch.autograd.Function):
-    """The loss sum_k weights[k] * KL_k and its gradient, a chunk of teacher rows at a time.
+    """The loss sum_k weights[k] * KL_k and its gradient, a chunk of teacher rows at a time (with
+    plan.mix other than pure KL, KL_k is that mix of distances summed over step k's positions).
 
     KL_k sums, over step k's positions, KL(p || q): p = softmax(teacher_hidden[row] @ teacher_head^T
     / T) the teacher's distribution, q = softmax(x_k @ weight^T) the drafter's. Each chunk's
@@ -165,6 +218,7 @@ class ChunkedKL(torch.autograd.Function):
     def forward(ctx, plan: KLPlan, weight, teacher_head, teacher_hidden, *xs):
         steps, N = len(xs), teacher_hidden.shape[0]
         kl = weight.new_zeros(steps, dtype=torch.float64)
+        mixed = kl if plan.mix.pure_kl else weight.new_zeros(steps, dtype=torch.float64)  # the objective's sums
         correct = weight.new_zeros(steps, dtype=torch.float64)
         gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
         gxs = [torch.zeros_like(x) for x in xs] if plan.grad_states else []
@@ -176,7 +230,8 @@ class ChunkedKL(torch.autograd.Function):
             del t_logits
             t_p = t_logp.exp()
             t_negent = (t_p * t_logp).sum(-1)  # [C] sum p log p, the KL's constant part
-            del t_logp
+            if not plan.mix.rkl:
+                del t_logp
             for k, x in enumerate(xs):
                 s, e = bounds[k][c], bounds[k][c + 1]
                 if s == e:
@@ -190,11 +245,20 @@ class ChunkedKL(torch.autograd.Function):
                 kl[k] += t_negent[r].sum().double() - torch.dot(p.flatten(), logq.flatten()).double()
                 pred = logits.argmax(-1)
                 correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
+                if not plan.mix.pure_kl:
+                    logp = t_logp[r] if plan.mix.rkl else None
+                    q = logq.exp()
+                    mixed[k] += (plan.mix.kl * (t_negent[r] - (p * logq).sum(-1))
+                                 + mix_terms(plan.mix, p, logp, logq, q)).sum().double()
                 if gw is None and not gxs:
                     continue
-                # d loss / d logits = weights[k] * (q - p) (p sums to 1), in place, then in the
+                # d loss / d logits (pure KL: weights[k] * (q - p), p sums to 1, in place), then in the
                 # logits' dtype as the unchunked backward casts it (under autocast: the same bf16 values)
-                g = logq.exp_().sub_(p).mul_(plan.weights[k]).to(logits.dtype)
+                if plan.mix.pure_kl:
+                    g = logq.exp_().sub_(p).mul_(plan.weights[k]).to(logits.dtype)
+                else:
+                    g = mix_grad(plan.mix, p, logp, logq, q).mul_(plan.weights[k]).to(logits.dtype)
+                    del q, logp
                 del logq, p
                 if gxs:
                     gxs[k][s:e] = (g @ weight).to(x.dtype)
@@ -206,7 +270,7 @@ class ChunkedKL(torch.autograd.Function):
         ctx.has_gw, ctx.steps, ctx.w_dtype = gw is not None, steps, weight.dtype
         ctx.mark_non_differentiable(kl, correct)
         # weighted by Python floats: a tensor of the weights would be a host->device copy (a sync)
-        loss = torch.stack([kl[k] * w for k, w in enumerate(plan.weights)]).sum()
+        loss = torch.stack([mixed[k] * w for k, w in enumerate(plan.weights)]).sum()
         return loss.to(torch.float32), kl, correct
 
     @staticmethod
@@ -229,7 +293,8 @@ class TTTObjective(nn.Module):
     """
 
     def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None, teacher_temperature: float = 1.0,
-                 feature_noise: float = 0.0, attention: str = "sdpa", chunk_tokens: int | None = None):
+                 feature_noise: float = 0.0, attention: str = "sdpa", chunk_tokens: int | None = None,
+                 mix: LossMix = LossMix()):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
@@ -239,6 +304,7 @@ class TTTObjective(nn.Module):
         self.teacher_temperature = teacher_temperature
         self.feature_noise = feature_noise
         self.attention = attention
+        self.mix = mix
         self.chunk_tokens = max(1, KL_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None else chunk_tokens
 
     def layouts(self) -> Callable[..., TTTLayout]:
@@ -252,7 +318,7 @@ class TTTObjective(nn.Module):
                 layout: TTTLayout | None = None):
         """Returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
 
-        loss = scale * sum_k gamma^k * KL_sum_k / denom[k]; denom [steps] = valid positions of
+        loss = scale * sum_k gamma^k * KL_sum_k / denom[k] (KL_sum_k: the LossMix's sum); denom [steps] = valid positions of
         step k over the whole optimizer step (all micro-batches, all ranks), so that the
         accumulated gradient is the token mean of the step whatever the micro-batching.
         denom is a list of floats (no device sync); scale = number of ranks, which undoes the
@@ -294,7 +360,7 @@ class TTTObjective(nn.Module):
                           targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
                           bounds=layout.bounds, d2t=d.d2t, temperature=self.teacher_temperature, chunk=self.chunk_tokens,
                           grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
-                          grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+                          grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs), mix=self.mix)
             loss, kl, correct = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
         counts = torch.stack([valid.sum() for _, valid in masks]).double()  # on the device: no host->device copy
         masked = torch.stack([m.sum() for m, _ in masks]).double()
@@ -316,9 +382,10 @@ class TTTObjective(nn.Module):
             # forward KL(p || q) summed over positions = sum p log p - sum p log q; the
             # cross term as one dot product (no [N_k, Dv] temporary in the forward)
             kl = t_negent[rows].sum() - torch.dot(t_p[rows].flatten(), logq.flatten())
+            obj = kl if self.mix.pure_kl else self.mix.kl * kl + mix_terms(self.mix, t_p[rows], t_logp[rows], logq).sum()
             # every step's term stays in the graph (weight 0 when it has no position anywhere),
             # so every parameter gets a gradient on every rank
-            loss = loss + weights[k] * kl
+            loss = loss + weights[k] * obj
             kls.append(kl)
             with torch.no_grad():
                 pred = logits.argmax(-1)

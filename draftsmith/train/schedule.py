@@ -1,5 +1,5 @@
 """How fast and for how long: the optimizer, the learning-rate schedule (linear warm-up, then
-cosine), and train.max_minutes' time budget (TimeBudget)."""
+cosine or warm-up-stable-decay), the weights' moving average (train.ema), and train.max_minutes' time budget (TimeBudget)."""
 
 import math
 import time
@@ -14,10 +14,44 @@ def make_optimizer(params: list, tc, fused: bool) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay, fused=fused)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float, time_share=None):
-    """LR multiplier at optimizer step s (0-based): linear warm-up, then cosine to min_ratio.
+EMA_KEY = "ema"  # the average's entry in each parameter's optimizer state: saved, sharded and restored with it
 
-    `time_share()`, when given, returns the share of a time budget spent (0..1); the cosine then
+
+def ema_decay(ema: float, step: int) -> float:
+    """The average's decay after optimizer step `step` (1-based): ramped in, so that the first steps
+    are not averaged with the initial weights for long."""
+    return min(ema, (1 + step) / (10 + step))
+
+
+@torch.no_grad()
+def update_ema(optimizer, params: list, ema: float, step: int) -> None:
+    """After optimizer step `step`: each parameter's average moves towards it (created as a copy at
+    the first update). Kept in the optimizer's per-parameter state, so checkpoints save and resume
+    it (and FSDP shards it) as they do the Adam moments."""
+    decay = ema_decay(ema, step)
+    for p in params:
+        st = optimizer.state[p]
+        if EMA_KEY not in st:
+            st[EMA_KEY] = p.detach().clone()
+        else:
+            st[EMA_KEY].lerp_(p.detach(), 1.0 - decay)
+
+
+@torch.no_grad()
+def load_ema(optimizer, params: list) -> None:
+    """Copy each parameter's average into it (for final/: the weights that get exported)."""
+    for p in params:
+        st = optimizer.state.get(p, {})
+        if EMA_KEY in st:
+            p.copy_(st[EMA_KEY])
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float, time_share=None, schedule: str = "cosine",
+              cooldown: float = 0.2):
+    """LR multiplier at optimizer step s (0-based): linear warm-up, then `cosine` to min_ratio, or
+    `wsd`: 1 until the last `cooldown` share of the run after warm-up, then linearly to min_ratio.
+
+    `time_share()`, when given, returns the share of a time budget spent (0..1); the decay then
     follows whichever of steps and time is further along.
     """
     def f(s: int) -> float:
@@ -26,6 +60,10 @@ def lr_lambda(warmup: int, total: int, min_ratio: float, time_share=None):
         progress = min(1.0, (s - warmup) / max(1, total - warmup))
         if time_share is not None:
             progress = max(progress, min(1.0, time_share()))
+        if schedule == "wsd":
+            if cooldown <= 0 or progress < 1 - cooldown:
+                return 1.0
+            return 1 - (1 - min_ratio) * (progress - (1 - cooldown)) / cooldown
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
@@ -84,4 +122,5 @@ class TimeBudget:
 
 def make_scheduler(optimizer, tc, total_steps: int, budget: TimeBudget) -> torch.optim.lr_scheduler.LambdaLR:
     share = None if budget.budget_s is None else budget.share
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, share))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, share,
+                                                                  tc.lr_schedule, tc.cooldown_share))
