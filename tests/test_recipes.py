@@ -48,17 +48,38 @@ def test_no_evaluation_prompt_in_training_data(path):
             assert hit is None, f"{path.name}: training prompt {p.id} contains an evaluation prompt: {hit[:60]}"
 
 
+def _compare_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare", CONFIGS.parent / "bench" / "peer" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare
+
+
+def test_peer_comparison_fits_training_into_the_peers_end_to_end_time(tmp_path):
+    """compare.py --train-minutes fit: draftsmith trains for the peer's end-to-end seconds less its
+    own stages before training (their manifests' wall time) and the loading/export allowance; with
+    no time left it stops in one line."""
+    import json
+
+    compare = _compare_module()
+    for stage, wall in (("generate", 400.0), ("prepare", 2.0), ("vocab", 1.0), ("extract", 197.0)):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "manifest.json").write_text(json.dumps({"started": 1000.0, "finished": 1000.0 + wall}))
+    assert compare.fitted_train_minutes(tmp_path, 3600.0) == pytest.approx((3600 - 600 - compare.FIT_OVERHEAD_S) / 60)
+    with pytest.raises(SystemExit, match="no time is left to train"):
+        compare.fitted_train_minutes(tmp_path, 650.0)
+
+
 def test_peer_comparison_prompt_sets_are_disjoint_and_unseen(tmp_path):
     """bench/peer/compare.py's four evaluation sets for the 400-prompt recipe: 40 prompts each,
     MT-bench 81-120 (test) and 121-160 (validation), and two ShareGPT slices after the training
     prompts; no two sets share a text and none is a training prompt's (ShareGPT repeats short
     first turns such as "continue", which are skipped)."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("compare", CONFIGS.parent / "bench" / "peer" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = _compare_module()
     cfg = load_config(CONFIGS / "smollm2-cpu-400.yaml")
     files = compare.prompt_sets(cfg, tmp_path)
     texts = {}

