@@ -146,6 +146,10 @@ class TrainConfig(_Section):
     loss_top1: float = Field(0.0, ge=0.0, description="Weight of the cross-entropy on the target's most likely token: what greedy (temperature 0) verification accepts. The logged loss stays the forward KL whatever the weights, so runs read alike.")
     loss_on: Literal["assistant", "all"] = Field(
         "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
+    loss_skip_tokens: int = Field(
+        0, ge=0, description="Leave each sample's first N tokens out of the loss. Why: with loss_on all, the chat template's fixed "
+        "system prompt is trained at every sample though the drafter never drafts it (SmolLM2's default system prompt and "
+        "user header are the first 24 tokens of every sample: 8% of the 400-prompt recipe's positions).")
     fc_input_norm: bool = Field(
         False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on the first micro-batch, each document's first token left out), folded back into fc's weights at export, so vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean |x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's step, the same size for every weight, moves the output far more through them than through the rest.")
     teacher_temperature: float = Field(

@@ -349,6 +349,17 @@ def test_loss_mixes_chunked_equal_the_whole_batch_and_their_gradients_are_autogr
             torch.testing.assert_close(got[2][n], ref[2][n], rtol=1e-5, atol=atol, msg=n)
 
 
+def test_loss_positions_follow_loss_on_and_skip_each_samples_first_tokens():
+    from draftsmith.train import loss_positions
+
+    assert loss_positions(MASK, DOC, POS, "assistant", 0).tolist() == MASK.tolist()
+    assert loss_positions(MASK, DOC, POS, "all", 0).tolist() == [[True] * 8 + [False]]
+    # the first two tokens of each document (positions 0, 1) are left out, in both modes
+    assert loss_positions(MASK, DOC, POS, "all", 2).tolist() == [[False, False, True, True, True, False, False, True, False]]
+    assert loss_positions(MASK, DOC, POS, "assistant", 2).tolist() == [[False, False, True, True, True, False, False, True, False]]
+    assert loss_positions(MASK, DOC, POS, "assistant", 4).tolist() == [[False] * 4 + [True] + [False] * 4]
+
+
 def test_loss_mix_terms_by_hand():
     """mix_terms on one position against the textbook formulas."""
     logits_p, logits_q = torch.tensor([[2.0, 0.5, -1.0, 0.0]]), torch.tensor([[0.0, 1.5, 0.2, -0.3]])

@@ -58,7 +58,8 @@ NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_che
                      "attention", "loss_chunk_tokens")
 # knobs added after runs were made, with their defaults
 LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0, "loss_tv": 0.0,
-               "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2, "ema": 0.0}
+               "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2, "ema": 0.0,
+               "loss_skip_tokens": 0}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -242,8 +243,7 @@ def fit(ts: TrainState, prog: Progress) -> None:
     layout_of = ts.objective.layouts()
 
     def prepare(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
-        if tc.loss_on == "all":  # every token of every sample (padding excluded)
-            b = replace(b, loss_mask=b.doc_ids >= 0)
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on, tc.loss_skip_tokens))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
 
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
@@ -280,6 +280,14 @@ def fit(ts: TrainState, prog: Progress) -> None:
         if isinstance(data, Prefetcher):
             data.close()
         window.close()
+
+
+def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
+    """[R, T] bool: where the loss is taken. `assistant`: prepare's mask; `all`: every token of every
+    sample (padding, doc_ids -1, excluded); either without each sample's first `skip` tokens
+    (position_ids count from 0 in each sample)."""
+    mask = doc_ids >= 0 if loss_on == "all" else loss_mask
+    return mask & (position_ids >= skip) if skip else mask
 
 
 def _share_step(ts: TrainState, mbs: list, window: Window) -> dict:
