@@ -1,5 +1,6 @@
 """How fast and for how long: the optimizer, the learning-rate schedule (linear warm-up, then
-cosine or warm-up-stable-decay), the weights' moving average (train.ema), and train.max_minutes' time budget (TimeBudget)."""
+cosine or warm-up-stable-decay), the weights' moving average (train.ema), and train.max_minutes'
+time budget (TimeBudget)."""
 
 import math
 import time
