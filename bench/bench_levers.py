@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_levers.py --config configs/smollm2-cpu-400.yaml --base runs/s400 \\
         --out runs/levers --states runs/val-mtbench runs/val-sharegpt \\
-        --row base= --row ttt5="train.ttt_steps=5" --row top1="train.loss_mix.top1=0.5" ... \\
+        --row base= --row ttt5="train.ttt_steps=5" --row top1="train.loss_kl=0.5 train.loss_top1=0.5" ... \\
         [--seeds 0 1] [--set train.max_steps=150 ...] [--k 3] [--report-only]
 
 --base is a run whose generate, prepare, vocab and extract are done; every row trains on that same

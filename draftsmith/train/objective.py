@@ -241,15 +241,18 @@ class ChunkedKL(torch.autograd.Function):
                 logits = F.linear(xc, weight)  # [n, Dv]
                 logq = torch.log_softmax(logits.float(), dim=-1)
                 p = t_p[r]
-                # KL(p || q) summed over the chunk's positions = sum p log p - sum p log q
-                kl[k] += t_negent[r].sum().double() - torch.dot(p.flatten(), logq.flatten()).double()
-                pred = logits.argmax(-1)
-                correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
-                if not plan.mix.pure_kl:
+                # KL(p || q) summed over the chunk's positions = sum p log p - sum p log q; a mix
+                # needs it per position, pure KL only the chunk's sum (one dot product)
+                if plan.mix.pure_kl:
+                    kl[k] += t_negent[r].sum().double() - torch.dot(p.flatten(), logq.flatten()).double()
+                else:
+                    kl_pos = t_negent[r] - (p * logq).sum(-1)  # [n]
+                    kl[k] += kl_pos.sum().double()
                     logp = t_logp[r] if plan.mix.rkl else None
                     q = logq.exp()
-                    mixed[k] += (plan.mix.kl * (t_negent[r] - (p * logq).sum(-1))
-                                 + mix_terms(plan.mix, p, logp, logq, q)).sum().double()
+                    mixed[k] += (plan.mix.kl * kl_pos + mix_terms(plan.mix, p, logp, logq, q)).sum().double()
+                pred = logits.argmax(-1)
+                correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
                 if gw is None and not gxs:
                     continue
                 # d loss / d logits (pure KL: weights[k] * (q - p), p sums to 1, in place), then in the

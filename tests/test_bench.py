@@ -1,0 +1,40 @@
+"""The pure helpers the quality benches decide with: bench_levers' row syntax and the paired bootstrap
+over prompts that bench_levers and bench_store_quality print as a difference's 95% interval."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import bench_levers  # noqa: E402  (bench/ is scripts, not a package)
+from bench_store_quality import paired_bootstrap  # noqa: E402
+
+
+def test_lever_rows_parse_and_bad_ones_stop_in_one_line():
+    assert bench_levers.parse_row("base=") == ("base", [])
+    assert bench_levers.parse_row("a2wt=train.lr_schedule=wsd  train.loss_tv=0.5") == (
+        "a2wt", ["train.lr_schedule=wsd", "train.loss_tv=0.5"])
+    for bad in ("=train.gamma=1", "a/b=train.gamma=1"):
+        with pytest.raises(SystemExit, match=r"--row .*expected NAME="):
+            bench_levers.parse_row(bad)
+
+
+def test_paired_bootstrap_interval_follows_the_prompts():
+    """Per seed {prompt: (drafts, accepted)}: equal runs give a zero interval; a run accepting more on
+    every prompt gives an interval above zero that holds the pooled difference."""
+    a = [{f"p{i}": (10, 3 + i % 3) for i in range(40)}, {f"p{i}": (10, 2 + i % 4) for i in range(40)}]
+    assert paired_bootstrap(a, a) == (0.0, 0.0)
+    # one more accepted token per 10 drafts on the even prompts: +0.05 pooled, above zero on any resample
+    # that holds an even prompt
+    b = [{k: (d, acc + (int(k[1:]) % 2 == 0)) for k, (d, acc) in seed.items()} for seed in a]
+    lo, hi = paired_bootstrap(a, b)
+    assert 0 < lo < 0.05 < hi <= 0.1
+    worse = [{k: (d, max(acc - 2, 0)) for k, (d, acc) in seed.items()} for seed in a]
+    lo, hi = paired_bootstrap(a, worse)
+    assert hi < 0
+    # only prompts every run holds are resampled
+    assert paired_bootstrap(a, [dict(list(s.items())[:5]) for s in a]) == (0.0, 0.0)
