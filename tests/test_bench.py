@@ -25,7 +25,7 @@ def test_lever_rows_parse_and_bad_ones_stop_in_one_line():
 
 def test_paired_bootstrap_interval_follows_the_prompts():
     """Per seed {prompt: (drafts, accepted)}: equal runs give a zero interval; a run accepting more on
-    every prompt gives an interval above zero that holds the pooled difference."""
+    some prompts gives an interval above zero that holds the pooled difference; one accepting less, below."""
     a = [{f"p{i}": (10, 3 + i % 3) for i in range(40)}, {f"p{i}": (10, 2 + i % 4) for i in range(40)}]
     assert paired_bootstrap(a, a) == (0.0, 0.0)
     # one more accepted token per 10 drafts on the even prompts: +0.05 pooled, above zero on any resample
