@@ -21,7 +21,8 @@ Printed per row and set: tau per seed, the mean, its difference to the first row
 difference of the row, and a 95% interval of the difference from a paired bootstrap over the prompts
 (seeds pooled); then training steps, minutes and tokens/s from each run's train manifest, since a lever
 that costs time per step is only better at equal time if it wins with the steps that time buys.
-Written to OUT/levers.json.
+Written to OUT/levers_<row>_..._k<K>.json, named after the rows compared, so a later report on fewer or
+other rows (e.g. --report-only with two of them) never replaces a fuller one.
 """
 
 import argparse
@@ -43,6 +44,11 @@ def parse_row(text: str) -> tuple[str, list[str]]:
     if not name or "/" in name:
         sys.exit(f"--row {text!r}: expected NAME=\"key=value key=value\" (NAME= for no change)")
     return name, sets.split()
+
+
+def report_path(out: Path, names: list[str], k: int) -> Path:
+    """One report file per comparison: the rows in their order (the first is the baseline) and K."""
+    return out / f"levers_{'_'.join(names)}_k{k}.json"
 
 
 def train_row(args, name: str, sets: list[str], seed: int) -> Path:
@@ -139,7 +145,9 @@ def main() -> None:
                 sc.pop("counts", None)
     out = {"rows": results, "summary": summary, "baseline": base, "sets": args.set, "k": args.k,
            "config": str(args.config), "base": str(args.base), "states": [str(s) for s in args.states]}
-    (args.out / "levers.json").write_text(json.dumps(out, indent=2))
+    path = report_path(args.out, [name for name, _ in rows], args.k)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwritten: {path}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ def test_lever_rows_parse_and_bad_ones_stop_in_one_line():
             bench_levers.parse_row(bad)
 
 
+def test_each_comparison_writes_its_own_report(tmp_path):
+    """A --report-only on two rows must not replace the report of all rows: the file is named by the
+    rows in order and K, so only the same comparison is written again."""
+    full = bench_levers.report_path(tmp_path, ["base", "tv", "rkl", "g13"], 3)
+    assert full.parent == tmp_path
+    pair = bench_levers.report_path(tmp_path, ["tv", "rkl"], 3)
+    assert len({full, pair, bench_levers.report_path(tmp_path, ["tv", "rkl"], 5),
+                bench_levers.report_path(tmp_path, ["rkl", "tv"], 3)}) == 4
+    assert pair == bench_levers.report_path(tmp_path, ["tv", "rkl"], 3)
+
+
 def test_paired_bootstrap_interval_follows_the_prompts():
     """Per seed {prompt: (drafts, accepted)}: equal runs give a zero interval; a run accepting more on
     some prompts gives an interval above zero that holds the pooled difference; one accepting less, below."""
