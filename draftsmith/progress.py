@@ -18,7 +18,7 @@ it tolerates a last line cut by a crash.
 
 Log lines reach the console at once (the CLI makes stdout line-buffered) and are appended to
 `RUN/<stage>/stage.log`. On a terminal a progress bar is drawn; otherwise one plain line per
-interval (default 10 s, and at least every 1 % of the work) with done/total, rate and ETA.
+interval (default 10 s, and at least every 10 % of the work) with done/total, rate and ETA.
 
 Errors raised outside the `with Progress` block (a bad upstream file found before the work
 starts, a manifest that cannot be written after it) are journaled too: each `run_<stage>`
@@ -270,7 +270,9 @@ class Progress:
             return
         if not self.console:
             return
-        step = max(1, (self.total or 0) // 100)
+        # A count-based line every 10% keeps a long interval (DRAFTSMITH_LOG_INTERVAL_S=600) from hiding
+        # progress, yet a stage that finishes in a second (prepare, vocab) writes ~10 lines, not one per unit.
+        step = max(1, (self.total or 0) // 10)
         if now - self._last_line_t >= self.interval_s or (self.total and self.done - self._last_line_done >= step):
             self._print_line(now)
 

@@ -76,6 +76,18 @@ def test_a_log_line_per_interval_while_no_unit_completes(tmp_path, capsys):
     assert capsys.readouterr().out.count("ETA") == len(lines)
 
 
+def test_a_fast_stage_writes_a_line_per_tenth_not_per_unit(tmp_path):
+    """prepare and vocab finish 224 samples within a second: the file gets a line per 10% of the work
+    (and the last), not one per unit or two."""
+    run = RunDir(tmp_path).ensure()
+    with Progress(run, "vocab", total=224, unit="samples", interval_s=60, heartbeat_s=5) as prog:
+        for _ in range(224):
+            prog.advance()
+    lines = log_lines(run, "vocab")
+    assert 10 <= len(lines) <= 12
+    assert lines[-1].split("] ")[1].startswith("224/224 samples")
+
+
 def test_the_log_line_and_status_give_the_same_eta(tmp_path):
     """Both come from journal.recent_rate over the same journal points: read at the same moment they
     agree to within the drift of the seconds between the last journal line and now."""
