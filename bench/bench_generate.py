@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from draftsmith.config import load_config
-from draftsmith.generate import base_messages, run_generate
+from draftsmith.generate import run_generate
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_tokenizer, target_info
@@ -37,7 +37,7 @@ def pick_prompts(n: int, max_prompt_tokens: int, target: str):
     tok = load_tokenizer(target_info(target))
     out = []
     for p in load_prompts("sharegpt", limit=4 * n, first_turn_only=True, min_chars=16, skip_invalid=True):
-        text = tok.apply_chat_template(base_messages(p) + [{"role": "user", "content": p.turns[0]}], tokenize=False,
+        text = tok.apply_chat_template(p.first_turn_messages(), tokenize=False,
                                        add_generation_prompt=True)
         if len(tok(text, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens:
             out.append(p)
@@ -54,7 +54,7 @@ async def bare_loop(url: str, model: str, prompts, max_tokens: int, concurrency:
 
         async def one(p) -> int:
             async with sem:
-                body = {"model": model, "messages": base_messages(p) + [{"role": "user", "content": p.turns[0]}],
+                body = {"model": model, "messages": p.first_turn_messages(),
                         "max_tokens": max_tokens, "temperature": 0.0}
                 r = await client.post(url + "/chat/completions", json=body)
                 r.raise_for_status()
@@ -91,7 +91,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     # Same prompts for both sides: generate reads them from this file (ids and texts as picked).
     prompts_file = work / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"id": p.id, "messages": base_messages(p) + [{"role": "user", "content": p.turns[0]}]}) + "\n"
+    prompts_file.write_text("".join(json.dumps({"id": p.id, "messages": p.first_turn_messages()}) + "\n"
                                     for p in prompts))
 
     server = None

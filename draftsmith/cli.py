@@ -278,7 +278,8 @@ def eval_(
     sets: SetOpt = None,
 ):
     """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
-    from draftsmith.evaluate import REPORT_JSON, fmt_value, run_eval
+    from draftsmith.eval import run_eval
+    from draftsmith.eval.report import REPORT_JSON, fmt_value
 
     cfg = stage_config(config, sets, **{
         "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,

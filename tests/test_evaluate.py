@@ -12,8 +12,9 @@ import torch
 from conftest import build_tiny_target, write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.evaluate import (ENGINES, SpecDecoder, drafter_source, eos_ids, read_train_metrics, run_eval,
-                                 speculative_verify)
+from draftsmith.eval import ENGINES, drafter_source, run_eval
+from draftsmith.eval.local import SpecDecoder, speculative_verify
+from draftsmith.eval.report import read_train_metrics
 from draftsmith.export import load_exported, run_export
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target
@@ -48,7 +49,7 @@ def loaded(lively_target, exported_run):
 
 def decoder(loaded, K, temperature=0.0):
     target, drafter, info = loaded
-    return SpecDecoder(target.model, drafter, info["aux_layers"], K, temperature, eos_ids(target.model, target.tokenizer))
+    return SpecDecoder(target.model, drafter, info["aux_layers"], K, temperature, target.eos_ids())
 
 
 def encode(loaded, text):
@@ -63,7 +64,7 @@ def test_greedy_equals_plain_decoding(loaded, K):
     dec = decoder(loaded, K)
     for text in PROMPTS:
         ids = encode(loaded, text)
-        spec, plain = dec.generate(ids, 40), dec.plain(ids, 40)
+        spec, plain = dec.generate(ids, 40), dec.plain_generate(ids, 40)
         assert spec.tokens == plain.tokens
         assert spec.finish_reason == plain.finish_reason
         assert len(set(plain.tokens)) > 5, "target output too repetitive for a meaningful test"
@@ -103,7 +104,7 @@ def test_acceptance_accounting_and_cache_rollback(loaded, K):
             ids = encode(loaded, text)
             expected.clear()
             state["n_prompt"] = len(ids)
-            state["oracle"] = dec.plain(ids, 30 + K + 1).tokens
+            state["oracle"] = dec.plain_generate(ids, 30 + K + 1).tokens
             spec = dec.generate(ids, 30)
             # every accepted count and every cache crop in between still reproduces greedy
             assert spec.tokens == state["oracle"][:30], name

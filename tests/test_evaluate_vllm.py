@@ -12,7 +12,8 @@ import pytest
 from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.evaluate import counter_delta, counts_consistent, run_eval, spec_counters
+from draftsmith.eval import run_eval
+from draftsmith.eval.vllm import counter_delta, counts_consistent, spec_counters
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
 

@@ -23,7 +23,7 @@ import torch
 
 from conftest import write_drafter_checkpoint
 from draftsmith.config import load_config
-from draftsmith.evaluate import run_eval
+from draftsmith.eval import run_eval
 from draftsmith.export import run_export
 from draftsmith.extract import ExtractStore, HiddenCapture, run_extract
 from draftsmith.rundir import RunDir
@@ -71,7 +71,7 @@ def draft_by_completions(run: RunDir, target: Path) -> tuple[dict, str]:
     Returns (counter deltas over the requests, the server log)."""
     import httpx
 
-    from draftsmith.evaluate import counter_delta, spec_counters
+    from draftsmith.eval.vllm import counter_delta, spec_counters
     from draftsmith.vllm_server import VLLMServer
 
     spec = {"model": str(run.path / "export"), "method": "eagle3", "num_speculative_tokens": K}

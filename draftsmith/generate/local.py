@@ -1,0 +1,115 @@
+"""generate.backend=local: the target in-process through transformers, batched with left padding;
+greedy (and deterministic) at temperature 0.
+
+Batches hold one temperature (resampled answers after the first answers) and similar lengths (less
+padding); a conversation's turns go one after another, each batch turn by turn.
+"""
+
+import torch
+from transformers import GenerationConfig
+
+from draftsmith import DraftsmithError
+from draftsmith.generate.reasoning import split_harmony, split_reasoning
+from draftsmith.generate.samples import SAMPLING, TurnResult, build_record
+from draftsmith.http import SampleFailed
+from draftsmith.target import load_target
+
+
+def decode_answer(tok, answer: list[int]) -> tuple[str, str | None]:
+    """(answer, reasoning) of generated token ids: gpt-oss's harmony channels are told apart by
+    their special tokens (decoded with them); any other reply is decoded without special tokens and
+    its `<think>` block moved out (Qwen3's `<think>` is a normal added token, kept by the decode)."""
+    harmony = split_harmony(tok.decode(answer, skip_special_tokens=False))
+    if harmony is not None:
+        return harmony
+    return split_reasoning(tok.decode(answer, skip_special_tokens=True))
+
+
+def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
+    """The backend: every pending sample decoded in-process, in batches (see the module doc)."""
+    gen = cfg.generate
+    with prog.busy("loading target"):
+        target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
+    model, tok = target.model, target.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise DraftsmithError(f"target: {target.info.path} has no chat template; generate needs one to build prompts")
+    eos_ids = target.eos_ids()
+    if not eos_ids:
+        raise DraftsmithError(f"target: {target.info.path} defines no end-of-sequence token")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    name = target.info.name
+
+    def generation_config(temperature: float) -> GenerationConfig:
+        gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=temperature > 0, pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
+        if temperature > 0:
+            gcfg.update(temperature=temperature, top_p=gen.top_p)
+        else:  # the model's own sampling defaults must not turn greedy into something else
+            gcfg.update(temperature=None, top_p=None, top_k=None)
+        return GenerationConfig(**gcfg)
+
+    prog.log(f"local backend: {name} on {target.device} ({str(target.dtype).replace('torch.', '')}), batch {gen.batch_size}, "
+             + ("greedy" if gen.temperature == 0 else f"temperature {gen.temperature}")
+             + (f"; {gen.answers_per_prompt - 1} more answer(s) per prompt at temperature {gen.resample_temperature}"
+                if gen.answers_per_prompt > 1 else ""))
+    if gen.temperature > 0:
+        torch.manual_seed(gen.seed or 0)
+
+    # Batches of one temperature (resampled answers after the first answers), similar lengths in a
+    # batch (less padding). A resampled batch is seeded by its first sample's seed: rerunning the
+    # same batch draws the same answers (HF sampling has no per-row seed).
+    order = sorted(pending, key=lambda p: (SAMPLING in p.meta, len(p.turns), len(p.turns[0])))
+    batches = []
+    for resampled in (False, True):
+        group = [p for p in order if (SAMPLING in p.meta) == resampled]
+        batches += [group[b:b + gen.batch_size] for b in range(0, len(group), gen.batch_size)]
+    for j, batch in enumerate(batches):
+        sampling = batch[0].meta.get(SAMPLING)
+        config = generation_config(sampling["temperature"] if sampling else gen.temperature)
+        if sampling:
+            torch.manual_seed(sampling["seed"])
+        convs = {p.id: p.system_messages() for p in batch}
+        results: dict[str, list[TurnResult]] = {p.id: [] for p in batch}
+        failed: set[str] = set()
+        for k in range(max(len(p.turns) for p in batch)):
+            active, ids = [], []
+            for p in batch:
+                if k >= len(p.turns) or p.id in failed:
+                    continue
+                convs[p.id].append({"role": "user", "content": p.turns[k]})
+                text = tok.apply_chat_template(convs[p.id], tokenize=False, add_generation_prompt=True)
+                x = tok(text, add_special_tokens=False)["input_ids"]  # the template has its own specials
+                if max_pos is not None and len(x) + gen.max_tokens > max_pos:
+                    failed.add(p.id)
+                    on_fail(p, SampleFailed(f"prompt of {len(x)} tokens + max_tokens {gen.max_tokens} exceeds the "
+                                            f"target's context ({max_pos})", 1, k))
+                    continue
+                active.append(p)
+                ids.append(x)
+            if not active:
+                continue
+            width = max(len(x) for x in ids)
+            input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)  # [B, T], left-padded
+            attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+            for i, x in enumerate(ids):
+                input_ids[i, width - len(x):] = torch.tensor(x)
+                attention_mask[i, width - len(x):] = 1
+            # no answer of a batch lands before its longest one ends: the phase keeps `status` saying
+            # "running" (not "stalled") through a batch that takes minutes on a busy CPU
+            turn = f", turn {k + 1}" if k else ""
+            with prog.busy(f"decoding batch {j + 1}/{len(batches)} ({len(active)} conversations{turn}, "
+                           f"up to {gen.max_tokens} tokens each)"), torch.inference_mode():
+                out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
+                                     generation_config=config)
+            new = out[:, width:].tolist()  # [B, <= max_tokens]; rows that stopped early are padded
+            for p, x, row in zip(active, ids, new):
+                stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+                answer = row if stop is None else row[:stop]
+                content, reasoning = decode_answer(tok, answer)
+                n_out = len(answer) + (stop is not None)  # the stop token counts, as servers count it
+                results[p.id].append(TurnResult(content, reasoning, "length" if stop is None else "stop", len(x), n_out))
+                convs[p.id].append({"role": "assistant", "content": content})
+        for p in batch:
+            if p.id not in failed:
+                on_done(build_record(p, results[p.id], "local", name))
+    return {"model": name}
