@@ -69,7 +69,7 @@ def test_greedy_equals_plain_decoding(loaded, K):
         assert spec.finish_reason == plain.finish_reason
         assert len(set(plain.tokens)) > 5, "target output too repetitive for a meaningful test"
         assert spec.num_drafts > 0 and spec.num_draft_tokens == K * spec.num_drafts
-    dec.capture.remove()
+    dec.close()
 
 
 def _oracle_decoder(loaded, K, plan):
@@ -116,7 +116,7 @@ def test_acceptance_accounting_and_cache_rollback(loaded, K):
                 assert tau == K + 1 and spec.accepted_per_pos == [spec.num_drafts] * K
             if name == "useless":
                 assert tau == 1 and spec.accepted_per_pos == [0] * K
-        dec.capture.remove()
+        dec.close()
 
 
 def test_drafter_reads_vllm_eagle3_inputs(loaded):
@@ -141,7 +141,7 @@ def test_drafter_reads_vllm_eagle3_inputs(loaded):
         spec = dec.generate(ids, 30)
     finally:
         del drafter.forward
-        dec.capture.remove()
+        dec.close()
     seq = torch.tensor([ids + spec.tokens])
     with torch.no_grad():
         hs = target.model(seq, output_hidden_states=True).hidden_states
@@ -207,7 +207,7 @@ def test_sampling_decoding_is_seeded_and_consistent(loaded):
     ids = encode(loaded, PROMPTS[0])
     a = dec.generate(ids, 30, torch.Generator().manual_seed(5))
     b = dec.generate(ids, 30, torch.Generator().manual_seed(5))
-    dec.capture.remove()
+    dec.close()
     assert a.tokens == b.tokens and len(a.tokens) <= 30
     assert all(0 <= t < loaded[2]["config"].vocab_size for t in a.tokens)
     assert a.num_accepted <= 3 * a.num_drafts
@@ -422,7 +422,7 @@ def test_counts_match_vllm_on_a_constant_drafter(smol_target, tmp_path):
                                   embed_weight=target.embed_weight(), dtype=target.dtype)
     dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, eos_ids=set())
     res = dec.generate([DASH] * 64, 64)
-    dec.capture.remove()
+    dec.close()
     assert res.tokens == [DASH] * 64
     assert (res.num_drafts, res.num_accepted, res.accepted_per_pos) == (16, 48, [16, 16, 16])
 
@@ -433,8 +433,9 @@ def test_vllm_serves_export_and_counts_agree(smol_target, tmp_path):
     the local engine for the same request."""
     import httpx
 
+    from draftsmith.eval.vllm import spec_counters
     from draftsmith.target import target_info
-    from draftsmith.vllm_server import VLLMServer, parse_metrics
+    from draftsmith.vllm_server import VLLMServer
 
     run = _constant_drafter_run(tmp_path, smol_target)
     spec = {"model": str(run.path / "export"), "method": "eagle3", "num_speculative_tokens": 3}
@@ -445,16 +446,10 @@ def test_vllm_serves_export_and_counts_agree(smol_target, tmp_path):
             "model": srv.models()[0], "prompt": [DASH] * 64, "max_tokens": 64, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
-        m = parse_metrics(srv.metrics_text())
+        counters = spec_counters(srv.metrics_text())
     text = log.read_text(errors="replace")
     assert "Using auxiliary layers from speculative config: (2, 15, 27)" in text
     assert r.json()["choices"][0]["token_ids"] == [DASH] * 64
 
-    def metric(name):
-        return sum(v for k, v in m.items() if k.split("{")[0] == name)
-
-    drafts = metric("vllm:spec_decode_num_drafts_total")
-    accepted = metric("vllm:spec_decode_num_accepted_tokens_total")
-    per_pos = [sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
-                   and f'position="{j}"' in k) for j in range(3)]
-    assert (drafts, accepted, per_pos) == (16, 48, [16, 16, 16])
+    per_pos = [counters.per_pos.get(j, 0.0) for j in range(3)]
+    assert (counters.drafts, counters.accepted, per_pos) == (16, 48, [16, 16, 16])

@@ -38,10 +38,6 @@ EXPECTED_SHAPE = {
 }
 
 
-# family -> its export folder, filled by the pipeline tests for the vLLM check after them
-EXPORTS: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
 def family_target(tmp_path_factory):
     """family -> its tiny model folder, built on first use (once per module)."""
@@ -50,6 +46,24 @@ def family_target(tmp_path_factory):
     def get(family: str) -> Path:
         if family not in built:
             built[family] = make_tiny(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def family_run(family_target, tmp_path_factory):
+    """family -> (its run, its recipe), taken through the hf pipeline to an export on first use:
+    the pipeline test checks that run, the vLLM test reads its export, and either runs alone too."""
+    built: dict[str, tuple[RunDir, Path]] = {}
+
+    def get(family: str) -> tuple[RunDir, Path]:
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"{family}-run")
+            recipe = write_recipe(folder, family_target(family))
+            run = RunDir(folder / "run")
+            run_pipeline(run, load_config(recipe), until_stage="export")
+            built[family] = run, recipe
         return built[family]
 
     return get
@@ -102,11 +116,9 @@ def check_export(run: RunDir, family: str, target: Path) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_through_the_hf_pipeline(family, family_target, tmp_path):
+def test_family_through_the_hf_pipeline(family, family_target, family_run):
     target = family_target(family)
-    recipe = write_recipe(tmp_path, target)
-    run = RunDir(tmp_path / "run")
-    run_pipeline(run, load_config(recipe), until_stage="export")
+    run, recipe = family_run(family)
     samples = [json.loads(line) for line in (run.path / "prepare" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(sum(s["loss_mask"]) > 0 for s in samples), "prepare kept answers with assistant tokens"
     assert (run.path / "extract").is_dir() and run.read_manifest("extract") is not None
@@ -121,11 +133,10 @@ def test_family_through_the_hf_pipeline(family, family_target, tmp_path):
     assert train["counts"]["loss"] == pytest.approx(offline_loss, rel=0.05)
     online = check_export(run, family, target)
     assert online["transformer_layer_config"] == offline["transformer_layer_config"]
-    EXPORTS[family] = run.path / "export"
 
 
 @pytest.mark.vllm
-def test_vllm_reads_every_family_export():
+def test_vllm_reads_every_family_export(family_run):
     """vLLM's own speculators parser (from the vLLM environment) turns each family's export into the
     eagle3 draft config we mean: its Llama layer's heads, kv heads, head_dim and MLP width, the aux
     layers, the draft vocabulary; it needs the verifier field only to be there."""
@@ -134,8 +145,6 @@ def test_vllm_reads_every_family_export():
 
     from draftsmith.vllm_server import vllm_python
 
-    if not EXPORTS:
-        pytest.skip("no family export in this session (run with the pipeline tests above)")
     code = (
         "import json, sys\n"
         "from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig\n"
@@ -147,12 +156,13 @@ def test_vllm_reads_every_family_export():
         " 'shape': [c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size],"
         " 'aux': c.eagle_aux_hidden_state_layer_ids, 'dv': c.draft_vocab_size, 'hidden': c.target_hidden_size}))\n"
     )
-    families = sorted(EXPORTS)
-    p = subprocess.run([str(vllm_python()), "-c", code, *(str(EXPORTS[f]) for f in families)], capture_output=True,
+    families = sorted(FAMILIES)
+    exports = [str(family_run(f)[0].path / "export") for f in families]  # online or offline: the same shapes
+    p = subprocess.run([str(vllm_python()), "-c", code, *exports], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert p.returncode == 0, p.stderr[-2000:]
     got = [json.loads(line) for line in p.stdout.strip().splitlines() if line.startswith("{")]
-    assert [g["path"] for g in got] == [str(EXPORTS[f]) for f in families]
+    assert [g["path"] for g in got] == exports
     for family, g in zip(families, got):
         heads, kv, head_dim, inter, _ = EXPECTED_SHAPE[family]
         assert g["method"] == "eagle3" and g["arch"] == ["Eagle3LlamaForCausalLM"], (family, g)
