@@ -50,7 +50,7 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.export import CONFIG_FILE, load_exported
 from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
-from draftsmith.model import DrafterCache
+from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.prompts import context_tokens_needed, load_prompts
 from draftsmith.rundir import RunDir, append_json_line, atomic_path, atomic_write_json, atomic_write_text, read_json_object
