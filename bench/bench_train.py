@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
 from draftsmith.extract import run_extract  # noqa: E402
-from draftsmith.model import Eagle3Drafter  # noqa: E402
+from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.rundir import RunDir, fingerprint  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.model import Eagle3Config, Eagle3Drafter  # noqa: E402
+from draftsmith.model.config import Eagle3Config  # noqa: E402
+from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.train.objective import TTTObjective  # noqa: E402
 from draftsmith.train.schedule import ADAM_BETAS  # noqa: E402
 

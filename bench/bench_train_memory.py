@@ -55,10 +55,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from draftsmith import model as model_module  # noqa: E402
 from draftsmith.config import load_config  # noqa: E402
 from draftsmith.estimate import HARDWARE, _drafter_params, target_shape, train_memory  # noqa: E402
-from draftsmith.model import Eagle3Config, Eagle3Drafter  # noqa: E402
+# the module whose compiled_flex_attention FlexTTTMask calls: flex_without_compile patches it there
+import draftsmith.model.ttt as ttt_module  # noqa: E402
+from draftsmith.model.config import Eagle3Config  # noqa: E402
+from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.train.data import Batch  # noqa: E402
 from draftsmith.train.objective import TTTObjective, step_counts  # noqa: E402
 from draftsmith.train.schedule import make_optimizer  # noqa: E402
@@ -157,15 +159,15 @@ def flex_without_compile(live: LiveBytes):
         live.watch([out, aux.lse])
         return out
 
-    saved = (model_module.compiled_flex_attention, flex_module._validate_device,
+    saved = (ttt_module.compiled_flex_attention, flex_module._validate_device,
              flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
-    model_module.compiled_flex_attention = lambda: flex
+    ttt_module.compiled_flex_attention = lambda: flex
     flex_module._validate_device = lambda *a, **k: None
     flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     try:
         yield
     finally:
-        (model_module.compiled_flex_attention, flex_module._validate_device,
+        (ttt_module.compiled_flex_attention, flex_module._validate_device,
          flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG) = saved
 
 

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_train_memory as bm  # noqa: E402
 
-from draftsmith.model import Eagle3Config, Eagle3Drafter  # noqa: E402
+from draftsmith.model.config import Eagle3Config  # noqa: E402
+from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 
 FAILED: list[str] = []
 

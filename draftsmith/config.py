@@ -134,6 +134,14 @@ class ExtractConfig(_Section):
         "and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU only).")
 
 
+
+# train.loss_chunk_tokens unset: teacher positions per chunk of the loss = this // the draft
+# vocabulary, so that each [tokens, Dv] float32 block of a chunk (teacher and drafter
+# log-probabilities, their gradient) holds about 2**24 elements (64 MB): 2,048 positions at a draft
+# vocabulary of 8,192, 524 at 32,000. train/objective.py chunks by it, estimate models it.
+LOSS_CHUNK_ELEMENTS = 2 ** 24
+
+
 class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM server(s) with extract.backend=vllm).")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")

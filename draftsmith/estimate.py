@@ -32,9 +32,12 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.config import LOSS_CHUNK_ELEMENTS
+from draftsmith.model.config import ATTN_BLOCK, drafter_attention_shape, drafter_intermediate_size
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,8 @@ class TargetShape:
     experts: int  # routed experts per MoE layer
     experts_per_token: int
     weight_bytes_per_param: float  # as served (fp8 checkpoints: 1)
-    intermediate_size: int  # the drafter's MLP width (model.drafter_intermediate_size's rule)
-    kv_dim: int  # key/value width of the drafter's attention (kv heads x head_dim, model.drafter_attention_shape)
+    intermediate_size: int  # the drafter's MLP width (model.config.drafter_intermediate_size)
+    kv_dim: int  # key/value width of the drafter's attention (kv heads x head_dim, model.config's attention rule)
     q_dim: int = 0  # query/output width of the drafter's attention (heads x head_dim); 0: hidden_size
 
     @property
@@ -130,28 +133,13 @@ def _attention_params(c: dict, h: int) -> float:
 
 
 def drafter_widths(c: dict) -> tuple[int, int, int]:
-    """(q width, kv width, MLP width) of the drafter's layer for a target config dict: the rule of
-    model.Eagle3Config.from_target_config (drafter_attention_shape, drafter_intermediate_size),
-    restated on the plain dict so that `estimate` needs no torch; tests/test_families.py checks
-    that the two agree for every family."""
-    h = int(c["hidden_size"])
-    heads = c.get("num_attention_heads") or max(1, h // 64)
-    if c.get("kv_lora_rank"):  # MLA: head_dim v_head_dim, hidden // head_dim heads, <= 8 kv heads
-        hd = c.get("v_head_dim") or c.get("qk_nope_head_dim") or 128
-        if h % hd:
-            hd = 128 if h % 128 == 0 else h // heads
-        heads = h // hd
-        kv = next(k for k in (8, 4, 2, 1) if heads % k == 0)
-    else:
-        hd = c.get("head_dim") or h // heads
-        kv = c.get("num_key_value_heads") or heads
-    inter = c.get("intermediate_size", 4 * h)
-    experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
-    if not c.get("moe_intermediate_size") and c.get("intermediate_size_mlp"):  # Llama 4's dense width
-        inter = c["intermediate_size_mlp"]
-    elif not c.get("moe_intermediate_size") and experts:  # intermediate_size is one expert's width
-        inter *= c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
-    return heads * hd, kv * hd, inter
+    """(q width, kv width, MLP width) of the drafter's layer for a target config dict, by the
+    drafter's own rules (model.config: drafter_attention_shape, drafter_intermediate_size, which
+    read the config's fields by attribute)."""
+    view = SimpleNamespace(**c)
+    heads, kv_heads, head_dim = drafter_attention_shape(view)
+    head_dim = head_dim or int(c["hidden_size"]) // heads  # None: Eagle3Config's default
+    return heads * head_dim, kv_heads * head_dim, drafter_intermediate_size(view)
 
 
 def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
@@ -231,10 +219,8 @@ ACT_PER_TOKEN_STEP = {"bf16": (54, 28, 8), "fp32": (58, 36, 16)}
 # per token once per step, whatever the TTT depth: the fused states and the step's bookkeeping
 ACT_PER_TOKEN = 3
 # the chunked loss's transient [chunk, draft vocab] float32 blocks: about five of
-# objective.KL_CHUNK_ELEMENTS = 2**24 elements (teacher and drafter log-probabilities and their gradient)
-LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_BLOCKS = 2 ** 24, 5
-# the SDPA path's query blocks (model.TTTMask, ttt_forward's attn_block)
-SDPA_BLOCK = 256
+# config.LOSS_CHUNK_ELEMENTS elements (teacher and drafter log-probabilities and their gradient)
+LOSS_CHUNK_BLOCKS = 5
 
 
 def _precision(tr, hw: Hardware) -> str:
@@ -258,7 +244,7 @@ def _attention_bytes(tr, t: TargetShape, hw: Hardware, act: int) -> float:
     if flex:
         return tr.num_layers * 2 * t.kv_dim * act * K * (K + 1) / 2
     row = min(tr.seq_len, tr.batch_tokens)
-    keys = sum(row / (2 * SDPA_BLOCK) + k + 1 for k in range(K))
+    keys = sum(row / (2 * ATTN_BLOCK) + k + 1 for k in range(K))  # ATTN_BLOCK: the SDPA path's query block
     return tr.num_layers * keys * (2 * t.hidden_size * act + act)
 
 

@@ -42,7 +42,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError, __version__
-from draftsmith.model import FC_INPUT_SCALE, Eagle3Config, Eagle3Drafter
+from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
+from draftsmith.model.config import Eagle3Config
+from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook
@@ -51,15 +53,13 @@ from draftsmith.target import config_sha256, target_info, verifier_name
 STAGE = "export"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-# files of a training checkpoint folder (written by `train`; state.json last)
-CKPT_WEIGHTS, CKPT_META, CKPT_STATE = "model.safetensors", "drafter.json", "state.json"
 # the stage's bookkeeping files, carried over when the built folder replaces RUN/export/
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
 
 def export_keys(num_layers: int = 1) -> dict[str, str]:
     """Model parameter name -> name in the exported safetensors, for a drafter of `num_layers`
-    decoder layers. One-to-one today (model.py names its parameters after vLLM's), but spelled
+    decoder layers. One-to-one today (model/eagle3.py names its parameters after vLLM's), but spelled
     out so that a rename on either side is one edit here and so that the exported key set is
     fixed: embed_tokens is left out on purpose (see module doc). Layers after the first have no
     hidden_norm (vLLM builds one there but never uses it, and its eagle3 loader leaves it at ones)."""
@@ -152,7 +152,7 @@ def _meta_target(meta: dict) -> tuple[str | None, str | None]:
 
 def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
-    Built on the meta device: no memory, always in step with model.py."""
+    Built on the meta device: no memory, always in step with model/eagle3.py."""
     with torch.device("meta"):
         model = Eagle3Drafter(config)
     out, names = {}, export_keys(config.num_hidden_layers)
@@ -239,7 +239,7 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
         "speculators_model_type": "eagle3",
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
-        # vLLM's default for speculators eagle3 is True; model.py's residual is the raw state
+        # vLLM's default for speculators eagle3 is True; model/eagle3.py's residual is the raw state
         "norm_before_residual": False,
         "norm_before_fc": False,
         "target_hidden_size": config.hidden_size,

@@ -126,7 +126,9 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.model import Eagle3Config, Eagle3Drafter
+    from draftsmith.model.config import Eagle3Config
+    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith.model.init import init_from_target
     from draftsmith.target import target_info
 
     info = target_info(target)
@@ -146,8 +148,8 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     rest = torch.randperm(V - 8, generator=g)[: dv - 8] + 8 if dv > 8 else torch.empty(0, dtype=torch.long)
     draft_ids = torch.cat([torch.arange(min(dv, 8)), rest]).sort().values
     norm = hf.model.norm.weight.detach()
-    drafter.init_from_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach(),
-                             norm, draft_ids)
+    init_from_target(drafter, hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach(),
+                     norm, draft_ids)
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     save_file(sd, str(folder / "model.safetensors"))

@@ -147,12 +147,13 @@ def test_cpu_training_ranks_take_their_share_of_each_step():
 
 
 def test_drafter_size_follows_train_num_layers():
-    """The estimate's drafter is the model.py drafter: its trainable parameters for 1 and 2 decoder
+    """The estimate's drafter is the model/eagle3.py drafter: its trainable parameters for 1 and 2 decoder
     layers (norm weights aside), and a second layer slows the training estimate accordingly."""
     import torch
     from transformers import AutoConfig
 
-    from draftsmith.model import Eagle3Config, Eagle3Drafter
+    from draftsmith.model.config import Eagle3Config
+    from draftsmith.model.eagle3 import Eagle3Drafter
     from draftsmith.target import resolve_target
 
     folder, name = resolve_target("smollm2-135m", log=lambda *a, **k: None)
@@ -175,7 +176,7 @@ def test_a_fake_training_step_counts_the_bytes_a_real_one_allocates(memory_bench
     """The memory bench's fake-tensor step (float tensors without data, integer ones real) counts,
     byte for byte, what the same step on real tensors allocates: in bf16 autocast and float32, with
     the whole-batch loss and the chunked one (tiny shapes, SDPA: the CPU has no flex backward)."""
-    from draftsmith.model import Eagle3Config
+    from draftsmith.model.config import Eagle3Config
 
     tc = load_config(None, ["train.ttt_steps=2"]).train
     dcfg = Eagle3Config(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
@@ -210,7 +211,7 @@ def test_estimate_says_which_knob_makes_training_fit():
     """A step too big for the device: the estimate names the micro-batch, the TTT depth and FSDP
     settings that each make it fit, and each of them does fit."""
     shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
-    # (a drafter with 8 kv heads of 128, the MLA rule of model.py: these settings are just over an H200)
+    # (a drafter with 8 kv heads of 128, the MLA rule of model/config.py: these settings are just over an H200)
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["train.batch_tokens=24576", "train.ttt_steps=9"])
     hw = HARDWARE["h200"]
     e = estimate(cfg, shape, hw, 8, prompt_tokens=300, answer_tokens=1800)

@@ -15,7 +15,7 @@ from families import FAMILIES, make_tiny
 
 from draftsmith.config import load_config
 from draftsmith.export import load_exported
-from draftsmith.model import Eagle3Config
+from draftsmith.model.config import Eagle3Config
 from draftsmith.pipeline import run_pipeline
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
@@ -205,7 +205,7 @@ REAL_SHAPES = {
 @pytest.mark.parametrize("name", REAL_SHAPES)
 def test_drafter_shape_rule_on_real_configs(name):
     """The documented rule (Eagle3Config.from_target_config) on real targets' numbers, and estimate's
-    restatement of it (estimate.drafter_widths) agrees."""
+    widths from the plain dict (estimate.drafter_widths, the same rules through an attribute view) agree."""
     from types import SimpleNamespace
 
     from draftsmith.estimate import drafter_widths
@@ -221,7 +221,7 @@ def test_drafter_shape_rule_on_real_configs(name):
 def _drafter_trainable(cfg: Eagle3Config) -> int:
     import torch
 
-    from draftsmith.model import Eagle3Drafter
+    from draftsmith.model.eagle3 import Eagle3Drafter
 
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
@@ -231,7 +231,8 @@ def _drafter_trainable(cfg: Eagle3Config) -> int:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_estimate_from_the_family_config_alone(family, family_target):
     """`estimate` from config.json alone (no weights read) for each family: every stage gets a time,
-    and its drafter is model.py's (the same trainable parameters as Eagle3Config.from_target_config)."""
+    and its drafter is model/eagle3.py's (the same widths and trainable parameters as
+    Eagle3Config.from_target_config)."""
     from transformers import AutoConfig
 
     from draftsmith.estimate import _drafter_params, estimate_config, render, target_shape
@@ -243,13 +244,16 @@ def test_estimate_from_the_family_config_alone(family, family_target):
     shape = target_shape(folder / "config.json")
     assert (shape.num_layers, shape.hidden_size) == (8, 128)
     dcfg = Eagle3Config.from_target_config(AutoConfig.from_pretrained(folder), DRAFT_VOCAB)
+    # estimate's widths, from the plain config.json, are those of the drafter from transformers' config
+    assert (shape.q_dim, shape.kv_dim, shape.intermediate_size) == (
+        dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim, dcfg.intermediate_size)
     assert _drafter_params(shape, DRAFT_VOCAB)[0] == _drafter_trainable(dcfg)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs" / "targets").glob("*.json")))
 def test_estimate_for_the_shipped_target_configs(name):
     """The real configs in configs/targets/ (Llama-3.1-8B, Kimi-K2): estimate runs on an 8-GPU
-    profile and its drafter is model.py's, read from the plain config.json."""
+    profile and its drafter is model/eagle3.py's, read from the plain config.json."""
     from types import SimpleNamespace
 
     from draftsmith.estimate import HARDWARE, _drafter_params, estimate, target_shape

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import draftsmith.train as train_mod
-from draftsmith.model import FlexTTTMask, TTTMask, first_positions, key_floors
+from draftsmith.model.ttt import FlexTTTMask, TTTMask, first_positions, key_floors
 from draftsmith.train import run_train
 from draftsmith.target import target_info
 from draftsmith.train.data import Batch, DeviceFeeder, Prefetcher

@@ -6,15 +6,10 @@ import torch.nn.functional as F
 
 from torch.nn.attention.flex_attention import create_mask
 
-from draftsmith.model import (
-    FLEX_BLOCK,
-    DrafterCache,
-    Eagle3Config,
-    Eagle3Drafter,
-    FlexTTTMask,
-    RMSNorm,
-    rope_cos_sin,
-)
+from draftsmith.model.config import Eagle3Config
+from draftsmith.model.eagle3 import DrafterCache, Eagle3Drafter, RMSNorm, rope_cos_sin
+from draftsmith.model.init import init_from_target, init_layer_from_target
+from draftsmith.model.ttt import FLEX_BLOCK, FlexTTTMask
 
 H, HEADS, KV_HEADS, V, DV = 32, 4, 2, 100, 40
 
@@ -35,7 +30,7 @@ def make_drafter(seed: int = 0, layers: int = 1) -> Eagle3Drafter:
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     draft_ids = torch.randperm(V)[:DV].sort().values
-    model.init_from_target(torch.randn(V, H), torch.randn(V, H), torch.rand(H) + 0.5, draft_ids)
+    init_from_target(model, torch.randn(V, H), torch.randn(V, H), torch.rand(H) + 0.5, draft_ids)
     return model.eval()
 
 
@@ -88,7 +83,7 @@ def test_init_from_target_copies_and_maps_vocab():
     model = Eagle3Drafter(make_config())
     embed, head, norm = torch.randn(V, H), torch.randn(V, H), torch.randn(H)
     draft_ids = torch.randperm(V)[:DV].sort().values
-    model.init_from_target(embed, head, norm, draft_ids)
+    init_from_target(model, embed, head, norm, draft_ids)
 
     assert torch.equal(model.embed_tokens.weight, embed)
     assert not model.embed_tokens.weight.requires_grad
@@ -100,11 +95,11 @@ def test_init_from_target_copies_and_maps_vocab():
     assert torch.equal(model.t2d.nonzero().squeeze(1), draft_ids)
 
     with pytest.raises(ValueError, match="strictly increasing"):
-        model.init_from_target(embed, head, None, draft_ids.flip(0))
+        init_from_target(model, embed, head, None, draft_ids.flip(0))
     with pytest.raises(ValueError, match="draft_ids must be"):
-        model.init_from_target(embed, head, None, draft_ids[:-1])
+        init_from_target(model, embed, head, None, draft_ids[:-1])
     with pytest.raises(ValueError, match="embed_weight"):
-        model.init_from_target(embed[:-1], head, None, draft_ids)
+        init_from_target(model, embed[:-1], head, None, draft_ids)
 
 
 def test_default_vocab_mapping_is_identity():
@@ -413,7 +408,7 @@ def test_init_layer_from_target_is_the_target_layer_on_the_passed_aux_state(laye
     cfg = make_config(rope_theta=10000.0)
     model = make_drafter(layers=layers)
     tensors = [_llama_layer_tensors(cfg, seed=3 + n) for n in range(layers)]
-    model.init_layer_from_target(tensors if layers > 1 else tensors[0], aux_index=-1)
+    init_layer_from_target(model, tensors if layers > 1 else tensors[0], aux_index=-1)
     for proj in ("q_proj", "k_proj", "v_proj"):
         getattr(model.layers[0].self_attn, proj).weight[:, :H] = 0
 
@@ -441,15 +436,15 @@ def test_init_layer_from_target_undoes_an_input_scale_and_refuses_foreign_layers
     model = make_drafter()
     tensors = _llama_layer_tensors(cfg)
     scale = torch.rand(3 * H) + 0.5
-    model.init_layer_from_target(tensors, aux_index=0, input_scale=scale)
+    init_layer_from_target(model, tensors, aux_index=0, input_scale=scale)
     aux = torch.randn(5, 3 * H)
     torch.testing.assert_close(model.fc(aux * scale), aux[:, :H])
 
     with pytest.raises(ValueError, match="cannot hold.*q_proj.bias"):
-        model.init_layer_from_target({**tensors, "self_attn.q_proj.bias": torch.zeros(H)}, aux_index=-1)
+        init_layer_from_target(model, {**tensors, "self_attn.q_proj.bias": torch.zeros(H)}, aux_index=-1)
     with pytest.raises(ValueError, match="no mlp.up_proj.weight"):
-        model.init_layer_from_target({k: v for k, v in tensors.items() if k != "mlp.up_proj.weight"}, aux_index=-1)
+        init_layer_from_target(model, {k: v for k, v in tensors.items() if k != "mlp.up_proj.weight"}, aux_index=-1)
     with pytest.raises(ValueError, match="got 1 target layers for a drafter of 2"):
-        make_drafter(layers=2).init_layer_from_target(tensors, aux_index=-1)
+        init_layer_from_target(make_drafter(layers=2), tensors, aux_index=-1)
     with pytest.raises(ValueError, match=r"o_proj.weight must be \[32, 32\]"):
-        model.init_layer_from_target({**tensors, "self_attn.o_proj.weight": torch.zeros(H, 2 * H)}, aux_index=-1)
+        init_layer_from_target(model, {**tensors, "self_attn.o_proj.weight": torch.zeros(H, 2 * H)}, aux_index=-1)

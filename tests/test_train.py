@@ -19,9 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, build_tiny_target, run_cli
 from draftsmith import DraftsmithError
-from draftsmith.config import load_config
+from draftsmith.config import LOSS_CHUNK_ELEMENTS, load_config
 from draftsmith.extract import ExtractStore, encode_sample, run_extract
-from draftsmith.model import Eagle3Config, Eagle3Drafter
+from draftsmith.model.config import Eagle3Config
+from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.init import init_from_target
 from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
 from draftsmith.target import target_info
 from draftsmith.train import NOT_FINGERPRINTED, run_train
@@ -29,8 +31,7 @@ from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Prefetcher, pack_epoch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
-from draftsmith.train.objective import (KL_CHUNK_ELEMENTS, LossMix, TTTObjective, acceptance_length, mix_terms,
-                                       resolve_attention, ttt_masks)
+from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, mix_terms, resolve_attention, ttt_masks
 from draftsmith.train.schedule import TimeBudget, ema_decay, lr_lambda
 from draftsmith.vocab import run_vocab
 
@@ -152,7 +153,7 @@ def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
                        vocab_size=V, draft_vocab_size=len(draft_ids))
     d = Eagle3Drafter(cfg)
     W = torch.randn(V, H)
-    d.init_from_target(torch.randn(V, H), W, None, torch.tensor(draft_ids))
+    init_from_target(d, torch.randn(V, H), W, None, torch.tensor(draft_ids))
     return d, W[torch.tensor(draft_ids)]
 
 
@@ -402,7 +403,7 @@ def test_chunked_loss_keeps_no_vocabulary_block_of_the_whole_micro_batch():
         with _VocabBlocks(W_d.shape[0]) as seen:
             _loss_and_grads(d, W_d, chunk, batch)
         assert 0 < seen.rows <= most and (chunk > 0 or seen.rows > 20), (chunk, seen.rows)
-    assert TTTObjective(d, W_d, 3, 0.8).chunk_tokens == KL_CHUNK_ELEMENTS // W_d.shape[0]
+    assert TTTObjective(d, W_d, 3, 0.8).chunk_tokens == LOSS_CHUNK_ELEMENTS // W_d.shape[0]
     assert TTTObjective(d, torch.zeros(32000, 16), 3, 0.8).chunk_tokens == 524
 
 

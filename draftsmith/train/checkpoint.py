@@ -28,12 +28,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from draftsmith import DraftsmithError, one_line
-from draftsmith.model import FC_INPUT_SCALE
+from draftsmith.checkpoint_format import CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.rundir import naming_full_disk, read_json_object, replace_dir
 from draftsmith.train.distributed import Ranks, on_rank0
-
-CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
-    "model.safetensors", "drafter.json", "optimizer.pt", "rng.safetensors", "state.json")
 
 
 def complete_checkpoints(ck_dir: Path) -> list[tuple[int, Path]]:

@@ -10,7 +10,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from draftsmith import DraftsmithError
-from draftsmith.model import Eagle3Config, Eagle3Drafter, check_target_layer
+from draftsmith.model.config import Eagle3Config
+from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.init import check_target_layer, init_from_target, init_layer_from_target
 from draftsmith.target import load_target
 from draftsmith.train.distributed import Ranks, from_rank0, on_rank0
 from draftsmith.train.objective import fc_input_scale
@@ -151,7 +153,7 @@ def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: l
     torch.manual_seed(tc.seed)
     drafter = Eagle3Drafter(dcfg)
     draft_ids = d2t + torch.arange(d2t.numel())
-    drafter.init_from_target(embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
+    init_from_target(drafter, embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
     target_head = head[draft_ids].float()  # W_d [Dv, H]
     del embed, head
     scale = None
@@ -160,7 +162,7 @@ def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: l
         say(f"fc input norm: aux-state RMS per dimension {float(1 / scale.max()):.3g} to {float(1 / scale.min()):.3g}")
     if init_layers is not None:
         # after the fc input scale: fc's block is diag(1 / scale), so it passes on (aux * scale) / scale = aux
-        drafter.init_layer_from_target(init_layers, aux_index=-1, input_scale=scale)
+        init_layer_from_target(drafter, init_layers, aux_index=-1, input_scale=scale)
         which = f"layer {tc.init_layer}" if tc.num_layers == 1 else f"layers {first_init_layer(tc)}..{tc.init_layer}"
         say(f"decoder layers initialised from the target's {which}; fc passes aux layer {aux_layers[-1]} through")
     if tc.freeze_lm_head:

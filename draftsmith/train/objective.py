@@ -31,13 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
-from draftsmith.model import flex_attention, key_floors
+from draftsmith.config import LOSS_CHUNK_ELEMENTS
+from draftsmith.model.ttt import flex_attention, key_floors
 from draftsmith.train.data import Batch
-
-# Teacher positions per chunk of the loss when chunk_tokens is None: each [tokens, Dv] float32
-# block of a chunk (teacher and drafter log-probabilities, their gradient) holds about 2**24
-# elements (64 MB): 2,048 positions at a draft vocabulary of 8,192, 524 at 32,000.
-KL_CHUNK_ELEMENTS = 2 ** 24
 
 
 def ttt_masks(input_ids, loss_mask, doc_ids, t2d, steps: int) -> list[tuple[Any, Any]]:
@@ -88,7 +84,7 @@ class TTTLayout:
     counts: list[int]  # [steps] N_k: positions where step k's KL is taken
     teacher: int  # N: teacher rows (teacher_need)
     bounds: list[list[int]]  # per step: where each chunk of `chunk` teacher rows begins among its N_k positions, then N_k
-    key_floors: list[int] | None  # the SDPA path's TTTMask key blocks (model.key_floors); None for flex
+    key_floors: list[int] | None  # the SDPA path's TTTMask key blocks (model.ttt.key_floors); None for flex
 
 
 def ttt_layout(input_ids, loss_mask, doc_ids, t2d, steps: int, chunk: int, attention: str) -> TTTLayout:
@@ -290,7 +286,7 @@ class TTTObjective(nn.Module):
     A module (not a function) so that DDP/FSDP wrap it and see every parameter used.
     target_head: W_d [Dv, H], the target lm_head's rows at the draft ids.
     attention: ttt_forward's path ("sdpa" or "flex", resolve_attention).
-    chunk_tokens: teacher positions per chunk of the loss (ChunkedKL); None: KL_CHUNK_ELEMENTS // Dv;
+    chunk_tokens: teacher positions per chunk of the loss (ChunkedKL); None: LOSS_CHUNK_ELEMENTS // Dv;
     0: the whole micro-batch as one autograd graph (the loss before chunks: [N, Dv] float32
     blocks kept for backward; the reference the chunked loss is tested against).
     """
@@ -308,7 +304,8 @@ class TTTObjective(nn.Module):
         self.feature_noise = feature_noise
         self.attention = attention
         self.mix = mix
-        self.chunk_tokens = max(1, KL_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None else chunk_tokens
+        self.chunk_tokens = (max(1, LOSS_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None
+                             else chunk_tokens)
 
     def layouts(self) -> Callable[..., TTTLayout]:
         """ttt_layout for this objective: a function of (input_ids, loss_mask, doc_ids) on the host,
