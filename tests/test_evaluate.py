@@ -81,9 +81,10 @@ def _oracle_decoder(loaded, K, plan):
     state = {}
     real = dec._draft
 
-    def draft(tokens, pend_ids, pend_aux, pos0, cache, gen):
-        real(tokens, pend_ids, pend_aux, pos0, cache, gen)  # keeps the drafter cache as in real use
-        n_out = len(tokens) - state["n_prompt"]
+    def draft(unread_ids, unread_aux, first_pos, cache, gen):
+        real(unread_ids, unread_aux, first_pos, cache, gen)  # keeps the drafter cache as in real use
+        # the unread tokens sit at positions first_pos+1 .. first_pos+T: the sequence is one longer
+        n_out = first_pos + len(unread_ids) + 1 - state["n_prompt"]
         right = state["oracle"][n_out: n_out + K]
         j = plan()
         drafts = right[:j] + [(t + 1) % dec.vocab_size for t in right[j:]]
