@@ -20,6 +20,7 @@ replaced by `***` first, so it never reaches a log line, a failures file or a me
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 import re
 import threading
@@ -76,11 +77,34 @@ def _secret_pattern(secret: str) -> re.Pattern:
     return re.compile("".join(parts), re.IGNORECASE)
 
 
+_B64_RUN = r"[A-Za-z0-9+/_=\\-]*"  # a base64 or base64url run, `/` possibly JSON-escaped as `\/`
+_B64_MIN_CORE = 8  # a shorter core would match unrelated base64 text
+
+
+def _base64_pattern(secret: str) -> re.Pattern | None:
+    """The secret base64- or base64url-encoded inside any text (`Bearer <key>`, a whole header):
+    at each of the three byte alignments, the characters that only the secret's bytes decide, and
+    the whole base64 run around them; None for a secret too short to tell apart."""
+    raw, cores = secret.encode(), []
+    for k in range(3):  # the secret starts k bytes into a 3-byte group of the encoded text
+        enc = base64.b64encode(b"\0" * k + raw + b"\0\0").decode()
+        core = enc[-(-8 * k // 6): (8 * (k + len(raw))) // 6]  # chars whose 6 bits are all the secret's
+        if len(core) >= _B64_MIN_CORE:
+            cores += [core, core.translate(str.maketrans("+/", "-_"))]
+    if not cores:
+        return None
+    alternatives = ("".join(r"\\*/" if c == "/" else re.escape(c) for c in core) for core in dict.fromkeys(cores))
+    return re.compile(_B64_RUN + "(?:" + "|".join(alternatives) + ")" + _B64_RUN)
+
+
 def redact(text: str, secret: str | None) -> str:
-    """`text` with `secret` replaced by *** in every encoding a reply could carry it in, and with
+    """`text` with `secret` replaced by *** in every encoding a reply could carry it in (as text,
+    escaped, percent-encoded, base64 and base64url, alone or inside `Bearer <key>`), and with
     anything shaped like a credential (a Bearer token, an sk- key) replaced as well."""
     if secret:
         text = _secret_pattern(secret).sub("***", text)
+        if (b64 := _base64_pattern(secret)) is not None:
+            text = b64.sub("***", text)
     return scrub(text)
 
 

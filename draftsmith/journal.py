@@ -10,6 +10,7 @@ the other, and nothing here imports torch (`status` must answer in well under a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -56,36 +57,84 @@ def append_event(path: Path, ev: dict[str, Any]) -> None:
     append_json_line(path, ev)
 
 
-def _parse_lines(blob: bytes) -> list[dict]:
-    out = []
+# What each field of an event may hold; a line with anything else (edited by hand, garbage, a
+# writer of another version) is skipped and counted, never trusted: `status` must survive any line.
+_NUMBERS = ("t", "pt", "done", "total", "stall_after_s")
+_INTS = ("pid", "rank", "world_size")
+_TEXTS = ("ev", "phase", "error", "unit", "host", "log", "attempt", "stage")
+MAX_TAIL_BYTES = 64 << 20  # how far back the reader looks for the last good event past a huge line
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def valid_event(ev: Any) -> bool:
+    """Whether a parsed line is an event this reader can use: an object with `ev` and a time `t`,
+    every known field of its type (counts and times finite numbers, ids ints, names text)."""
+    if not isinstance(ev, dict) or not isinstance(ev.get("ev"), str) or not _is_number(ev.get("t")):
+        return False
+    return (all(ev.get(k) is None or _is_number(ev[k]) for k in _NUMBERS)
+            and all(ev.get(k) is None or (isinstance(ev[k], int) and not isinstance(ev[k], bool)) for k in _INTS)
+            and all(ev.get(k) is None or isinstance(ev[k], str) for k in _TEXTS))
+
+
+def _parse_lines(blob: bytes) -> tuple[list[dict], int]:
+    """(the valid events of `blob`, how many lines were skipped as not valid)."""
+    out, skipped = [], 0
     for line in blob.split(b"\n"):
         if not line.strip():
             continue
         try:
             ev = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue  # a line cut by a crash, or a partial first line of the tail
-        if isinstance(ev, dict) and "ev" in ev:
+        except ValueError:  # a line cut by a crash, a partial first line of the tail, garbage
+            ev = None
+        if valid_event(ev):
             out.append(ev)
-    return out
+        else:
+            skipped += 1
+    return out, skipped
 
 
 def read_journal(path: Path) -> tuple[dict | None, list[dict]]:
-    """(start event, tail events) of a journal; tolerant of a cut last line."""
+    """(start event, tail events) of a journal; tolerant of a cut last line and of any bad line."""
+    start, events, _ = read_journal_counted(path)
+    return start, events
+
+
+def read_journal_counted(path: Path) -> tuple[dict | None, list[dict], int]:
+    """read_journal's (start, tail events) and the lines of the tail that were skipped as not valid.
+    The tail reaches back past lines too long for TAIL_BYTES (a 1 MB garbage line at the end must
+    not hide the stage's last real event), up to MAX_TAIL_BYTES."""
     try:
         with open(path, "rb") as f:
-            first = f.readline()
+            first = f.readline(TAIL_BYTES)
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - TAIL_BYTES))
-            tail = f.read()
+            window = TAIL_BYTES
+            while True:
+                f.seek(max(0, size - window))
+                tail = f.read()
+                events, skipped = _parse_lines(tail)
+                if any(e["ev"] != "start" for e in events) or window >= min(size, MAX_TAIL_BYTES):
+                    break
+                window *= 4
     except OSError:
-        return None, []
-    start = next((e for e in _parse_lines(first) if e.get("ev") == "start"), None)
-    events = _parse_lines(tail)
+        return None, [], 0
+    if size > window:
+        skipped -= 1  # the tail's first line is a piece of a line, not a bad one
+    # an attempt's journal ends with its end or error event: what follows it, other than the start
+    # of a new attempt, was not written by that attempt and must not reopen it
+    closed_at = next((i for i in range(len(events) - 1, -1, -1) if events[i]["ev"] in ("end", "error")), None)
+    if closed_at is not None:
+        after = events[closed_at + 1:]
+        kept = after[next((i for i, e in enumerate(after) if e["ev"] == "start"), len(after)):]
+        skipped += len(after) - len(kept)
+        events = events[:closed_at + 1] + kept
+    start = next((e for e in _parse_lines(first)[0] if e["ev"] == "start"), None)
     if start is None:
-        start = next((e for e in events if e.get("ev") == "start"), None)
-    return start, events
+        start = next((e for e in events if e["ev"] == "start"), None)
+    return start, events, max(0, skipped)
 
 
 def pid_alive(pid: int) -> bool:
@@ -128,7 +177,7 @@ def recent_rate(points: list[tuple[float, float]], start_done: float) -> tuple[f
 
 
 def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
-    start, events = read_journal(path)
+    start, events, skipped = read_journal_counted(path)
     if start is None:
         return None
     last = events[-1] if events else start
@@ -150,8 +199,9 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
         "eta_s": None,
         # every rank counts the same steps (journals of train written before the flag existed are too)
         "shared": bool(start.get("shared", start.get("stage") == "train" and start.get("unit") == "steps")),
+        "bad_journal_lines": skipped,  # lines of the tail skipped as not valid events
     }
-    stall = float(start.get("stall_after_s", 300.0))
+    stall = float(start.get("stall_after_s") or 300.0)
     kind = last.get("ev")
     row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now) - float(start.get("t", now))), 1)
     row["warming_up"] = False
@@ -168,7 +218,7 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
         same_host = start.get("host") == host
         alive = pid_alive(int(start["pid"])) if same_host and start.get("pid") else None
         hb_age = row["heartbeat_age_s"]
-        progress_age = now - float(last.get("pt", last.get("t", now)))
+        progress_age = now - float(last.get("pt") or last["t"])
         if alive is False:
             row["state"] = "dead"
         elif hb_age > stall * (REMOTE_DEAD_FACTOR if alive is None else 1.0) and alive is None:
@@ -182,7 +232,7 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
                       if e.get("t") is not None and e.get("done") is not None and float(e["t"]) >= float(start.get("t", 0))]
             r, row["warming_up"] = recent_rate(points, float(start.get("done") or 0))
             row["rate_per_s"] = round(r, 4) if r else None
-            if r and row["total"]:
+            if r and row["total"] and row["done"] is not None:
                 row["eta_s"] = round(max(0.0, (row["total"] - row["done"]) / r), 1)
     return row
 

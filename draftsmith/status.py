@@ -186,6 +186,7 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["error"] = next((r["error"] for r in ranks if r["error"]), None)
         row["log"] = ranks[0]["log"]
         row["phase"] = worst.get("phase")
+        row["bad_journal_lines"] = sum(r["bad_journal_lines"] for r in ranks)
         if len(ranks) > 1:
             row["ranks"] = ranks
     elif manifest_done:
@@ -281,6 +282,9 @@ def render_table(status: dict[str, Any]) -> str:
             rows.append(_row_cells({**rr, "on_disk": 0, "bytes_on_disk": 0}, f"  rank {rr['rank']}"))
         if r["error"]:
             notes.append(f"{r['name']}: {r['error']}" + (f"  (log: {r['log']})" if r.get("log") else ""))
+        if r.get("bad_journal_lines"):
+            notes.append(f"{r['name']}: {r['bad_journal_lines']} line(s) of its progress journal are not valid events "
+                         "and were skipped")
         if r["state"] != "pending" and r["done"] is not None and r["name"] in ("generate", "extract", "eval", "prepare"):
             if r["on_disk"] != r["done"]:
                 notes.append(f"{r['name']}: the journal says {r['done']} {r['unit'] or ''} done, "

@@ -5,6 +5,7 @@ message."""
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import urllib.parse
 import os
@@ -169,6 +170,12 @@ class EchoingServer(FakeOpenAIServer):
             escaped = json.dumps(auth).replace("/", "\\/")
             uni = "".join(f"\\u{ord(c):04x}" for c in auth)
             return 500, {"error": {"message": f"auth {escaped}; query ?auth={urllib.parse.quote(auth, safe='')}; {uni}"}}
+        if "[echo-b64]" in text:  # the header and the key alone, base64 and base64url, inside more text
+            auth = headers.get("Authorization", "")
+            key = auth.removeprefix("Bearer ")
+            return 500, {"error": {"message": "bad auth", "auth_b64": base64.b64encode(auth.encode()).decode(),
+                                   "key_b64": base64.b64encode(key.encode()).decode(),
+                                   "key_b64url": base64.urlsafe_b64encode(("id:" + key).encode()).decode().rstrip("=")}}
         return super().answer(body, headers)
 
 
@@ -184,7 +191,8 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     secret = "sk-test/" + secrets.token_hex(16) + "+k="
     wrong = "sk-wrong-" + secrets.token_hex(8)
     run = tmp_path / "run"
-    prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please", "[echo-escaped] please"])
+    prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please", "[echo-escaped] please",
+                                              "[echo-b64] please"])
     base = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
             "--backend", "openai", "--set", "generate.retries=1", "--set", "generate.backoff_s=0.01"]
     outputs = []
@@ -201,10 +209,11 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
         # Two samples fail with server errors that quote the Authorization header.
         p = run_cli(*base, env={"DS_SECRET_KEY": secret})
         outputs.append(p)
-        assert p.returncode == 2 and "3 samples failed" in p.stderr
+        assert p.returncode == 2 and "4 samples failed" in p.stderr
         errors = {f["id"]: f["error"] for f in map(json.loads, (run / "generate" / "failures.jsonl").read_text().splitlines())}
-        assert set(errors) == {"p4", "p5", "p6"} and all("Bearer ***" in errors[i] for i in ("p4", "p5"))
+        assert set(errors) == {"p4", "p5", "p6", "p7"} and all("Bearer ***" in errors[i] for i in ("p4", "p5"))
         assert errors["p6"].count("***") >= 3  # each encoding of the echoed key redacted
+        assert errors["p7"].count("***") == 3 and "bad auth" in errors["p7"]  # the base64 forms too
         # A wrong key: one line naming the variable, not the key.
         p = run_cli(*base, "--retry-failed", env={"DS_SECRET_KEY": wrong})
         outputs.append(p)
@@ -222,11 +231,16 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     files = [f for f in run.rglob("*") if f.is_file()]
     assert {"config.yaml", "manifest.json", "stage.log", "progress.jsonl", "samples.jsonl"} <= {f.name for f in files}
     body = secret[len("sk-test/"):-len("+k=")]  # the key's random part: in no encoding anywhere
+    # the key's base64 forms: the middle of each encoding, which no surrounding bytes change
+    b64 = [base64.b64encode(pad + secret.encode()).decode()[4:-4] for pad in (b"", b"x", b"xy")]
+    b64 += [f.replace("+", "-").replace("/", "_") for f in b64]
     for f in files:
         data = f.read_bytes()
         assert body.encode() not in data.lower() and wrong.encode() not in data, f"API key leaked into {f}"
+        assert not any(form.encode() in data.replace(b"\\/", b"/") for form in b64), f"base64 key leaked into {f}"
     for p in outputs:
         assert body not in (p.stdout + p.stderr).lower() and wrong not in p.stdout + p.stderr
+        assert not any(form in p.stdout + p.stderr for form in b64)
     assert os.environ.get("DS_SECRET_KEY") is None  # the tests passed the key to the child processes only
 
 

@@ -356,3 +356,30 @@ def test_finished_stage_shows_how_long_it_took_and_how_fast(tmp_path):
     table = render_table(run_status(tmp_path))
     header = next(line for line in table.splitlines() if line.startswith("stage"))
     assert "elapsed" in header
+
+
+BAD_LINES = [b'{"ev":"p","t":"x"}', b'{"ev":"p","t":null}', b'{"ev":"p","t":1e308,"done":"x"}',
+             b'{"ev":"start","t":1,"stall_after_s":"x"}', b'{"ev":"p","t":1,"pid":"me"}', b'[1, 2]', b'"text"',
+             b"\xff\xfe garbage", b'{"ev": 3, "t": 1}', b'{"ev":"p","t":NaN}']
+
+
+@pytest.mark.parametrize("bad", BAD_LINES + [b'{"ev":"p","t":1,"x":"' + b"y" * (1 << 20) + b'"}'],
+                         ids=[f"line{i}" for i in range(len(BAD_LINES))] + ["1MB-line"])
+def test_status_survives_any_journal_line(tmp_path, cli, bad):
+    """A line of any content appended to a finished and to a failed stage's journal (by hand, or by
+    something that is not draftsmith) is skipped and counted: the state, counts and error come from
+    the good lines, and status, status --json and watch answer."""
+    assert start(tmp_path, "generate", 3, 0.0).wait(60) == 0
+    assert start(tmp_path, "extract", 10, 0.01, mode="raise").wait(60) != 0
+    for stage in ("generate", "extract"):
+        with open(tmp_path / stage / "progress.jsonl", "ab") as f:
+            f.write(bad + b"\n")
+    gen, ext = stage_row(tmp_path, "generate"), stage_row(tmp_path, "extract")
+    assert (gen["state"], gen["done"], gen["total"]) == ("done", 3, 3)
+    assert ext["state"] == "failed" and ext["error"] == "sample 5: simulated failure"
+    assert gen["bad_journal_lines"] == ext["bad_journal_lines"] == 1
+    for args in (("status", str(tmp_path)), ("status", str(tmp_path), "--json"),
+                 ("watch", str(tmp_path), "--interval", "0.1")):
+        p = cli(*args, timeout=30)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, (args, p.stderr[-500:])
+    assert "not valid events and were skipped" in cli("status", str(tmp_path)).stdout
