@@ -43,7 +43,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-RunOpt = Annotated[Path, typer.Option("--run", help="The run directory (created if missing).")]
+# a string, not a Path: typer turns --run '' into Path('.'), the current folder, which RunDir must refuse
+RunOpt = Annotated[str, typer.Option("--run", help="The run directory (created if missing).")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set train.lr=3e-4 (repeatable).")]
 
@@ -305,7 +306,7 @@ def eval_(
 )
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
-    run: Annotated[Path, typer.Option("--run", help="The run directory.")],
+    run: Annotated[str, typer.Option("--run", help="The run directory.")],
     sets: SetOpt = None,
     from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
     until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
@@ -326,7 +327,7 @@ def run_cmd(
     "  draftsmith demo --set eval.limit=10   (a quicker look)",
 )
 def demo_cmd(
-    run: Annotated[Path, typer.Option("--run", help="The run directory.")] = Path("runs/demo"),
+    run: Annotated[str, typer.Option("--run", help="The run directory.")] = "runs/demo",
     sets: SetOpt = None,
 ):
     """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
@@ -369,7 +370,7 @@ def estimate_cmd(
 
 @app.command(epilog="Examples:\n\n  draftsmith status runs/demo\n\n  draftsmith status runs/demo --json | jq '.stages[] | {name, state, eta_s}'")
 def status(
-    run: Annotated[Path, typer.Argument(help="The run directory.")],
+    run: Annotated[str, typer.Argument(help="The run directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (the shape in SPEC.md).")] = False,
 ):
     """Show each stage's state (pending, running, stalled, dead, failed, done), progress, rate, ETA and files on disk."""
@@ -379,7 +380,7 @@ def status(
 
 @app.command(epilog="Examples:\n\n  draftsmith watch runs/demo\n\n  draftsmith watch runs/demo --interval 30 > watch.log")
 def watch(
-    run: Annotated[Path, typer.Argument(help="The run directory.")],
+    run: Annotated[str, typer.Argument(help="The run directory.")],
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,
 ):
     """Refresh the status table until every stage is done or failed (a snapshot per interval when piped)."""

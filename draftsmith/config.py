@@ -323,8 +323,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in key.split(".")):
         raise DraftsmithError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml_load(raw) if raw.strip() else ""
+    except yaml.constructor.ConstructorError as e:  # valid YAML that means two things (a key twice)
+        raise DraftsmithError(f"--set {item!r}: {e.problem}") from None
+    except yaml.YAMLError:  # not YAML at all: the text itself (a path, a URL)
         value = raw
     return key.split("."), value
 
@@ -342,6 +344,27 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: YAML says
+    keys are unique, PyYAML silently keeps the last (a second `generate:` would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {first_line[key] + 1})", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML text -> Python, as yaml.safe_load does but refusing duplicate keys (_UniqueKeyLoader)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass: no arbitrary objects)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (optional) and apply `key=value` overrides; validate everything."""
     data: dict = {}
@@ -352,7 +375,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise DraftsmithError(f"{p}: config file not found")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            loaded = yaml_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""

@@ -59,10 +59,26 @@ class Prompt:
         return self.system_messages() + [{"role": "user", "content": self.turns[0]}]
 
 
-def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> int:
+# chars of a text per token of its limit that prefix_exceeds tokenises at most: English runs ~4 chars
+# a token, code and whitespace more; a text this dense is tokenised whole, as before
+PREFIX_CHARS_PER_TOKEN = 16
+
+
+def prefix_exceeds(tokenizer, text: str, limit: int | None) -> bool:
+    """Whether `text` is certain to be more than `limit` tokens from a prefix of it alone, so that an
+    over-long prompt (a 50 MB line) is refused in milliseconds instead of after minutes of tokenising
+    at gigabytes of memory. False (tokenise it whole) when a prefix cannot tell, or without a limit."""
+    if limit is None or len(text) <= limit * PREFIX_CHARS_PER_TOKEN:
+        return False
+    n = len(tokenizer(text[: limit * PREFIX_CHARS_PER_TOKEN], add_special_tokens=False)["input_ids"])
+    return n > limit + 1  # the cut can split one token in two: the whole has at least n - 1
+
+
+def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int, limit: int | None = None) -> int:
     """Tokens the longest conversation of `prompts` can reach when each user turn is answered with up
     to `max_tokens` tokens: its user text (and system prompt) through the chat template, plus
-    max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused)."""
+    max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused).
+    A conversation already longer than `limit` (the model's context) counts as limit + 1 untokenised."""
     longest = 0
     for p in prompts:
         messages = p.system_messages() + [{"role": "user", "content": t} for t in p.turns]
@@ -70,6 +86,8 @@ def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int) -> 
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:  # no template: the turns as plain text, as the local engine sends them
             text = "\n".join(m["content"] for m in messages)
+        if prefix_exceeds(tokenizer, text, limit):
+            return limit + 1
         # per turn: the answer, and the template's few tokens around it
         longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
     return longest

@@ -251,6 +251,22 @@ def file_lock(path: str | os.PathLike, busy: str | None = None) -> Iterator[None
 # Atomic writes
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask can only be read by setting it, which
+    races with other threads creating files); temporary files and folders are made private, and get
+    these permissions back before they take their final names."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): the racy way, put back at once
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it over `path`.
@@ -270,6 +286,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             yield tmp_path
             with open(tmp_path, "rb+") as f:
                 os.fsync(f.fileno())
+            os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp makes it 0600: readable as umask says
             os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -356,6 +373,13 @@ def replace_dir(built: str | os.PathLike, dest: str | os.PathLike) -> None:
     mix of old and new files; the parked copy is removed afterwards (a crash may leave it,
     under a name readers skip)."""
     built, dest = Path(built), Path(dest)
+    # mkdtemp makes the folder 0700 and some writers (safetensors) their files 0600: a vLLM service
+    # account must read an export, so the folder gets what the umask says, as a plain mkdir would
+    umask = current_umask()
+    for sub, _, files in os.walk(built):
+        os.chmod(sub, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(sub, name), 0o666 & ~umask)
     if dest.exists():
         old = dest.parent / f".{dest.name}.old-{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
@@ -410,6 +434,8 @@ class RunDir:
     """A run folder. Stages talk to each other only through the files documented here."""
 
     def __init__(self, path: str | os.PathLike):
+        if not str(path).strip():  # Path("") is the current folder: a run would land wherever the shell is
+            raise DraftsmithError("--run: an empty path; name the run's folder (e.g. --run runs/r1)")
         self.path = Path(path).expanduser().resolve()
 
     def __repr__(self) -> str:

@@ -62,14 +62,20 @@ def vllm_venv() -> Path:
     return cache_dir() / "venv-vllm"
 
 
-def max_model_len(model_dir: str | os.PathLike, needed: int) -> int:
-    """--max-model-len for a server whose requests need up to `needed` tokens: that, rounded up to
-    a multiple of 256, and never beyond what the model was trained for (max_position_embeddings)."""
+def context_limit(model_dir: str | os.PathLike) -> int | None:
+    """What the model was trained for: its config's max_position_embeddings (None when it has none)."""
     limit = None
     with contextlib.suppress(OSError, ValueError, AttributeError):
         limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def max_model_len(model_dir: str | os.PathLike, needed: int) -> int:
+    """--max-model-len for a server whose requests need up to `needed` tokens: that, rounded up to
+    a multiple of 256, and never beyond what the model was trained for (context_limit)."""
     want = max(256, -(-needed // 256) * 256)
-    return min(want, int(limit)) if isinstance(limit, int) and limit > 0 else want
+    limit = context_limit(model_dir)
+    return min(want, limit) if limit else want
 
 
 def _has_vllm(python: Path) -> bool:

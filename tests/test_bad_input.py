@@ -274,6 +274,12 @@ CASES = [
          r"/c\.yaml: generate\.temprature: unknown key$"),
     Case("config-wrong-type", None, config_case("train:\n  lr: fast\n"), r"/c\.yaml: train\.lr: .*number.*\(got 'fast'\)"),
     Case("config-invalid-yaml", None, config_case("generate:\n  limit: 3\n  servers: [a, b\n"), r"/c\.yaml:\d+: invalid YAML"),
+    Case("config-duplicate-section", None, config_case("generate:\n  limit: 3\ngenerate:\n  limit: 4\n"),
+         r"/c\.yaml:3: invalid YAML \(key 'generate' given twice \(first on line 1\)\)$"),
+    Case("config-duplicate-key", None, config_case("generate:\n  limit: 3\n  seed: 1\n  limit: 4\n"),
+         r"/c\.yaml:4: invalid YAML \(key 'limit' given twice \(first on line 2\)\)$"),
+    Case("config-duplicate-key-in-set", None, config_case(None, "--set", "generate={limit: 3, limit: 4}"),
+         r"key 'limit' given twice"),
 ]
 
 
@@ -331,3 +337,16 @@ def test_bad_input_is_one_line_and_leaves_nothing_behind(case: Case, ctx: Ctx, t
     if args[0] == "run":
         pipe = run_status(run)["pipeline"]
         assert pipe["state"] == "failed" and pipe["error"] == msg
+
+
+@pytest.mark.parametrize("args", [["generate", "--run", ""], ["prepare", "--run", ""], ["train", "--run", ""],
+                                  ["eval", "--run", ""], ["run", "RECIPE", "--run", ""], ["status", ""], ["watch", ""]],
+                         ids=lambda a: a[0])
+def test_an_empty_run_path_is_refused_and_nothing_lands_in_the_current_folder(ctx: Ctx, tmp_path, args):
+    """`--run ''` would be the current folder (typer turns it into Path('.')): refused in one line,
+    the folder the command ran in left as it was."""
+    (tmp_path / "c.yaml").write_text(f"target: {ctx.target}\n")
+    p = run_cli(*[str(tmp_path / "c.yaml") if a == "RECIPE" else a for a in args], cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "draftsmith: error: --run: an empty path; name the run's folder (e.g. --run runs/r1)"], p.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["c.yaml"]

@@ -345,3 +345,20 @@ def test_flat_drafter_json_is_read_too(trained_run, tiny_target):
     run_export(trained_run, cfg_for(tiny_target))
     _, info = load_exported(trained_run.path / "export")
     assert info["num_speculative_tokens"] == 2 and info["config"].draft_vocab_size == DV
+
+
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_export_is_readable_as_umask_says(trained_run, tiny_target, umask, folder_mode, file_mode):
+    """The serving team's vLLM runs as another account: under umask 022 the export (its folder and
+    every file, the manifest too) is world-readable, as any file the user writes would be; under 077
+    it stays private. Temporary files and folders are made 0600/0700 and lose that before renaming."""
+    old = os.umask(umask)
+    try:
+        run_export(trained_run, cfg_for(tiny_target))
+    finally:
+        os.umask(old)
+    out = trained_run.path / "export"
+    assert out.stat().st_mode & 0o777 == folder_mode
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"config.json", "model.safetensors", "manifest.json"} <= {p.name for p in files}
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: file_mode for p in files}

@@ -424,13 +424,34 @@ def test_local_backend_resampled_answers_are_reproducible(tmp_path, tiny_target)
     assert len(answers) == 3
 
 
+def test_a_huge_prompt_is_judged_from_a_prefix(tiny_target):
+    """A prompt far longer than the context is refused from a prefix: the tokenizer never sees the
+    whole text (50 MB took minutes and 8 GB to tokenise); a short one is left to the full count."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.prompts import PREFIX_CHARS_PER_TOKEN, prefix_exceeds
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    seen = []
+
+    def spy(text, **kw):
+        seen.append(len(text))
+        return tok(text, **kw)
+
+    huge = "word " * 2_000_000  # 10 MB
+    assert prefix_exceeds(spy, huge, 1000) and max(seen) <= 1000 * PREFIX_CHARS_PER_TOKEN < len(huge)
+    assert not prefix_exceeds(spy, "word " * 100, 1000) and not prefix_exceeds(spy, huge, None)
+
+
 def test_local_prompt_too_long_fails_cleanly(tmp_path, tiny_target, cli):
-    prompts = write_prompts(tmp_path / "p.jsonl", 3, multi_every=0, extra={1: "word " * 3000})
+    # p1 is over the context by a little (counted whole), p3 by far (judged from a prefix)
+    prompts = write_prompts(tmp_path / "p.jsonl", 4, multi_every=0, extra={1: "word " * 3000, 3: "word " * 2_000_000})
     run = tmp_path / "run"
     p = cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts), "--max-tokens", "4")
-    assert p.returncode == 2 and "1 samples failed" in p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "2 samples failed" in p.stderr.strip().splitlines()[-1]
     fails = lines_of(run / "generate" / "failures.jsonl")
-    assert [f["id"] for f in fails] == ["p1"] and "exceeds the target's context" in fails[0]["error"]
+    assert [f["id"] for f in fails] == ["p1", "p3"] and all("exceeds the target's context" in f["error"] for f in fails)
+    assert "more than" in fails[1]["error"] and "10000" in fails[1]["error"]  # its characters, not its tokens
     assert {r["id"] for r in lines_of(run / "generate" / "samples.jsonl")} == {"p0", "p2"}
     assert not (run / "generate" / "manifest.json").exists()
     st = json.loads(cli("status", str(run), "--json").stdout)

@@ -28,7 +28,7 @@ from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_u
 from draftsmith.prompts import context_tokens_needed
 from draftsmith.rundir import append_json_line
 from draftsmith.target import load_tokenizer, target_info
-from draftsmith.vllm_server import VLLMServer, max_model_len, parse_metrics, serving, vllm_python
+from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, parse_metrics, serving, vllm_python
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -159,7 +159,7 @@ def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, 
     """A VLLMServer for the prompts to decode, run under the stage's `busy` phase."""
     cfg = ctx.cfg
     needed = context_tokens_needed([p for _, p in ctx.todo], load_tokenizer(model_dir, cfg.trust_remote_code),
-                                   cfg.eval.max_tokens)
+                                   cfg.eval.max_tokens, limit=context_limit(model_dir))
     srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.stage_dir / log_name, python=python,
                      max_model_len=max_model_len(model_dir, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
                      say=ctx.prog.log)

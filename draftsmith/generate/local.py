@@ -12,6 +12,7 @@ from draftsmith import DraftsmithError
 from draftsmith.generate.reasoning import split_harmony, split_reasoning
 from draftsmith.generate.samples import SAMPLING, TurnResult, build_record
 from draftsmith.http import SampleFailed
+from draftsmith.prompts import prefix_exceeds
 from draftsmith.target import load_target
 
 
@@ -78,8 +79,14 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
                     continue
                 convs[p.id].append({"role": "user", "content": p.turns[k]})
                 text = tok.apply_chat_template(convs[p.id], tokenize=False, add_generation_prompt=True)
+                room = None if max_pos is None else max_pos - gen.max_tokens  # prompt tokens that fit
+                if prefix_exceeds(tok, text, room):
+                    failed.add(p.id)
+                    on_fail(p, SampleFailed(f"prompt of more than {room} tokens ({len(text)} characters) + max_tokens "
+                                            f"{gen.max_tokens} exceeds the target's context ({max_pos})", 1, k))
+                    continue
                 x = tok(text, add_special_tokens=False)["input_ids"]  # the template has its own specials
-                if max_pos is not None and len(x) + gen.max_tokens > max_pos:
+                if room is not None and len(x) > room:
                     failed.add(p.id)
                     on_fail(p, SampleFailed(f"prompt of {len(x)} tokens + max_tokens {gen.max_tokens} exceeds the "
                                             f"target's context ({max_pos})", 1, k))

@@ -8,7 +8,7 @@ from draftsmith.generate.openai import ask_servers
 from draftsmith.generate.samples import STAGE
 from draftsmith.prompts import context_tokens_needed
 from draftsmith.target import load_tokenizer, pick_device, pick_dtype
-from draftsmith.vllm_server import VLLMServer, max_model_len, serving, vllm_python
+from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, serving, vllm_python
 
 VLLM_LOG = "vllm.log"  # the server's output
 
@@ -33,7 +33,8 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     """The backend: a server of our own for the pending samples, then backend openai's requests.
     `startup_s` in the result: the server's start-up, which the stage's rate leaves out."""
     gen, dtype = cfg.generate, served_dtype(cfg)
-    needed = context_tokens_needed(pending, load_tokenizer(info, cfg.trust_remote_code), gen.max_tokens)
+    needed = context_tokens_needed(pending, load_tokenizer(info, cfg.trust_remote_code), gen.max_tokens,
+                                   limit=context_limit(info.path))
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *gen.vllm_args],
                      log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(cfg.vllm_python, log=prog.log),
                      max_model_len=max_model_len(info.path, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
