@@ -50,7 +50,8 @@ import numpy as np
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
 from draftsmith.progress import Progress, journal_failures, log
-from draftsmith.rundir import RunDir, atomic_write_json, file_sha256, repair_jsonl_tail
+from draftsmith.rundir import (RunDir, append_bytes, atomic_write_json, file_sha256, jsonl_text, naming_full_disk,
+                              repair_jsonl_tail)
 from draftsmith.stage import StageBook, check_target, upstream
 from draftsmith.target import load_tokenizer, target_info
 
@@ -496,49 +497,56 @@ def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, 
     counts = {"dropped_too_long": 0, "dropped_empty_mask": 0}
     dropped_examples: list[str] = []
     last_sync = time.time()
-    with open(gen_path, encoding="utf-8") as src, open(out_path, "a", encoding="utf-8") as out:
-        n = 0
-        for lineno, line in enumerate(src, 1):
-            if not line.strip():
-                continue
-            key = keys[n]
-            n += 1
-            if key in done_keys:
-                continue
-            sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
-            try:
-                enc = encoder.encode(msgs, finish)
-            except TemplateProblem as e:
-                raise TemplateProblem(f"{gen_path}:{lineno}: sample {sid!r}: {e}") from None
-            ids, mask, truncated = enc.input_ids, enc.loss_mask, False
-            reason = None
-            if len(ids) > pcfg.max_length:
-                if pcfg.overflow == "drop":
-                    reason = "dropped_too_long"
-                else:
-                    ids, mask, truncated = ids[: pcfg.max_length], mask[: pcfg.max_length], True
-            if reason is None and not any(mask):
-                reason = "dropped_empty_mask"
-            if reason is not None:
-                counts[reason] += 1
-                if len(dropped_examples) < 5:
-                    why = ("too long" if reason == "dropped_too_long" else
-                           "no assistant token within max_length" if truncated else "no assistant token")
-                    dropped_examples.append(f"{sid} ({why}, {len(enc.input_ids)} tokens)")
-                # Dropped samples leave no line: shrink the total so that done == lines on disk.
-                prog.set_total(prog.total - 1)
-                continue
-            rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
-            if enc.notes:
-                rec["notes"] = enc.notes
-            out.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            out.flush()  # a whole line per sample: a kill can only cut the last one
-            tally.add(ids, mask, truncated, enc.notes)
-            prog.advance(1)
-            if time.time() - last_sync > 10:
-                os.fsync(out.fileno())
-                last_sync = time.time()
-        os.fsync(out.fileno())
+    # one os.write per line on an O_APPEND descriptor (rundir.append_bytes): a kill cuts at most the
+    # last line, and a full disk cuts the line back and names the file
+    out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        with open(gen_path, encoding="utf-8") as src:
+            n = 0
+            for lineno, line in enumerate(src, 1):
+                if not line.strip():
+                    continue
+                key = keys[n]
+                n += 1
+                if key in done_keys:
+                    continue
+                sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
+                try:
+                    enc = encoder.encode(msgs, finish)
+                except TemplateProblem as e:
+                    raise TemplateProblem(f"{gen_path}:{lineno}: sample {sid!r}: {e}") from None
+                ids, mask, truncated = enc.input_ids, enc.loss_mask, False
+                reason = None
+                if len(ids) > pcfg.max_length:
+                    if pcfg.overflow == "drop":
+                        reason = "dropped_too_long"
+                    else:
+                        ids, mask, truncated = ids[: pcfg.max_length], mask[: pcfg.max_length], True
+                if reason is None and not any(mask):
+                    reason = "dropped_empty_mask"
+                if reason is not None:
+                    counts[reason] += 1
+                    if len(dropped_examples) < 5:
+                        why = ("too long" if reason == "dropped_too_long" else
+                               "no assistant token within max_length" if truncated else "no assistant token")
+                        dropped_examples.append(f"{sid} ({why}, {len(enc.input_ids)} tokens)")
+                    # Dropped samples leave no line: shrink the total so that done == lines on disk.
+                    prog.set_total(prog.total - 1)
+                    continue
+                rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
+                if enc.notes:
+                    rec["notes"] = enc.notes
+                append_bytes(out, jsonl_text([rec]).encode(), out_path)
+                tally.add(ids, mask, truncated, enc.notes)
+                prog.advance(1)
+                if time.time() - last_sync > 10:
+                    with naming_full_disk(out_path):
+                        os.fsync(out)
+                    last_sync = time.time()
+            with naming_full_disk(out_path):
+                os.fsync(out)
+    finally:
+        os.close(out)
     return counts, dropped_examples
 
 

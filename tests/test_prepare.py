@@ -4,6 +4,8 @@ SmolLM2 (prepare + vocab) as an integration test."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -385,3 +387,38 @@ def test_cli_prepare_and_vocab_on_smollm2(smol_target, tmp_path):
     assert p.returncode == 0 and "draftsmith prepare --run runs/r1" in p.stdout
     p = run_cli("vocab", "--help")
     assert p.returncode == 0 and "--draft-vocab-size 32000" in p.stdout
+
+
+def test_a_full_disk_names_the_file_and_tears_no_line(tiny_target, tmp_path, monkeypatch):
+    """The disk fills while prepare appends: one line naming prepare/samples.jsonl, the file holds
+    whole lines only (the first of an uninterrupted run), and the rerun ends with that run's file."""
+    import errno
+
+    import draftsmith.rundir as rundir
+    from draftsmith.rundir import DiskFull
+
+    records = [conv(i) for i in range(6)]
+    reference = make_run(tmp_path / "reference", tiny_target, records)
+    run_prepare(reference, cfg_for(tiny_target))
+    want = (reference.path / "prepare" / "samples.jsonl").read_bytes()
+
+    run = make_run(tmp_path / "run", tiny_target, records)
+    real, lines = os.write, []
+
+    def fills_at_the_third_line(fd, data):  # a short write, then ENOSPC, as a filling disk does
+        if b'"input_ids"' in data:
+            lines.append(data)
+            if len(lines) == 3:
+                real(fd, data[:7])
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(rundir.os, "write", fills_at_the_third_line)
+    out = run.path / "prepare" / "samples.jsonl"
+    with pytest.raises(DiskFull, match=rf"^{re.escape(str(out))}: no space left on device"):
+        run_prepare(run, cfg_for(tiny_target))
+    monkeypatch.undo()
+    got = out.read_bytes()
+    assert got.endswith(b"\n") and got.count(b"\n") == 2 and want.startswith(got)
+    run_prepare(run, cfg_for(tiny_target))
+    assert out.read_bytes() == want
