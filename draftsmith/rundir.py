@@ -32,7 +32,7 @@ from draftsmith import DraftsmithError, __version__
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
 MANIFEST = "manifest.json"
 RUN_MARKER = "run.json"
-STAGE_LOCK = ".lock"  # RunDir.stage_lock's file in a stage folder
+LOCKS = ".locks"  # RUN/.locks/<folder>.lock: RunDir.stage_lock's and run_lock's files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +245,22 @@ def file_lock(path: str | os.PathLike, busy: str | None = None) -> Iterator[None
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def lock_holder(path: str | os.PathLike) -> str | None:
+    """The pid (as written) of the process holding file_lock(path), or None when nobody does. Probes
+    with a non-blocking flock that is released at once."""
+    try:
+        f = open(path, "r")
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "?"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,11 +486,35 @@ class RunDir:
                 d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def stage_lock(self, stage: str, by: str):
-        """One process per stage folder (RUN/<stage>/.lock): a second `by` on this run is refused
-        at once, naming the first one's pid."""
-        d = self.stage_dir(stage)
-        return file_lock(d / STAGE_LOCK, busy=f"{d}: another `{by}` is running on this run")
+    # -- one process at a time ------------------------------------------------------------------
+    # The locks live in RUN/.locks/, not in the stage folders: export replaces its whole folder, and a
+    # lock file renamed away with it would no longer exclude anyone.
+    def _lock_path(self, folder: str, rank: int = 0) -> Path:
+        return self.path / LOCKS / (f"{folder}.lock" if rank == 0 else f"{folder}.rank{rank}.lock")
+
+    def stage_lock(self, folder: str, by: str, rank: int = 0):
+        """One process per stage folder and rank (a single process is rank 0): a second `by` on this
+        run is refused at once, in one line naming the first one's pid, before it writes anything."""
+        self.ensure()
+        return file_lock(self._lock_path(folder, rank),
+                         busy=f"{self.path / folder}: another `{by}` is running on this run")
+
+    def run_lock(self):
+        """One `draftsmith run` per run folder (refused at once, like a second stage)."""
+        self.ensure()
+        return file_lock(self.path / LOCKS / "run.lock", busy=f"{self.path}: another `draftsmith run` is running on it")
+
+    def refuse_if_busy(self) -> None:
+        """A one-line error when any stage of this run is being run by a live process (its lock is
+        held), so that `run` starts nothing, and touches none of its files, while one is."""
+        for path in sorted((self.path / LOCKS).glob("*.lock")):
+            if path.name == "run.lock":
+                continue
+            pid = lock_holder(path)
+            if pid is not None:
+                stage = path.name.split(".")[0]
+                raise DraftsmithError(f"{self.path / stage}: `draftsmith {stage.split('-')[0]}` is running on this run "
+                                      f"(pid {pid}); wait for it to end or stop it first")
 
     def manifest_path(self, stage: str) -> Path:
         return self.path / stage / MANIFEST
