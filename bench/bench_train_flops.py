@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.model.config import Eagle3Config  # noqa: E402
 from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
+from draftsmith.train.data import Batch  # noqa: E402
 from draftsmith.train.objective import TTTObjective  # noqa: E402
 from draftsmith.train.schedule import ADAM_BETAS  # noqa: E402
 
@@ -53,10 +54,11 @@ def step_profile(row: int, doc: int, steps: int) -> dict:
     pos = (torch.arange(row) % doc).unsqueeze(0)
     aux, last = torch.randn(1, row, 3 * H), torch.randn(1, row, H)
     loss_mask = torch.ones(1, row, dtype=torch.bool)
+    batch = Batch(ids, loss_mask, doc_ids, pos, aux, last, samples=[], tokens=row)
     denom = [float(row)] * 3
 
     def step() -> None:
-        loss, _ = objective(ids, loss_mask, doc_ids, pos, aux, last, denom)
+        loss, _ = objective(batch, denom)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

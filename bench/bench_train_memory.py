@@ -219,8 +219,7 @@ def train_step(objective, optimizer, params, batch: Batch, tc, precision: str) -
     autocast or float32 as train.precision resolves), less its checks of the loss and gradient."""
     denom = step_counts(batch, objective.drafter.t2d, tc.ttt_steps).tolist()
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-        loss, _ = objective(batch.input_ids, batch.loss_mask, batch.doc_ids, batch.position_ids,
-                            batch.aux_hidden, batch.last_hidden, denom, scale=1.0)
+        loss, _ = objective(batch, denom, scale=1.0)
     loss.backward()
     del loss
     torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)

@@ -18,7 +18,7 @@ from draftsmith.train import run_train
 from draftsmith.target import target_info
 from draftsmith.train.data import Batch, DeviceFeeder, Prefetcher
 from draftsmith.train.objective import TTTObjective, fixed_positions, ttt_layout
-from test_train import cfg_for, copy_run, cycle_samples, make_run, synthesize_states, tiny_drafter
+from test_train import cfg_for, copy_run, cycle_samples, make_run, micro_batch, synthesize_states, tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,9 +94,8 @@ def packed_batch(T=600, R=2, seed=0):
 
 def forward_backward(obj, batch, layout, autocast=False):
     obj.drafter.zero_grad()
-    kw = {} if layout is None else {"layout": layout}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss, stats = obj(*batch, [300.0, 250.0, 200.0], scale=2.0, **kw)
+        loss, stats = obj(micro_batch(*batch, layout=layout), [300.0, 250.0, 200.0], scale=2.0)
     loss.backward()
     return loss.detach(), stats, {n: p.grad.clone() for n, p in obj.drafter.named_parameters() if p.grad is not None}
 
@@ -163,10 +162,10 @@ def test_a_training_step_reads_the_device_once_whatever_its_micro_batches(synth_
     per_call = {}
     real = train_mod._optimizer_step
 
-    def counted(ts, mbs, denom, window):
+    def counted(ts, micro_batches, denom, window):
         with HostReads() as reads:
-            out = real(ts, mbs, denom, window)
-        per_call.setdefault(len(mbs), []).append(dict(reads.ops))
+            out = real(ts, micro_batches, denom, window)
+        per_call.setdefault(len(micro_batches), []).append(dict(reads.ops))
         return out
 
     with mock.patch.object(train_mod, "_optimizer_step", counted):

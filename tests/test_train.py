@@ -28,7 +28,7 @@ from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
 from draftsmith.target import target_info
 from draftsmith.train import NOT_FINGERPRINTED, run_train
 from draftsmith.extract.hf import plan_batches
-from draftsmith.train.data import Prefetcher, pack_epoch
+from draftsmith.train.data import Batch, Prefetcher, pack_epoch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
 from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, mix_terms, resolve_attention, ttt_masks
@@ -147,6 +147,13 @@ def synth_run(tiny8, tmp_path_factory) -> RunDir:
 # Targets, masks, loss: by hand on a tiny case
 
 
+def micro_batch(ids, mask, doc, pos, aux, last, layout=None) -> Batch:
+    """The objective's input from plain tensors ([R, T] and [R, T, 3H] / [R, T, H]), as the loop hands
+    it; samples and tokens are left empty: the objective reads neither (nor does counting them here
+    add a device read)."""
+    return Batch(ids, mask, doc, pos, aux, last, samples=[], tokens=0, layout=layout)
+
+
 def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
     torch.manual_seed(seed)
     cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
@@ -201,7 +208,7 @@ def test_loss_targets_and_accuracy_match_a_hand_computation():
         expected_loss += gamma ** k * kl[k] / len(valid[k])
     obj = TTTObjective(d, W_d, 3, gamma)
     denom = [float(len(valid[k])) for k in range(3)]
-    loss, stats = obj(IDS, MASK, DOC, POS, aux, last, denom)
+    loss, stats = obj(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
     for k in range(3):
         assert stats[k, 0].item() == pytest.approx(kl[k], rel=1e-5)
@@ -228,9 +235,9 @@ def test_teacher_temperature_sharpens_the_target_distribution():
             kl += float((p * (p.log() - torch.log_softmax(logits[k][0, i], -1))).sum().detach())
         expected += kl / len(valid[k])
     denom = [float(len(valid[k])) for k in range(3)]
-    loss, _ = TTTObjective(d, W_d, 3, 1.0, teacher_temperature=T)(IDS, MASK, DOC, POS, aux, last, denom)
+    loss, _ = TTTObjective(d, W_d, 3, 1.0, teacher_temperature=T)(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
-    plain, _ = TTTObjective(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    plain, _ = TTTObjective(d, W_d, 3, 1.0)(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     assert abs(plain.item() - expected) > 1e-3  # the temperature is not a no-op
 
 
@@ -239,15 +246,15 @@ def test_feature_noise_perturbs_training_only():
     d.eval()
     aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
     denom = [2.0, 1.0, 1.0]
-    plain, _ = TTTObjective(d, W_d, 3, 1.0)(IDS, MASK, DOC, POS, aux, last, denom)
+    plain, _ = TTTObjective(d, W_d, 3, 1.0)(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     noisy = TTTObjective(d, W_d, 3, 1.0, feature_noise=0.5)
     torch.manual_seed(0)
-    a, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    a, _ = noisy(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     torch.manual_seed(1)
-    b, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    b, _ = noisy(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     assert a.item() != pytest.approx(plain.item(), rel=1e-4) and a.item() != pytest.approx(b.item(), rel=1e-4)
     noisy.eval()  # not while evaluating: the states are what serving will see
-    c, _ = noisy(IDS, MASK, DOC, POS, aux, last, denom)
+    c, _ = noisy(micro_batch(IDS, MASK, DOC, POS, aux, last), denom)
     assert c.item() == pytest.approx(plain.item(), rel=1e-6)
 
 
@@ -299,7 +306,7 @@ def _loss_and_grads(d, W_d, chunk, batch, autocast=False, temperature=1.0, mix=L
     d.zero_grad()
     obj = TTTObjective(d, W_d, 3, 0.8, teacher_temperature=temperature, chunk_tokens=chunk, mix=mix)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss, stats = obj(*batch, [30.0, 25.0, 20.0], scale=2.0)
+        loss, stats = obj(micro_batch(*batch), [30.0, 25.0, 20.0], scale=2.0)
     loss.backward()
     return loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
 

@@ -22,7 +22,7 @@ from draftsmith.train import distributed, run_train
 from draftsmith.train.distributed import Ranks, distribute, from_rank0, on_rank0
 from draftsmith.train.objective import TTTObjective
 from test_train import (DOC, IDS, MASK, POS, THREADS, cfg_for, cli_args, copy_run, cycle_samples, final_weights, make_run,
-                        metrics, synthesize_states, tiny_drafter)
+                        metrics, micro_batch, synthesize_states, tiny_drafter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,7 +222,7 @@ def test_a_bf16_target_head_gives_the_same_loss_and_gradients_under_autocast(chu
         objective = TTTObjective(drafter, h, steps=2, gamma=0.8, chunk_tokens=chunk)
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, stats = objective(IDS, MASK, DOC, POS, aux, last, [4.0, 3.0])
+            loss, stats = objective(micro_batch(IDS, MASK, DOC, POS, aux, last), [4.0, 3.0])
         loss.backward()
         results.append((loss.detach(), stats, [p.grad.clone() for p in drafter.parameters() if p.requires_grad]))
     (l0, s0, g0), (l1, s1, g1) = results

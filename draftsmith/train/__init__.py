@@ -1,6 +1,6 @@
 """The `train` stage: fit the EAGLE-3 drafter to the target with training-time test (TTT).
 
-    run_train = setup -> fit -> finish
+    run_train = read_inputs -> (up to date: done) -> setup -> fit -> finish
 
 Data (data.py). `train.mode=offline` reads the target's hidden states from extract/;
 `online` runs the target in this process on prepare/samples.jsonl and writes nothing but train/
@@ -41,7 +41,7 @@ from draftsmith.stage import StageBook
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
-from draftsmith.train.data import DeviceFeeder, Packing, Prefetcher, count_steps, open_source, open_upstream, step_stream
+from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_source, open_upstream, step_stream
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
@@ -117,9 +117,10 @@ def run_train(run, cfg) -> dict:
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()
     with process_group(cfg.device) as ranks, contextlib.ExitStack() as closing:
-        ts = setup(run, cfg, ranks, closing, started, cpu0)
-        if not isinstance(ts, TrainState):
-            return ts  # up to date: the manifest of the finished run
+        inputs = read_inputs(run, cfg, ranks, started)
+        if (done := finished_run(run, inputs)) is not None:
+            return done
+        ts = setup(run, cfg, ranks, inputs, closing, cpu0)
         with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step, stall_after_s=cfg.stall_after_s,
                       console=False, shared=True) as prog:
             fit(ts, prog)
@@ -130,17 +131,31 @@ def _train(run, cfg) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------
-# setup: inputs and bookkeeping, data, drafter, resume, optimizer
+# read_inputs: the target, upstream and vocabulary, checked; setup: data, drafter, resume, optimizer
 
 
-def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float, cpu0: float) -> TrainState | dict:
-    """Everything before the first step; the finished run's manifest instead when it is up to
-    date. The data source is closed by `closing`."""
+@dataclass
+class Inputs:
+    """The stage's inputs, read and checked before anything is decided (read_inputs)."""
+
+    info: Any  # the target's TargetInfo
+    layers: list[int]  # the aux layers
+    store: Any  # the extract store (train.mode=offline), else None
+    d2t: torch.Tensor  # [Dv] int64, the draft vocabulary's offsets
+    vocab_info: dict  # the vocabulary's own record (its fingerprint)
+    precision: str  # train.precision resolved: "bf16" or "fp32"
+    attention: str  # train.attention resolved: "sdpa" or "flex"
+    book: StageBook  # fingerprint, settings and upstream manifests
+
+
+def read_inputs(run, cfg, ranks: Ranks, started: float) -> Inputs:
+    """The target, the upstream stage's data and the vocabulary, refusing missing or mismatched
+    ones, and the stage's book (its fingerprint). Writes nothing."""
     tc = cfg.train
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
     layers, upstream, store = open_upstream(run, cfg, info)
-    d2t, t2d, vinfo = load_vocab(run, expect_target_fingerprint=info.fingerprint,
-                                 expect_size=cfg.vocab.draft_vocab_size, by="draftsmith train")
+    d2t, t2d, vocab_info = load_vocab(run, expect_target_fingerprint=info.fingerprint,
+                                      expect_size=cfg.vocab.draft_vocab_size, by="draftsmith train")
     if t2d.numel() != info.vocab_size:
         raise DraftsmithError(f"vocab/vocab.safetensors: t2d has {t2d.numel()} entries but target {info.name} "
                               f"has a vocabulary of {info.vocab_size}")
@@ -149,10 +164,26 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
     attention = resolve_attention(tc.attention, ranks.device)
     book = StageBook(run, STAGE, cfg, settings=_settings(cfg, layers, precision), upstream=upstream, target=info,
                      started=started)
-    fp, folder = book.fingerprint, run.path / STAGE
-    if (done := book.up_to_date(outputs_ok=(folder / "final" / CKPT_STATE).is_file())) is not None:
+    return Inputs(info=info, layers=layers, store=store, d2t=d2t, vocab_info=vocab_info, precision=precision,
+                  attention=attention, book=book)
+
+
+def finished_run(run, inputs: Inputs) -> dict | None:
+    """The manifest of the finished run when it is up to date with these inputs (nothing to do),
+    else None."""
+    done = inputs.book.up_to_date(outputs_ok=(run.path / STAGE / "final" / CKPT_STATE).is_file())
+    if done is not None:
         say(f"up to date ({done['counts'].get('done')} steps); nothing to do")
-        return done
+    return done
+
+
+def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack, cpu0: float) -> TrainState:
+    """Everything before the first step of a run that is not up to date (finished_run). The data
+    source is closed by `closing`."""
+    tc = cfg.train
+    info, layers, d2t, precision, attention, book = (inputs.info, inputs.layers, inputs.d2t, inputs.precision,
+                                                     inputs.attention, inputs.book)
+    fp, folder = book.fingerprint, run.path / STAGE
 
     # the init layer is read and checked before anything in train/ is touched: a bad value must
     # not move a good run's checkpoints aside
@@ -164,7 +195,7 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
     if ranks.world > 1:
         dist.barrier()
 
-    source = open_source(run, cfg, info, layers, store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
+    source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
     packing = Packing.of(source.lengths, tc)
     per_step = ranks.world * tc.grad_accum
@@ -181,7 +212,7 @@ def setup(run, cfg, ranks: Ranks, closing: contextlib.ExitStack, started: float,
     meta = {
         "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
         "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
-        "vocab_fingerprint": vinfo.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
+        "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
         "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
         "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
     }
@@ -242,23 +273,23 @@ def fit(ts: TrainState, prog: Progress) -> None:
     act_dtype = torch.bfloat16 if ts.precision == "bf16" else torch.float32
     layout_of = ts.objective.layouts()
 
-    def prepare(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
+    def add_loss_layout(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
         b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on, tc.loss_skip_tokens))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
 
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
-                       prepare=prepare, feeder=DeviceFeeder(device, act_dtype))
+                       prepare=add_loss_layout, feeder=DeviceFeeder(device, act_dtype))
     window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
     ts.budget.start()
     try:
         while ts.step < ts.total_steps:
             t = time.perf_counter()
-            ts.position, mbs = next(data)  # on the device, with their layouts
+            ts.position, micro_batches = next(data)  # on the device, with their layouts
             window.times["data"] += time.perf_counter() - t
 
-            shared = _share_step(ts, mbs, window)
+            shared = _share_step(ts, micro_batches, window)
             ts.budget.clock_s = shared["clock_s"]
-            grad_norm = _optimizer_step(ts, mbs, shared["denom"], window)
+            grad_norm = _optimizer_step(ts, micro_batches, shared["denom"], window)
             ts.step += 1
             ts.tokens_seen += int(shared["tokens"])
             ts.samples_seen += int(shared["samples"])
@@ -277,8 +308,7 @@ def fit(ts: TrainState, prog: Progress) -> None:
             if ts.step % tc.checkpoint_every == 0 and ts.step < ts.total_steps:
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
     finally:
-        if isinstance(data, Prefetcher):
-            data.close()
+        data.close()
         window.close()
 
 
@@ -290,20 +320,22 @@ def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
     return mask & (position_ids >= skip) if skip else mask
 
 
-def _share_step(ts: TrainState, mbs: list, window: Window) -> dict:
+def _share_step(ts: TrainState, micro_batches: list, window: Window) -> dict:
     """What every rank needs before the step, in one all-reduce: `denom` [ttt_steps] the positions
     of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; and rank
     0's `clock_s` and decisions to `log` after this step and to `stop` after it (time budget)."""
     rank = ts.ranks.rank
-    denom = torch.stack([step_counts(b, ts.objective.drafter.t2d, ts.cfg.train.ttt_steps) for b in mbs]).sum(0)
+    t2d, steps = ts.objective.drafter.t2d, ts.cfg.train.ttt_steps
+    denom = torch.stack([step_counts(b, t2d, steps) for b in micro_batches]).sum(0)
     now_s = ts.budget.trained_s() if rank == 0 else 0.0
     last_by_time = rank == 0 and ts.budget.should_stop(now_s, ts.step - ts.start_step)
     want_log = rank == 0 and window.due(ts.step, ts.total_steps, last_by_time)
-    return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in mbs), "samples": sum(len(b.samples) for b in mbs),
+    return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in micro_batches),
+                        "samples": sum(len(b.samples) for b in micro_batches),
                         "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time)}, ts.ranks)
 
 
-def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Window) -> float:
+def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], window: Window) -> float:
     """Forward and backward over this rank's micro-batches, then (unless a loss or the gradient
     is not finite) one optimizer and scheduler step; returns the gradient norm before clipping.
 
@@ -313,17 +345,16 @@ def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Windo
     tc, world = ts.cfg.train, ts.ranks.world
     autocast = torch.autocast(ts.ranks.device.type, dtype=torch.bfloat16, enabled=ts.precision == "bf16")
     losses = []  # [] per micro-batch, on the device: read one by one only when the step's check fails
-    for j, b in enumerate(mbs):
+    for j, b in enumerate(micro_batches):
         # gradients are reduced across ranks once per step, after the last micro-batch
-        last_mb = j == len(mbs) - 1
+        last_mb = j == len(micro_batches) - 1
         if world > 1 and tc.fsdp:
             ts.objective.set_requires_gradient_sync(last_mb)
         sync = ts.model.no_sync() if hasattr(ts.model, "no_sync") and not last_mb else contextlib.nullcontext()
         with sync:
             t = time.perf_counter()
             with autocast:
-                loss, stats = ts.model(b.input_ids, b.loss_mask, b.doc_ids, b.position_ids,
-                                       b.aux_hidden, b.last_hidden, denom, scale=float(world), layout=b.layout)
+                loss, stats = ts.model(b, denom, scale=float(world))
             losses.append(loss.detach())
             window.times["forward"] += time.perf_counter() - t
             t = time.perf_counter()
@@ -337,7 +368,8 @@ def _optimizer_step(ts: TrainState, mbs: list, denom: list[float], window: Windo
     # the step's one device->host read: the norm and whether every micro-batch's loss was finite
     grad_norm, finite = torch.stack([norm_t.double(), torch.isfinite(torch.stack(losses)).all().double()]).tolist()
     if not (finite and math.isfinite(grad_norm)):
-        bad = [ts.source.name(i) for b, loss in zip(mbs, losses) if not torch.isfinite(loss) for i in b.samples]
+        bad = [ts.source.name(i) for b, loss in zip(micro_batches, losses) if not torch.isfinite(loss)
+               for i in b.samples]
         raise _non_finite(ts, bad, grad_norm)
     ts.optimizer.step()
     if tc.ema > 0:

@@ -195,11 +195,11 @@ def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
                               f"{where} was extracted with; rerun `draftsmith extract --run {run.path}`")
     if int(meta.get("hidden_size", info.hidden_size)) != info.hidden_size:
         raise DraftsmithError(f"{where}: hidden_size {meta.get('hidden_size')} but target {info.name} has {info.hidden_size}")
-    prep = run.read_manifest("prepare")
-    pfp = meta.get("prepare_fingerprint")
-    if pfp is None and isinstance(meta.get("prepare"), dict):
-        pfp = meta["prepare"].get("fingerprint")
-    if prep is not None and pfp is not None and pfp != prep.get("fingerprint"):
+    prepare_manifest = run.read_manifest("prepare")
+    stored_fp = meta.get("prepare_fingerprint")  # of the prepared data the store was extracted from
+    if stored_fp is None and isinstance(meta.get("prepare"), dict):
+        stored_fp = meta["prepare"].get("fingerprint")
+    if prepare_manifest is not None and stored_fp is not None and stored_fp != prepare_manifest.get("fingerprint"):
         raise DraftsmithError(f"{where}: extracted from other prepared data than the current prepare stage; "
                               f"rerun `draftsmith extract --run {run.path}`")
     if len(store) == 0:
@@ -211,12 +211,13 @@ def open_upstream(run, cfg, info) -> tuple[list[int], dict[str, dict], ExtractSt
     """(aux layers, upstream manifests by stage, the extract store or None) for train.mode,
     refusing missing or mismatched inputs."""
     if cfg.train.mode == "offline":
-        em = upstream(run, "extract", by="draftsmith train (train.mode=offline; or use --mode online)", target=info)
+        extract_manifest = upstream(run, "extract", by="draftsmith train (train.mode=offline; or use --mode online)",
+                                    target=info)
         store = ExtractStore(run)
-        return _check_store(run, cfg, info, store), {"extract": em}, store
-    prep = upstream(run, "prepare", by="draftsmith train (train.mode=online)", target=info)
+        return _check_store(run, cfg, info, store), {"extract": extract_manifest}, store
+    prepare_manifest = upstream(run, "prepare", by="draftsmith train (train.mode=online)", target=info)
     layers = info.check_layers(list(cfg.extract.layers) if cfg.extract.layers is not None else info.default_aux_layers())
-    return layers, {"prepare": prep}, None
+    return layers, {"prepare": prepare_manifest}, None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -254,18 +255,13 @@ class OfflineSource:
         """Nothing to release: the store's files are opened per read."""
 
 
-class OnlineSource:
-    """Samples from prepare/samples.jsonl, their hidden states computed by the target in-process
-    with extract's capture (so they equal what extract would store: bf16, same layers)."""
+class PreparedSource:
+    """Samples from prepare/samples.jsonl, their hidden states computed as they are needed: what
+    the two online sources share. A subclass gives `states` (and `prefetch`, `close`); batches
+    are packed on `device`."""
 
-    prefetch = False  # the target's forwards share the cores with training: no overlap to gain
-
-    def __init__(self, run, target, layers: list[int], batch_tokens: int):
-        self.target, self.batch_tokens, self.device = target, batch_tokens, target.device
-        self.capture = HiddenCapture(target.model, layers)
-        self.read_prepared(run)
-
-    def read_prepared(self, run) -> None:
+    def __init__(self, run, device):
+        self.device = device
         self.ids, self.masks, self.names = [], [], []
         for i, rec, ids, mask in iter_prepared(run):
             self.ids.append(ids)
@@ -278,17 +274,7 @@ class OnlineSource:
 
     def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
         """{i: {aux_hidden [n, 3, H], last_hidden [n, H]}} (bf16) for samples cut to row_len."""
-        states: dict[int, dict] = {}
-        # the one length grouper, extract's: the same padded batches as an extraction of these samples
-        for group in plan_batches(indices, [min(n, row_len) for n in self.lengths], self.batch_tokens):
-            ids, pos = make_batch([{"input_ids": self.ids[i][:row_len]} for i in group])
-            with torch.inference_mode():
-                aux, last = self.capture(ids.to(self.device), pos.to(self.device))  # [B, T, 3, H], [B, T, H]
-            for b, i in enumerate(group):
-                n = min(self.lengths[i], row_len)
-                # bf16 like the extract store, so both modes train on the same numbers
-                states[i] = {"aux_hidden": aux[b, :n].to(torch.bfloat16), "last_hidden": last[b, :n].to(torch.bfloat16)}
-        return states
+        raise NotImplementedError
 
     def batch(self, rows: list[list[int]], row_len: int) -> Batch:
         dev = self.device
@@ -307,22 +293,47 @@ class OnlineSource:
                 })
         return pack_rows(samples)
 
+
+class OnlineSource(PreparedSource):
+    """Prepared samples whose hidden states the target computes in-process with extract's capture
+    (so they equal what extract would store: bf16, same layers)."""
+
+    prefetch = False  # the target's forwards share the cores with training: no overlap to gain
+
+    def __init__(self, run, target, layers: list[int], batch_tokens: int):
+        super().__init__(run, target.device)
+        self.target, self.batch_tokens = target, batch_tokens
+        self.capture = HiddenCapture(target.model, layers)
+
+    def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
+        """The target's states of these samples (cut to row_len), computed here in padded batches."""
+        states: dict[int, dict] = {}
+        # the one length grouper, extract's: the same padded batches as an extraction of these samples
+        for group in plan_batches(indices, [min(n, row_len) for n in self.lengths], self.batch_tokens):
+            ids, pos = make_batch([{"input_ids": self.ids[i][:row_len]} for i in group])
+            with torch.inference_mode():
+                aux, last = self.capture(ids.to(self.device), pos.to(self.device))  # [B, T, 3, H], [B, T, H]
+            for b, i in enumerate(group):
+                n = min(self.lengths[i], row_len)
+                # bf16 like the extract store, so both modes train on the same numbers
+                states[i] = {"aux_hidden": aux[b, :n].to(torch.bfloat16), "last_hidden": last[b, :n].to(torch.bfloat16)}
+        return states
+
     def close(self) -> None:
         """Nothing to release: the target goes with the process."""
 
 
-class ServerSource(OnlineSource):
-    """train.mode=online with extract.backend=vllm: the states come from vLLM server(s), as the
-    vllm extract backend gets them (draftsmith/extract/vllm_backend.py), for a target too big to run
-    here. Nothing is stored: each file the server writes is deleted as soon as it is read, so
-    the disk holds at most extract.concurrency of them; the Prefetcher keeps the server busy
-    with the next step's samples while this one trains."""
+class ServerSource(PreparedSource):
+    """train.mode=online with extract.backend=vllm: prepared samples whose states come from vLLM
+    server(s), as the vllm extract backend gets them (draftsmith/extract/vllm_backend.py), for a
+    target too big to run here. Nothing is stored: each file the server writes is deleted as soon
+    as it is read, so the disk holds at most extract.concurrency of them; the Prefetcher keeps the
+    server busy with the next step's samples while this one trains."""
 
     prefetch = True
 
     def __init__(self, run):
-        self.device = torch.device("cpu")
-        self.read_prepared(run)
+        super().__init__(run, torch.device("cpu"))
         self._stack = contextlib.ExitStack()
         self.client = None
 
@@ -336,6 +347,7 @@ class ServerSource(OnlineSource):
         return self
 
     def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
+        """The server's states of these samples (cut to row_len), in bf16 like the other sources."""
         out = {}
         for i, res in self.client.map((i, self.ids[i][:row_len].tolist()) for i in indices):
             if isinstance(res, SampleFailed):
@@ -414,25 +426,25 @@ class DeviceFeeder:
 
     def send(self, item: tuple) -> tuple:
         """(position, [Batch] on the host) -> (position, [Batch] on the device, the event their copies end with or None)."""
-        position, mbs = item
+        position, micro_batches = item
         if self.stream is None:
-            return position, [b.to(self.device, self.dtype) for b in mbs], None
+            return position, [b.to(self.device, self.dtype) for b in micro_batches], None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            moved = [b.pin().to(self.device, self.dtype, non_blocking=True) for b in mbs]
+            moved = [b.pin().to(self.device, self.dtype, non_blocking=True) for b in micro_batches]
             copied = torch.cuda.Event()
             copied.record(self.stream)
         return position, moved, copied
 
     def receive(self, sent: tuple) -> tuple:
         """send's result -> (position, [Batch]) ready for the current stream."""
-        position, mbs, copied = sent
+        position, micro_batches, copied = sent
         if copied is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(copied)
-            for b in mbs:
+            for b in micro_batches:
                 for t in b.tensors():
                     t.record_stream(current)
-        return position, mbs
+        return position, micro_batches
 
 
 class Prefetcher:
@@ -505,7 +517,8 @@ def step_stream(packing: Packing, source, position: tuple[int, int], rank: int, 
                 prepare: Callable[[Batch], Batch] | None = None, feeder: DeviceFeeder | None = None):
     """This rank's micro-batches of every optimizer step from data position (epoch, micro-batch)
     on, each through `prepare` on the host, then moved by `feeder` (when given) to the device;
-    read ahead in a thread when the source gains from it (close it with .close() then)."""
+    read ahead in a thread when the source gains from it. Whichever it is, close it with .close()
+    when done (a Prefetcher's joins its thread; a generator's just ends it)."""
     stream = micro_batch_stream(packing.plan, *position)
     steps = step_batches(stream, source, rank, world, accum, packing.row_len, prepare)
     if source.prefetch:
@@ -514,4 +527,4 @@ def step_stream(packing: Packing, source, position: tuple[int, int], rank: int, 
         return steps
     # the online target computes the states on the training device itself: a plain move there,
     # on the current stream (a side stream would not wait for the target's forwards)
-    return ((pos, [b.to(feeder.device, feeder.dtype) for b in mbs]) for pos, mbs in steps)
+    return ((pos, [b.to(feeder.device, feeder.dtype) for b in micro_batches]) for pos, micro_batches in steps)

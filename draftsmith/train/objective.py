@@ -314,18 +314,20 @@ class TTTObjective(nn.Module):
         return lambda input_ids, loss_mask, doc_ids: ttt_layout(input_ids, loss_mask, doc_ids, t2d, self.steps,
                                                                self.chunk_tokens, self.attention)
 
-    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux_hidden, last_hidden, denom, scale: float = 1.0,
-                layout: TTTLayout | None = None):
-        """Returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
+    def forward(self, batch: Batch, denom, scale: float = 1.0):
+        """The loss of micro-batch `batch` (its tensors and layout; on the training device):
+        returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
 
-        loss = scale * sum_k gamma^k * KL_sum_k / denom[k] (KL_sum_k: the LossMix's sum); denom [steps] = valid positions of
-        step k over the whole optimizer step (all micro-batches, all ranks), so that the
+        loss = scale * sum_k gamma^k * KL_sum_k / denom[k] (KL_sum_k: the LossMix's sum); denom [steps] = valid
+        positions of step k over the whole optimizer step (all micro-batches, all ranks), so that the
         accumulated gradient is the token mean of the step whatever the micro-batching.
         denom is a list of floats (no device sync); scale = number of ranks, which undoes the
-        gradient averaging of DDP/FSDP. layout: the batch's TTTLayout (self.layouts()), read on
+        gradient averaging of DDP/FSDP. batch.layout: its TTTLayout (self.layouts()), read on
         the host; None: computed here from the device tensors (device->host reads).
         """
         d = self.drafter
+        input_ids, loss_mask, doc_ids, aux_hidden = batch.input_ids, batch.loss_mask, batch.doc_ids, batch.aux_hidden
+        layout = batch.layout
         R, T = input_ids.shape
         H = d.config.hidden_size
         masks = ttt_masks(input_ids, loss_mask, doc_ids, d.t2d, self.steps)
@@ -340,7 +342,7 @@ class TTTObjective(nn.Module):
             aux_hidden = (a + self.feature_noise * rms * torch.randn_like(a)).reshape(R, T, A * H).to(aux_hidden.dtype)
         if self.fc_input_scale is not None:
             aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
-        states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=position_ids,
+        states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=batch.position_ids,
                                doc_ids=doc_ids, return_hidden=True, attention=self.attention,
                                key_floors=layout.key_floors)  # steps x [R, T, H]
 
@@ -352,7 +354,7 @@ class TTTObjective(nn.Module):
         # [N_k] flat drafting positions of each step
         vis = [fixed_positions(valid.flatten(), n) for (_, valid), n in zip(masks, layout.counts)]
         xs = [d.norm(states[k].reshape(-1, H)[vi]) for k, vi in enumerate(vis)]  # [N_k, H]
-        teacher = last_hidden.reshape(-1, H)[need_idx]  # [N, H]
+        teacher = batch.last_hidden.reshape(-1, H)[need_idx]  # [N, H]
         if self.chunk_tokens == 0:
             kl, correct, loss = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights)
         else:
