@@ -135,11 +135,6 @@ class ExtractConfig(_Section):
 
 
 
-# train.loss_chunk_tokens unset: teacher positions per chunk of the loss = this // the draft
-# vocabulary, so that each [tokens, Dv] float32 block of a chunk (teacher and drafter
-# log-probabilities, their gradient) holds about 2**24 elements (64 MB): 2,048 positions at a draft
-# vocabulary of 8,192, 524 at 32,000. train/objective.py chunks by it, estimate models it.
-LOSS_CHUNK_ELEMENTS = 2 ** 24
 
 
 class TrainConfig(_Section):

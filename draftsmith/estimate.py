@@ -36,8 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.config import LOSS_CHUNK_ELEMENTS
-from draftsmith.model.config import ATTN_BLOCK, drafter_attention_shape, drafter_intermediate_size
+from draftsmith.model.config import ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention_shape, drafter_intermediate_size
 
 
 @dataclass(frozen=True)
@@ -219,7 +218,7 @@ ACT_PER_TOKEN_STEP = {"bf16": (54, 28, 8), "fp32": (58, 36, 16)}
 # per token once per step, whatever the TTT depth: the fused states and the step's bookkeeping
 ACT_PER_TOKEN = 3
 # the chunked loss's transient [chunk, draft vocab] float32 blocks: about five of
-# config.LOSS_CHUNK_ELEMENTS elements (teacher and drafter log-probabilities and their gradient)
+# model.config.LOSS_CHUNK_ELEMENTS elements (teacher and drafter log-probabilities and their gradient)
 LOSS_CHUNK_BLOCKS = 5
 
 

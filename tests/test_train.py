@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, build_tiny_target, run_cli
 from draftsmith import DraftsmithError
-from draftsmith.config import LOSS_CHUNK_ELEMENTS, load_config
+from draftsmith.config import load_config
+from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
 from draftsmith.extract import ExtractStore, encode_sample, run_extract
 from draftsmith.model.config import Eagle3Config
 from draftsmith.model.eagle3 import Eagle3Drafter

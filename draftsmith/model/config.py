@@ -16,6 +16,13 @@ from typing import Any
 # here, without torch, because estimate models the keys that path keeps per block
 ATTN_BLOCK = 256
 
+# train.loss_chunk_tokens unset: teacher positions per chunk of the loss = this // the draft
+# vocabulary, so that each [tokens, Dv] float32 block of a chunk (teacher and drafter
+# log-probabilities, their gradient) holds about 2**24 elements (64 MB): 2,048 positions at a draft
+# vocabulary of 8,192, 524 at 32,000. train/objective.py chunks by it, estimate models it;
+# here, beside the other sizes, because estimate (and so `draftsmith --help`) imports neither torch nor pydantic.
+LOSS_CHUNK_ELEMENTS = 2 ** 24
+
 
 @dataclass
 class Eagle3Config:

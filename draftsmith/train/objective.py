@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
-from draftsmith.config import LOSS_CHUNK_ELEMENTS
+from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
 from draftsmith.model.ttt import flex_attention, key_floors
 from draftsmith.train.data import Batch
 

@@ -1,0 +1,75 @@
+"""The rules of docs/architecture.md that code can check: no import cycle between draftsmith's
+modules; the light paths (`draftsmith --help`, `status`, the sizing rules, estimate) import neither
+torch nor pydantic; nothing of draftsmith imports the CLI."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "draftsmith"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The draftsmith modules `path` imports when it is imported (not those inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("draftsmith")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftsmith") and not node.level:
+            found.add(node.module)
+            # `from draftsmith.generate import openai`: a submodule, when there is one by that name
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").is_file() or \
+                        (PACKAGE.parent / Path(*sub.split(".")) / "__init__.py").is_file():
+                    found.add(sub)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py") if "vllm_plugins" not in p.parts}
+    return {m: {i for i in top_level_imports(p) if i in modules and i != m} for m, p in modules.items()}
+
+
+def test_no_import_cycle_and_nothing_imports_the_cli():
+    graph = import_graph()
+    assert not [m for m, deps in graph.items() if "draftsmith.cli" in deps and m != "draftsmith.__main__"]
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+@pytest.mark.parametrize("code, heavy", [
+    ("import draftsmith.cli", ("torch", "pydantic", "transformers", "draftsmith.config")),
+    ("import draftsmith.status", ("torch", "pydantic", "transformers")),
+    ("import draftsmith.model.config, draftsmith.estimate, draftsmith.checkpoint_format", ("torch", "pydantic")),
+])
+def test_light_paths_stay_light(code, heavy):
+    probe = f"import sys; {code}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "", p.stdout + p.stderr
