@@ -47,7 +47,7 @@ from draftsmith.model.config import Eagle3Config
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
-from draftsmith.stage import StageBook
+from draftsmith.stage import StageBook, one_process
 from draftsmith.target import config_sha256, target_info, verifier_name
 
 STAGE = "export"
@@ -402,6 +402,7 @@ def _swap_into_place(built: Path, dest: Path) -> None:
     replace_dir(built, dest)
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)

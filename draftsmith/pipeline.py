@@ -50,8 +50,17 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
                  extra_engines: tuple[str, ...] = (), on_stage_done=None) -> dict[str, dict]:
     """Run the planned stages; then, for each of extra_engines, eval again with that engine into
     RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one). on_stage_done(stage,
-    seconds) is called after each stage (the demo's estimate of what is left)."""
-    run.ensure()
+    seconds) is called after each stage (the demo's estimate of what is left).
+
+    One `run` per run folder, and none while a stage of it runs in another process: refused in
+    one line before pipeline.json or any journal of the live one is touched."""
+    with run.run_lock():
+        run.refuse_if_busy()
+        return _run_stages(run, cfg, from_stage, until_stage, extra_engines, on_stage_done)
+
+
+def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | None, extra_engines: tuple[str, ...],
+                on_stage_done) -> dict[str, dict]:
     stages = planned_stages(cfg, from_stage, until_stage)
     if "eval" in stages:
         stages += [f"eval-{e}" for e in extra_engines]

@@ -52,7 +52,7 @@ from draftsmith.journal import fmt_count
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import (RunDir, append_bytes, atomic_write_json, file_sha256, jsonl_text, naming_full_disk,
                               repair_jsonl_tail)
-from draftsmith.stage import StageBook, check_target, upstream
+from draftsmith.stage import StageBook, check_target, one_process, upstream
 from draftsmith.target import load_tokenizer, target_info
 
 STAGE = "prepare"
@@ -424,6 +424,7 @@ def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], PreparedT
 # The stage
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def run_prepare(run: RunDir, cfg) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""

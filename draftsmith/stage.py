@@ -19,12 +19,32 @@ later one, whenever any of these changes.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.journal import env_rank
 from draftsmith.rundir import RunDir, stage_fingerprint, write_stage_config
+
+
+def one_process(stage: str):
+    """Decorator of `run_<stage>(run, cfg, ...)`: the call holds the stage's lock
+    (RunDir.stage_lock; per rank: a `rank` argument, else torchrun's RANK), so that a second
+    process on the same stage of the same run is refused in one line before it reads or writes
+    anything. Put it above @journal_failures: the refused process must not journal its refusal
+    into the live one's journal. eval's `folder` keyword names the folder it writes."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def locked(run, cfg, *args, **kwargs):
+            run = run if isinstance(run, RunDir) else RunDir(run)
+            rank = kwargs.get("rank")
+            rank = env_rank()[0] if rank is None else rank
+            with run.stage_lock(kwargs.get("folder", stage), by=f"draftsmith {stage}", rank=rank):
+                return fn(run, cfg, *args, **kwargs)
+        return locked
+    return wrap
 
 
 def recorded_target_fingerprint(manifest: dict) -> str | None:

@@ -29,7 +29,7 @@ from draftsmith.journal import fmt_count
 from draftsmith.prepare import iter_prepared
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
-from draftsmith.stage import StageBook, check_target, upstream
+from draftsmith.stage import StageBook, check_target, one_process, upstream
 from draftsmith.target import target_info
 
 STAGE = "vocab"
@@ -84,6 +84,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     return counts, samples
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def run_vocab(run: RunDir, cfg) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""

@@ -27,7 +27,7 @@ from draftsmith.export import CONFIG_FILE
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
-from draftsmith.stage import StageBook, upstream
+from draftsmith.stage import StageBook, one_process, upstream
 from draftsmith.target import pick_device, pick_dtype, target_info
 
 STAGE = "eval"
@@ -35,6 +35,7 @@ STAGE = "eval"
 ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine, "vllm": vllm_engine}
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).

@@ -31,7 +31,7 @@ from draftsmith.journal import env_rank
 from draftsmith.prepare import Prepared, index_prepared, prepared_path
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir
-from draftsmith.stage import StageBook, check_target, upstream
+from draftsmith.stage import StageBook, check_target, one_process, upstream
 from draftsmith.target import pick_device, pick_dtype, target_info
 
 # What other modules, tests and benchmarks take from draftsmith.extract itself (train imports
@@ -40,6 +40,7 @@ __all__ = ["run_extract", "ExtractStore", "HiddenCapture", "make_batch", "plan_b
            "shard_ranges", "encode_sample"]
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, rank: int | None = None,
                 world_size: int | None = None, target=None) -> dict | None:

@@ -47,7 +47,7 @@ from draftsmith.http import SampleFailed
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.prompts import LoadStats, load_prompts, resolve_source
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, fingerprinted, jsonl_text
-from draftsmith.stage import StageBook
+from draftsmith.stage import StageBook, one_process
 from draftsmith.target import target_info
 
 # A backend: decode(run, cfg, info, pending prompts, prog, on_done(record), on_fail(prompt, SampleFailed))
@@ -103,18 +103,18 @@ def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
     return out
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
-def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = False) -> dict:
+def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     """Regenerate the assistant turns of the configured prompts (backend dataset: keep the prompt
     file's own); return the manifest.
 
     Raises GenerateFailed (a DraftsmithError) when any sample failed: they are listed in
     generate/failures.jsonl and retried by a call with retry_failed=True.
     """
-    run = run if isinstance(run, RunDir) else RunDir(run)
     gen = cfg.generate
     retry_failed = retry_failed or gen.retry_failed
-    started = time.time()  # before the stage lock: waiting for another generate counts
+    started = time.time()
     d = run.stage_dir(STAGE)
 
     def say(msg: str) -> None:
@@ -122,72 +122,71 @@ def run_generate(run: RunDir | str | os.PathLike, cfg, retry_failed: bool = Fals
 
     servers = configured_servers(gen) if gen.backend == "openai" else []  # checked before anything is written
 
-    with run.stage_lock(STAGE, by="draftsmith generate"):
-        source = _prompt_source(gen)
-        info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-        if gen.backend in ("local", "vllm", "dataset") and not info.has_chat_template:  # before loading the weights, or any file is written
-            raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
-        section = cfg.section(STAGE)
-        # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
-        # backend dataset the decoding settings too; offset when 0 (added later: older runs stay current).
-        ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
-        if gen.answers_per_prompt == 1:  # only resampled answers use it
-            ignored += ("resample_temperature",)
-        section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0, "answers_per_prompt": 1})
-        # the answers of the backends that run the target depend on the dtype it decodes in
-        # (near-ties under greedy); a server's (backend openai) is its own business
-        dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
-        book = StageBook(run, STAGE, cfg, settings=section, target=info, started=started,
-                         fingerprint_extra={"prompts": source, "dtype": dtype})
-        if (old := book.up_to_date(outputs_ok=(d / SAMPLES).is_file() and not retry_failed)) is not None:
-            say(f"up to date ({old['counts']['done']} samples); nothing to do")
-            return old
-        book.begin()
-        stats = LoadStats()
-        prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset, skip_invalid=gen.skip_invalid,
-                               first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
-                               require_answers=gen.backend == "dataset", stats=stats)
-        n_prompts = len(prompts)
-        prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
-        _check_state(d, _sample_settings(gen, info, source, dtype), say)
+    source = _prompt_source(gen)
+    info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+    if gen.backend in ("local", "vllm", "dataset") and not info.has_chat_template:  # before loading the weights, or any file is written
+        raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
+    section = cfg.section(STAGE)
+    # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
+    # backend dataset the decoding settings too; offset when 0 (added later: older runs stay current).
+    ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
+    if gen.answers_per_prompt == 1:  # only resampled answers use it
+        ignored += ("resample_temperature",)
+    section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0, "answers_per_prompt": 1})
+    # the answers of the backends that run the target depend on the dtype it decodes in
+    # (near-ties under greedy); a server's (backend openai) is its own business
+    dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
+    book = StageBook(run, STAGE, cfg, settings=section, target=info, started=started,
+                     fingerprint_extra={"prompts": source, "dtype": dtype})
+    if (old := book.up_to_date(outputs_ok=(d / SAMPLES).is_file() and not retry_failed)) is not None:
+        say(f"up to date ({old['counts']['done']} samples); nothing to do")
+        return old
+    book.begin()
+    stats = LoadStats()
+    prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset, skip_invalid=gen.skip_invalid,
+                           first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
+                           require_answers=gen.backend == "dataset", stats=stats)
+    n_prompts = len(prompts)
+    prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
+    _check_state(d, _sample_settings(gen, info, source, dtype), say)
 
-        store = SampleStore(d, say).open()
-        try:
-            selected = {p.id for p in prompts}
-            _reuse_unselected(d, store, selected, say)
-            already = sum(1 for p in prompts if p.id in store.done)
-            earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
-            pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
-            say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
-                f"filtered {stats.filtered}" + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
-                + ")" + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1 else "")
-                + f"; {already} already done, {earlier_failed} failed earlier"
-                + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
-                + f"; {len(pending)} to generate with backend {gen.backend}")
+    store = SampleStore(d, say).open()
+    try:
+        selected = {p.id for p in prompts}
+        _reuse_unselected(d, store, selected, say)
+        already = sum(1 for p in prompts if p.id in store.done)
+        earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
+        pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
+        say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
+            f"filtered {stats.filtered}" + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
+            + ")" + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1 else "")
+            + f"; {already} already done, {earlier_failed} failed earlier"
+            + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
+            + f"; {len(pending)} to generate with backend {gen.backend}")
 
-            with Progress(run, STAGE, total=len(prompts), unit="samples", done=already, stall_after_s=cfg.stall_after_s) as prog:
-                counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
-                store.flush_failures()
-                sel_done = [store.done[i] for i in selected if i in store.done]
-                sel_failed = [i for i in selected if i in store.failures]
-                summary = _summary(counts, extra, seconds, sel_done, sel_failed, already,
-                                  not_retried=earlier_failed if not retry_failed else 0, decoded=bool(pending), prog=prog)
-                if sel_failed:
-                    raise GenerateFailed(len(sel_failed), run)
-                _keep_selection(d, store, selected, say)
-                store.close()
-                prog.end(**summary)
-        finally:
+        with Progress(run, STAGE, total=len(prompts), unit="samples", done=already, stall_after_s=cfg.stall_after_s) as prog:
+            counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
+            store.flush_failures()
+            sel_done = [store.done[i] for i in selected if i in store.done]
+            sel_failed = [i for i in selected if i in store.failures]
+            summary = _summary(counts, extra, seconds, sel_done, sel_failed, already,
+                              not_retried=earlier_failed if not retry_failed else 0, decoded=bool(pending), prog=prog)
+            if sel_failed:
+                raise GenerateFailed(len(sel_failed), run)
+            _keep_selection(d, store, selected, say)
             store.close()
+            prog.end(**summary)
+    finally:
+        store.close()
 
-        totals = {k: sum(s[k] or 0 for s in sel_done) for k in ("prompt_tokens", "completion_tokens")}
-        manifest = book.finish(
-            counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0,
-                    "truncated": summary["truncated"], "reasoning": summary["reasoning"],
-                    "answers": summary["answers"], "reasoning_answers": summary["reasoning_answers"], **totals},
-            outputs=[SAMPLES], extra={"summary": summary},
-            inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
-                    "model": extra.get("model"), "servers": len(servers)})
+    totals = {k: sum(s[k] or 0 for s in sel_done) for k in ("prompt_tokens", "completion_tokens")}
+    manifest = book.finish(
+        counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0,
+                "truncated": summary["truncated"], "reasoning": summary["reasoning"],
+                "answers": summary["answers"], "reasoning_answers": summary["reasoning_answers"], **totals},
+        outputs=[SAMPLES], extra={"summary": summary},
+        inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
+                "model": extra.get("model"), "servers": len(servers)})
     return manifest
 
 

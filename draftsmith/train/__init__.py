@@ -37,7 +37,7 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.vllm_backend import server_dtype
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, fingerprinted
-from draftsmith.stage import StageBook
+from draftsmith.stage import StageBook, one_process
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
@@ -113,6 +113,7 @@ def run_train(run, cfg) -> dict:
     return _train(run, cfg)
 
 
+@one_process(STAGE)
 @journal_failures(STAGE)
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()

@@ -1,0 +1,85 @@
+"""One process per stage of a run, one `run` per run: a second one is refused in one line, before
+it reads or writes anything, and the live one's files (its journal, pipeline.json) stay as they are.
+
+A holder process takes the lock exactly as a running stage does (RunDir.stage_lock / run_lock, what
+stage.one_process and pipeline.run_pipeline take), so each refusal is tested without racing a real
+stage's timing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from draftsmith.rundir import RunDir
+
+STAGE_COMMANDS = ["generate", "prepare", "vocab", "extract", "train", "export", "eval"]
+
+
+class Holder:
+    """A process that holds a run's lock (`stage` or `run`) until closed."""
+
+    def __init__(self, run: Path, what: str):
+        take = "r.run_lock()" if what == "run" else f"r.stage_lock({what!r}, by='draftsmith {what}')"
+        code = ("import sys, time; from draftsmith.rundir import RunDir; r = RunDir(sys.argv[1]); "
+                f"lock = {take}; lock.__enter__(); print('held', flush=True); sys.stdin.read()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.parts[-2] != ".locks"}
+
+
+@pytest.fixture
+def live_run(tmp_path, tiny_target):
+    """A run folder whose generate stage has a journal and a log, as a live stage leaves them."""
+    run = RunDir(tmp_path / "run").ensure()
+    d = run.stage_dir("generate")
+    (d / "progress.jsonl").write_text(json.dumps({"ev": "start", "t": 1.0, "pid": 1, "total": 3}) + "\n")
+    (d / "stage.log").write_text("12:00:00 [generate] decoding batch 1/1 ...\n")
+    return run
+
+
+@pytest.mark.parametrize("stage", STAGE_COMMANDS)
+def test_a_second_process_on_a_stage_is_refused_in_one_line(live_run, tiny_target, stage):
+    holder = Holder(live_run.path, stage)
+    try:
+        before = snapshot(live_run.path)
+        p = run_cli(stage, "--run", str(live_run.path), "--set", f"target={tiny_target}", timeout=300)
+        assert p.returncode == 2, (p.stdout, p.stderr)
+        assert p.stderr.strip().splitlines() == [
+            f"draftsmith: error: {live_run.path / stage}: another `draftsmith {stage}` is running on this run "
+            f"(pid {holder.proc.pid})"], p.stderr
+        assert snapshot(live_run.path) == before  # not even a journal line of its own
+    finally:
+        holder.close()
+
+
+def test_run_is_refused_while_a_stage_or_another_run_lives(live_run, tiny_target, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny_target}\n")
+    for what, message in (("train", f"{live_run.path / 'train'}: `draftsmith train` is running on this run (pid "),
+                          ("run", f"{live_run.path}: another `draftsmith run` is running on it (pid ")):
+        holder = Holder(live_run.path, what)
+        try:
+            before = snapshot(live_run.path)
+            p = run_cli("run", str(recipe), "--run", str(live_run.path), timeout=300)
+            assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+            assert p.stderr.startswith(f"draftsmith: error: {message}{holder.proc.pid})"), p.stderr
+            assert snapshot(live_run.path) == before and not (live_run.path / "pipeline.json").exists()
+            st = run_cli("status", str(live_run.path), "--json")
+            assert st.returncode == 0 and "pipeline" not in json.loads(st.stdout)
+        finally:
+            holder.close()
