@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from draftsmith import DraftsmithError
 from draftsmith.rundir import append_json_line
 
 TAIL_BYTES = 64 * 1024
@@ -35,8 +36,29 @@ def journal_name(rank: int, world_size: int) -> str:
 
 
 def env_rank() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's environment, (0, 1) otherwise."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """(rank, world_size) from torchrun's environment, (0, 1) otherwise. Variables that torchrun
+    cannot have set (not integers, WORLD_SIZE below 1, RANK outside it, several ranks without the
+    rendezvous address torchrun gives each) are a one-line error naming them, before any stage
+    starts, instead of a traceback from deep in torch.distributed."""
+    def integer(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise DraftsmithError(f"${name}={raw!r}: not an integer (torchrun sets it; unset it outside torchrun)") from None
+
+    rank, world = integer("RANK", 0), integer("WORLD_SIZE", 1)
+    integer("LOCAL_RANK", 0)
+    if world < 1:
+        raise DraftsmithError(f"$WORLD_SIZE={world}: must be 1 or more (unset it outside torchrun)")
+    if not 0 <= rank < world:
+        raise DraftsmithError(f"$RANK={rank}: must be in 0..{world - 1} for $WORLD_SIZE={world}")
+    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise DraftsmithError(f"$WORLD_SIZE={world} without $MASTER_ADDR and $MASTER_PORT: start the ranks with torchrun "
+                              "(torchrun --nproc-per-node N -m draftsmith -- ...), or use train.processes")
+    return rank, world
 
 
 def attempt_id() -> str | None:

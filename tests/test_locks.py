@@ -83,3 +83,29 @@ def test_run_is_refused_while_a_stage_or_another_run_lives(live_run, tiny_target
             assert st.returncode == 0 and "pipeline" not in json.loads(st.stdout)
         finally:
             holder.close()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "$WORLD_SIZE=2 without $MASTER_ADDR and $MASTER_PORT: start the ranks with torchrun"),
+    ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0: must be 1 or more"),
+    ({"WORLD_SIZE": "-1"}, "$WORLD_SIZE=-1: must be 1 or more"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "$RANK=2: must be in 0..1"),
+    ({"RANK": "one"}, "$RANK='one': not an integer"),
+], ids=["no-torchrun", "zero", "negative", "rank-outside", "not-a-number"])
+@pytest.mark.parametrize("command", ["train", "extract", "run"])
+def test_distributed_variables_torchrun_cannot_have_set_are_refused_before_any_work(tmp_path, tiny_target, env,
+                                                                                    message, command):
+    """Garbage in RANK/WORLD_SIZE: one line naming the variable, nothing started, and the finished
+    stage's status untouched (it was shown `failed` after a torch traceback)."""
+    sim = Path(__file__).with_name("sim_stage.py")
+    assert subprocess.run([sys.executable, str(sim), str(tmp_path), "train", "3", "0.0", "ok", "300"]).returncode == 0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny_target}\n")
+    args = ["run", str(recipe), "--run", str(tmp_path)] if command == "run" else [command, "--run", str(tmp_path)]
+    before = snapshot(tmp_path)
+    p = run_cli(*args, "--set", f"target={tiny_target}", env=env, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"draftsmith: error: {message}"), p.stderr
+    assert snapshot(tmp_path) == before
+    row = next(s for s in json.loads(run_cli("status", str(tmp_path), "--json").stdout)["stages"] if s["name"] == "train")
+    assert row["state"] == "done"

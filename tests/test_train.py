@@ -1023,3 +1023,57 @@ def test_fsdp_mixed_precision_and_frozen_tensors_outside_the_shards(tmp_path):
         assert (root.param_dtype, root.reduce_dtype) == (torch.bfloat16, torch.float32)
     finally:
         dist.destroy_process_group()
+
+
+def _stop_mid_run(cmd: list[str], run: RunDir, sig: int, after_step: int) -> tuple[subprocess.Popen, str]:
+    """Start `cmd`, send `sig` once the journal counts `after_step` steps; (the process, its stderr)."""
+    p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **THREADS}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        journals = [j for j in (run.path / "train").glob("progress*.jsonl") if ".prev." not in j.name]  # rank 0's too
+        done = [json.loads(x).get("done") or 0 for j in journals for x in j.read_text().splitlines() if x.endswith("}")]
+        if max(done, default=0) >= after_step:
+            break
+        time.sleep(0.01)
+    assert p.poll() is None, p.communicate()
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=300)
+    return p, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_mid_run_checkpoints_that_step_and_the_rerun_continues_from_it(synth_run, tiny8, tmp_path,
+                                                                                     sig, code):
+    """A preemption's SIGTERM (or Ctrl-C) between checkpoints loses no step: the step in progress
+    ends, is checkpointed, the command exits 143 (130) with one line, and the rerun resumes from that
+    step and ends with the weights of a run never interrupted."""
+    sets = dict(max_steps=600, checkpoint_every=500, keep_checkpoints=2, log_every_s=0.2)
+    ref = copy_run(synth_run, tmp_path / "ref")
+    run_train(ref, cfg_for(tiny8, **sets))
+    run = copy_run(synth_run, tmp_path / "stopped")
+    p, err = _stop_mid_run([sys.executable, "-m", "draftsmith", *cli_args(run, tiny8, **sets)], run, sig, 7)
+    assert p.returncode == code and len(err.strip().splitlines()) == 1, err
+    ck = run.path / "train" / "checkpoints"
+    steps = sorted(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_") and (x / "state.json").exists())
+    assert steps and 7 <= steps[-1] < 600 and steps[-1] % 500, steps  # the step it stopped at, not a multiple of 500
+    log = (run.path / "train" / "stage.log").read_text()
+    assert f"checkpoint of step {steps[-1]} written" in log
+    r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
+    assert f"resumed from {ck / f'step_{steps[-1]}'}" in r.stdout
+    a, b = final_weights(ref), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8, tmp_path):
+    """train.processes=2: the SIGTERM reaches the launcher, torchrun passes it on; both ranks agree
+    on the step in the step's all-reduce, save it together and exit; the rerun resumes from it."""
+    sets = dict(max_steps=600, checkpoint_every=500, log_every_s=0.2, processes=2)
+    run = copy_run(synth_run, tmp_path / "run")
+    p, err = _stop_mid_run([sys.executable, "-m", "draftsmith", *cli_args(run, tiny8, **sets)], run, signal.SIGTERM, 5)
+    assert p.returncode == 143 and "Traceback" not in err, err
+    ck = run.path / "train" / "checkpoints"
+    steps = sorted(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_") and (x / "state.json").exists())
+    assert steps and 5 <= steps[-1] < 600 and steps[-1] % 500, steps
+    r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
+    assert f"resumed from {ck / f'step_{steps[-1]}'}" in r.stdout

@@ -199,6 +199,8 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     calls = []
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # as torchrun sets them
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(distributed, "pick_device", lambda spec: torch.device("cuda", 1))
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))

@@ -48,6 +48,7 @@ from draftsmith.train.launch import launch_ranks
 from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, resolve_attention, step_counts
 from draftsmith.train.report import Window
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
+from draftsmith.train.stop import DeferredStop
 from draftsmith.vocab import load_vocab
 
 STAGE = "train"
@@ -123,9 +124,11 @@ def _train(run, cfg) -> dict:
             return done
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
         with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step, stall_after_s=cfg.stall_after_s,
-                      console=False, shared=True) as prog:
-            fit(ts, prog)
+                      console=False, shared=True) as prog, DeferredStop(say) as stop:
+            fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
             manifest = finish(ts, prog)
+            if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
+                stop.raise_now()
         if ranks.world > 1:
             dist.barrier()
     return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
@@ -267,9 +270,10 @@ def _settings(cfg, layers: list[int], precision: str) -> dict:
 # fit: the loop
 
 
-def fit(ts: TrainState, prog: Progress) -> None:
+def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     """Optimizer steps until ts.total_steps (or the time budget), logging every train.log_every_s
-    and checkpointing every train.checkpoint_every steps."""
+    and checkpointing every train.checkpoint_every steps; on a stop signal (`stop`, noted on any
+    rank) a checkpoint of the step just made on every rank, then the signal raised."""
     tc, device = ts.cfg.train, ts.ranks.device
     act_dtype = torch.bfloat16 if ts.precision == "bf16" else torch.float32
     layout_of = ts.objective.layouts()
@@ -288,7 +292,7 @@ def fit(ts: TrainState, prog: Progress) -> None:
             ts.position, micro_batches = next(data)  # on the device, with their layouts
             window.times["data"] += time.perf_counter() - t
 
-            shared = _share_step(ts, micro_batches, window)
+            shared = _share_step(ts, micro_batches, window, stop)
             ts.budget.clock_s = shared["clock_s"]
             grad_norm = _optimizer_step(ts, micro_batches, shared["denom"], window)
             ts.step += 1
@@ -306,6 +310,10 @@ def fit(ts: TrainState, prog: Progress) -> None:
                 _log_window(ts, window, grad_norm, stop_now, prog)
             if stop_now:
                 break
+            if shared["interrupt"] > 0 and ts.step < ts.total_steps:  # every rank sees it at the same step
+                _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
+                say(f"checkpoint of step {ts.step} written: the same command resumes from it")
+                stop.raise_now()
             if ts.step % tc.checkpoint_every == 0 and ts.step < ts.total_steps:
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
     finally:
@@ -321,10 +329,11 @@ def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
     return mask & (position_ids >= skip) if skip else mask
 
 
-def _share_step(ts: TrainState, micro_batches: list, window: Window) -> dict:
+def _share_step(ts: TrainState, micro_batches: list, window: Window, stop: DeferredStop) -> dict:
     """What every rank needs before the step, in one all-reduce: `denom` [ttt_steps] the positions
-    of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; and rank
-    0's `clock_s` and decisions to `log` after this step and to `stop` after it (time budget)."""
+    of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; rank 0's
+    `clock_s` and decisions to `log` after this step and to `stop` after it (time budget); and
+    `interrupt`, whether any rank got a stop signal (the step then ends with a checkpoint)."""
     rank = ts.ranks.rank
     t2d, steps = ts.objective.drafter.t2d, ts.cfg.train.ttt_steps
     denom = torch.stack([step_counts(b, t2d, steps) for b in micro_batches]).sum(0)
@@ -333,7 +342,8 @@ def _share_step(ts: TrainState, micro_batches: list, window: Window) -> dict:
     want_log = rank == 0 and window.due(ts.step, ts.total_steps, last_by_time)
     return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in micro_batches),
                         "samples": sum(len(b.samples) for b in micro_batches),
-                        "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time)}, ts.ranks)
+                        "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time),
+                        "interrupt": float(stop.requested)}, ts.ranks)
 
 
 def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], window: Window) -> float:
