@@ -45,7 +45,7 @@ def test_a_kill_mid_prune_leaves_nothing_after_the_next_attempt(tmp_path, monkey
     monkeypatch.undo()
     # the half-deleted folder is not a checkpoint under its final name
     assert [n for n, _ in ck.complete_checkpoints(ck_dir)] == [20, 30]
-    ck.clear_for_attempt(folder, "fp", print)  # the next attempt
+    ck.clear_for_attempt(folder, lambda state: state.get("train_fingerprint") == "fp", "fp", print)  # the next attempt
     assert sorted(p.name for p in ck_dir.iterdir()) == ["step_20", "step_30"]
 
 
@@ -55,5 +55,5 @@ def test_a_leftover_of_an_earlier_version_is_removed(tmp_path):
     ck_dir = folder / "checkpoints"
     make_checkpoints(ck_dir, [119, 147, 150])
     (ck_dir / "step_119" / ck.CKPT_STATE).unlink()
-    ck.clear_for_attempt(folder, "fp", print)
+    ck.clear_for_attempt(folder, lambda state: state.get("train_fingerprint") == "fp", "fp", print)
     assert sorted(p.name for p in ck_dir.iterdir()) == ["step_147", "step_150"]

@@ -1077,3 +1077,35 @@ def test_sigterm_to_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8
     assert steps and 5 <= steps[-1] < 600 and steps[-1] % 500, steps
     r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
     assert f"resumed from {ck / f'step_{steps[-1]}'}" in r.stdout
+
+
+def test_a_longer_run_continues_from_the_last_checkpoint_and_nothing_finished_is_deleted(synth_run, tiny8, tmp_path,
+                                                                                        capsys):
+    """Raising train.max_steps after a finished run continues from its last checkpoint (the
+    schedule re-planned over the new length), the finished drafter kept aside; a second change
+    keeps the first one's too (previous/, previous-2/), and a change of what a step computes still
+    starts over without deleting anything."""
+    sets = dict(max_steps=6, checkpoint_every=3, keep_checkpoints=5)
+    run = copy_run(synth_run, tmp_path / "run")
+    run_train(run, cfg_for(tiny8, **sets))
+    d = run.path / "train"
+    first = final_weights(run)
+    capsys.readouterr()
+
+    m = run_train(run, cfg_for(tiny8, **{**sets, "max_steps": 9}))
+    out = capsys.readouterr().out
+    assert m["counts"]["done"] == 9
+    assert "continuing from step 6 to 9" in out and f"resumed from {d / 'checkpoints' / 'step_6'}" in out
+    assert [x["step"] for x in metrics(run)] == sorted(set(x["step"] for x in metrics(run)))  # no step twice
+    kept = load_file(str(d / "previous" / "final" / "model.safetensors"))
+    assert all(torch.equal(kept[k], first[k]) for k in first)  # the 6-step drafter, as it was
+
+    m = run_train(run, cfg_for(tiny8, **{**sets, "max_steps": 12}))
+    assert m["counts"]["done"] == 12 and "continuing from step 9 to 12" in capsys.readouterr().out
+    assert (d / "previous" / "final").is_dir() and (d / "previous-2" / "final").is_dir()
+
+    run_train(run, cfg_for(tiny8, **{**sets, "max_steps": 12, "lr": 1e-4}))  # another run: starts over
+    assert (d / "previous-3" / "checkpoints" / "step_12").is_dir() and (d / "previous-3" / "final").is_dir()
+    assert (d / "previous" / "final").is_dir() and (d / "previous-2" / "final").is_dir()
+    assert "resumed from" not in run_cli(*cli_args(run, tiny8, **{**sets, "max_steps": 12, "lr": 1e-4}),
+                                         env=THREADS, check=True).stdout  # up to date now

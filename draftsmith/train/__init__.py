@@ -53,6 +53,9 @@ from draftsmith.vocab import load_vocab
 
 STAGE = "train"
 TRAIN_VERSION = 1
+# How long the run is, not what a step computes: a run whose settings differ from a checkpoint's in
+# these alone continues from it (its schedule re-planned) instead of starting over.
+LENGTH_KEYS = ("max_steps", "epochs", "max_minutes")
 # Settings that change how a run is watched, stored or sharded, not what it computes: left out
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
@@ -189,21 +192,28 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                                                      inputs.attention, inputs.book)
     fp, folder = book.fingerprint, run.path / STAGE
 
-    # the init layer is read and checked before anything in train/ is touched: a bad value must
-    # not move a good run's checkpoints aside
+    # the init layer and the data are read and checked before anything in train/ is touched: a bad
+    # value must not move a good run's checkpoints aside
     dcfg = drafter_config(info, cfg, int(d2t.numel()))
     init_layers = read_init_layers(info, tc, dcfg)
-    if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
-        book.begin()
-        clear_for_attempt(folder, fp, say)
-    if ranks.world > 1:
-        dist.barrier()
-
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
     packing = Packing.of(source.lengths, tc)
     per_step = ranks.world * tc.grad_accum
     total_steps = count_steps(tc, packing, per_step)
+    resume_fp = _resume_fingerprint(book)
+
+    def continues(state: dict) -> bool:
+        """Whether this attempt continues the run of a checkpoint's state.json: the same fingerprint,
+        or one that differs only in the run's length and not below the steps it made."""
+        return (state.get("train_fingerprint") == fp
+                or (state.get("resume_fingerprint") == resume_fp and int(state.get("step", 0)) <= total_steps))
+
+    if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
+        book.begin()
+        clear_for_attempt(folder, continues, fp, say)
+    if ranks.world > 1:
+        dist.barrier()
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) and are cut to it")
@@ -223,10 +233,14 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
     # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
     # the other ranks the weights) once the optimizer exists
-    resume = pick_checkpoint(folder / "checkpoints", fp, drafter, ranks, say)
+    resume = pick_checkpoint(folder / "checkpoints", continues, drafter, ranks, say)
     state = resume.state if resume is not None else {}
     start_step = int(state.get("step", 0))
-    if state and int(state.get("total_steps", -1)) == start_step:
+    lengthened = bool(state) and state.get("train_fingerprint") != fp
+    if lengthened:
+        say(f"train.max_steps / epochs / max_minutes changed: continuing from step {start_step} to {total_steps}; "
+            "the learning-rate schedule is re-planned over the new length (docs/pipeline.md)")
+    elif state and int(state.get("total_steps", -1)) == start_step:
         total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
     if state and state.get("world_size", ranks.world) * state.get("grad_accum", tc.grad_accum) != per_step:
         say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
@@ -252,6 +266,13 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         f"({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, {precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
+
+
+def _resume_fingerprint(book: StageBook) -> str:
+    """The fingerprint of the run's settings less its length (LENGTH_KEYS): checkpoints carrying it
+    are continued by a run that is only longer (or shorter, down to the steps they made)."""
+    settings = {**book.settings, STAGE: {k: v for k, v in book.settings[STAGE].items() if k not in LENGTH_KEYS}}
+    return replace(book, settings=settings).fingerprint
 
 
 def _settings(cfg, layers: list[int], precision: str) -> dict:
@@ -436,6 +457,7 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
     """A checkpoint of the run as it stands (every rank calls it; rank 0 writes)."""
     now = time.time()
     state = {"step": ts.step, "total_steps": ts.total_steps, "epoch": ts.position[0], "micro_batch": ts.position[1],
+             "resume_fingerprint": _resume_fingerprint(ts.book),
              "tokens_seen": ts.tokens_seen, "samples_seen": ts.samples_seen, "world_size": ts.ranks.world,
              "grad_accum": ts.cfg.train.grad_accum, "train_fingerprint": ts.book.fingerprint, "time": now,
              "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,

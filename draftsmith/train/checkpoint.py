@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -94,10 +94,13 @@ def prune_checkpoints(ck_dir: Path, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def clear_for_attempt(folder: Path, fingerprint: str, say) -> None:
+def clear_for_attempt(folder: Path, continues: Callable[[dict], bool], fingerprint: str, say) -> None:
     """Rank 0, before an attempt: remove a killed attempt's temporary folders; move the
-    checkpoints of a run with another fingerprint (other settings or inputs) to previous/, so
-    that training starts over; else remove final/ (rewritten at the end of this attempt)."""
+    checkpoints of a run this attempt cannot continue (`continues(state.json)` false: other
+    settings or inputs, or a length shorter than the steps made) aside into previous/ (then
+    previous-2/, ...: nothing is deleted), so that training starts over. A final/ of the run it
+    continues is rewritten at the end of this attempt: removed, unless the run is being lengthened
+    (train.max_steps, epochs or max_minutes raised), when the finished drafter is kept aside too."""
     ck_dir, final_dir = folder / "checkpoints", folder / "final"
     for stale in list(folder.glob(".step_*")) + list(ck_dir.glob(".step_*")) + list(folder.glob(".final.*")):
         shutil.rmtree(stale, ignore_errors=True)  # temporary folders of a killed attempt (a write, a prune)
@@ -110,22 +113,35 @@ def clear_for_attempt(folder: Path, fingerprint: str, say) -> None:
                     and not (d / CKPT_STATE).exists()):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def other_run(ck: Path) -> bool:
+    def state_of(ck: Path) -> dict | None:
         try:
-            return (ck / CKPT_STATE).is_file() and read_json_object(ck / CKPT_STATE).get("train_fingerprint") != fingerprint
+            return read_json_object(ck / CKPT_STATE) if (ck / CKPT_STATE).is_file() else None
         except DraftsmithError:
-            return False  # a damaged state.json: newest_readable passes over that checkpoint
+            return None  # a damaged state.json: newest_readable passes over that checkpoint
 
-    if (newest and other_run(newest[-1][1])) or other_run(final_dir):
-        prev = folder / "previous"
-        shutil.rmtree(prev, ignore_errors=True)
-        prev.mkdir()
-        for p in (ck_dir, final_dir):
-            if p.exists():
-                os.replace(p, prev / p.name)
-        say(f"checkpoints of a run with other settings or inputs moved to {prev}; starting over")
+    newest_state = state_of(newest[-1][1]) if newest else None
+    final_state = state_of(final_dir)
+    if any(st is not None and not continues(st) for st in (newest_state, final_state)):
+        aside = _aside(folder, [p for p in (ck_dir, final_dir) if p.exists()])
+        say(f"checkpoints of a run with other settings or inputs moved to {aside}; starting over")
+    elif final_state is not None and final_state.get("train_fingerprint") != fingerprint:
+        # continued but not the same fingerprint: only its length changed (train/__init__.LENGTH_KEYS)
+        aside = _aside(folder, [final_dir])
+        say(f"the run is lengthened: its finished drafter (step {final_state.get('step')}) kept in {aside}; "
+            "training continues from its last checkpoint")
     elif final_dir.exists():
         shutil.rmtree(final_dir)
+
+
+def _aside(folder: Path, paths: list[Path]) -> Path:
+    """Move `paths` into the first free folder of previous/, previous-2/, previous-3/, ...; returns it."""
+    n = 1
+    while (aside := folder / ("previous" if n == 1 else f"previous-{n}")).exists():
+        n += 1
+    aside.mkdir()
+    for p in paths:
+        os.replace(p, aside / p.name)
+    return aside
 
 
 @dataclass
@@ -143,13 +159,13 @@ class DamagedCheckpoint(DraftsmithError):
     """A file of a checkpoint folder cannot be read back (cut short, overwritten, a disk error)."""
 
 
-def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
+def read_checkpoint(ck: Path, continues: Callable[[dict], bool]) -> Checkpoint:
     """Every file of checkpoint folder `ck`; a damaged one is a DamagedCheckpoint naming it."""
     try:
         state = read_json_object(ck / CKPT_STATE)
     except DraftsmithError as e:
         raise DamagedCheckpoint(str(e)) from None
-    if state.get("train_fingerprint") != fingerprint:
+    if not continues(state):
         raise DraftsmithError(f"{ck}: a checkpoint of other settings (fingerprint mismatch); remove it")
     parts: dict[str, Any] = {}
     for name, read in ((CKPT_WEIGHTS, lambda p: load_file(str(p))), (CKPT_RNG, lambda p: load_file(str(p))),
@@ -167,14 +183,14 @@ def read_checkpoint(ck: Path, fingerprint: str) -> Checkpoint:
     return Checkpoint(folder=ck, state=state, weights=parts[CKPT_WEIGHTS], saved=saved, rng=parts[CKPT_RNG])
 
 
-def newest_readable(ck_dir: Path, fingerprint: str, say) -> Checkpoint | None:
+def newest_readable(ck_dir: Path, continues: Callable[[dict], bool], say) -> Checkpoint | None:
     """The newest complete checkpoint whose files all read; past a damaged one (a disk error, a file
     cut or overwritten by hand) the one before it. The damaged folder stays for the user to look
     at and is pruned as newer ones come. Rank 0 alone calls it under several ranks (pick_checkpoint)."""
     found = complete_checkpoints(ck_dir)
     for _, ck in reversed(found):
         try:
-            return read_checkpoint(ck, fingerprint)
+            return read_checkpoint(ck, continues)
         except DamagedCheckpoint as e:
             say(f"{e}; resuming from the checkpoint before it")
     if found:  # never start over silently while checkpoints exist
@@ -183,7 +199,7 @@ def newest_readable(ck_dir: Path, fingerprint: str, say) -> Checkpoint | None:
     return None
 
 
-def pick_checkpoint(ck_dir: Path, fingerprint: str, drafter, ranks: Ranks, say) -> Checkpoint | None:
+def pick_checkpoint(ck_dir: Path, continues: Callable[[dict], bool], drafter, ranks: Ranks, say) -> Checkpoint | None:
     """Resume, part one (before the drafter is wrapped for DDP/FSDP): on rank 0 the newest readable
     checkpoint (newest_readable), its weights loaded into `drafter`. Rank 0's choice (or error:
     none readable, weights that do not fit) reaches every rank: the others get a Checkpoint of
@@ -192,7 +208,7 @@ def pick_checkpoint(ck_dir: Path, fingerprint: str, drafter, ranks: Ranks, say) 
     read: list[Checkpoint] = []
 
     def pick():
-        ck = newest_readable(ck_dir, fingerprint, say)
+        ck = newest_readable(ck_dir, continues, say)
         if ck is None:
             return None
         load_weights(ck, drafter)
