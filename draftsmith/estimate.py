@@ -141,13 +141,33 @@ def drafter_widths(c: dict) -> tuple[int, int, int]:
     return heads * head_dim, kv_heads * head_dim, drafter_intermediate_size(view)
 
 
+def _quantized_bytes_per_param(qc: dict) -> float | None:
+    """Bytes a weight takes under a checkpoint's quantization_config (None: not quantized). Scales
+    and zero points are left out: a few percent of int4 and fp8 weights."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":  # e.g. Kimi-K2.5's int4 experts: the widest weights' num_bits
+        bits = [g.get("weights", {}).get("num_bits") for g in (qc.get("config_groups") or {}).values()
+                if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
+        bits = [b for b in bits if isinstance(b, (int, float)) and b > 0]
+        return max(bits) / 8 if bits else None
+    algo = str(qc.get("quant_algo", "")).lower()  # NVIDIA ModelOpt: FP8, NVFP4
+    if method == "modelopt" or algo:
+        return {"fp8": 1, "nvfp4": 0.5, "w4a8_awq": 0.5, "int4_awq": 0.5}.get(algo)
+    if method in ("gptq", "awq") and isinstance(qc.get("bits"), int) and qc["bits"] > 0:
+        return qc["bits"] / 8
+    bits = {"fp8": 1, "int8": 1, "int4": 0.5, "awq": 0.5, "gptq": 0.5, "mxfp4": 0.5}.get(method)
+    if bits is None and "fp8" in str(qc.get("fmt", "")).lower():
+        bits = 1
+    return bits
+
+
 def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
     """Parameter counts of a transformers model from its config.json."""
     try:
         c = json.loads(config_json.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DraftsmithError(f"{config_json}: cannot read the model config ({e})") from None
-    c = c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
+    top, c = c, c.get("text_config") or c  # multimodal wrappers keep the language model's config inside
     try:
         h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     except KeyError as e:
@@ -166,13 +186,14 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
     embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
     routed = moe_layers * experts * expert_mlp
     common = n * attn + dense_layers * dense_mlp + moe_layers * (shared + h * experts) + embed
-    qc = c.get("quantization_config") or {}
-    bits = {"fp8": 1, "int8": 1, "int4": 0.5, "awq": 0.5, "gptq": 0.5}.get(str(qc.get("quant_method", "")).lower())
-    if bits is None and "fp8" in str(qc.get("fmt", "")).lower():
-        bits = 1
+    # a wrapper's quantization_config sits at its top level, beside text_config, and covers the whole model
+    qc = c.get("quantization_config") or top.get("quantization_config") or {}
+    bits = _quantized_bytes_per_param(qc)
     dtype_bytes = {"float32": 4}.get(str(c.get("torch_dtype", c.get("dtype", "bfloat16"))), 2)
     return TargetShape(
-        name=name or c.get("_name_or_path") or config_json.parent.name,
+        # a config.json is named by its folder (the model's), any other file by its own name
+        name=name or top.get("_name_or_path") or c.get("_name_or_path")
+        or (config_json.parent.name if config_json.name == "config.json" else config_json.stem),
         num_layers=n, hidden_size=h, vocab_size=v,
         total_params=common + routed, active_params=common + moe_layers * per_tok * expert_mlp,
         expert_params=routed, experts=experts, experts_per_token=per_tok,
@@ -381,6 +402,9 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
                          "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)},
         "total": {"disk": sum(s["disk"] for s in stages.values()), "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},
+        # stages whose memory per device exceeds the device's (train has its own line, with knobs)
+        "does_not_fit": [name for name, s in stages.items() if name != "train" and s["memory"] > hw.mem],
+        "device_memory": hw.mem,
         "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
     }
 
@@ -451,4 +475,8 @@ def render(e: dict) -> str:
     if m["fits_with"]:
         lines.append(f"train does not fit: {_bytes(m['total'])} per device, more than one {e['hardware']} holds "
                      f"({_bytes(m['device'])}); it fits with any one of: " + "; ".join(m["fits_with"]))
+    for name in e["does_not_fit"]:
+        lines.append(f"{name} does not fit: {_bytes(e['stages'][name]['memory'])} per device, more than one "
+                     f"{e['hardware']} holds ({_bytes(e['device_memory'])}); use more devices (--devices, tensor "
+                     "parallelism in the servers' vllm_args) or a quantized target")
     return "\n".join(lines)

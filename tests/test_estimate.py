@@ -226,3 +226,34 @@ def test_estimate_says_which_knob_makes_training_fit():
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["train.ttt_steps=12"])
     knobs = estimate(cfg, shape, HARDWARE["h100"], 1, prompt_tokens=300, answer_tokens=1800)["train_memory"]["fits_with"]
     assert not any("fsdp" in k for k in knobs) and any(k.startswith("train.seq_len=") or k.startswith("train.ttt_steps=") for k in knobs)
+
+
+def test_a_wrappers_quantization_name_and_what_does_not_fit(tmp_path):
+    """A multimodal wrapper (Kimi-K2.5's shape: text_config inside, quantization_config at the top):
+    its int4 compressed-tensors weights count half a byte a parameter, not two; the target is named
+    after the file, not the folder it sits in; a stage whose weights per device exceed the device
+    says so in a line."""
+    text = json.loads((REPO / "configs" / "targets" / "kimi-k2-instruct.json").read_text())
+    text.pop("quantization_config", None)
+    text.pop("_name_or_path", None)
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 32},
+                                          "targets": ["Linear"]}}}
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": text, "vision_config": {"hidden_size": 1152}, "quantization_config": int4}
+    path = tmp_path / "kimi-k2.5.json"
+    path.write_text(json.dumps(wrapper))
+    shape = target_shape(path)
+    assert shape.name == "kimi-k2.5" and shape.weight_bytes_per_param == 0.5
+    assert 0.45e12 < shape.weight_bytes < 0.55e12  # ~1.03 T parameters at 4 bits
+    for qc, want in (({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 0.5), ({"quant_method": "fp8"}, 1),
+                     ({"quant_method": "gptq", "bits": 8}, 1)):
+        path.write_text(json.dumps({**wrapper, "quantization_config": qc}))
+        assert target_shape(path).weight_bytes_per_param == want, qc
+    path.write_text(json.dumps({**wrapper, "quantization_config": {}}))  # bf16: 2 TB over one H200
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
+    e = estimate(cfg, target_shape(path), HARDWARE["h200"], 1, prompt_tokens=300, answer_tokens=1800)
+    assert {"generate", "extract", "eval"} <= set(e["does_not_fit"])
+    assert "generate does not fit: " in render(e) and "more than one NVIDIA H200 holds (141.0 GB)" in render(e)
+    fits = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    assert fits["does_not_fit"] == [] and "does not fit" not in render(fits).replace("train does not fit", "")

@@ -415,7 +415,7 @@ def test_online_training_from_a_server_equals_in_process_online(tmp_path, tiny8,
                                                     "extract.concurrency=2"]))
     assert m["counts"]["done"] == 6 and m["settings"]["online_states"] == {"source": "vllm", "dtype": "float32", "connector": "draftsmith"}
     # nothing stored: no extract/, and each file the server wrote was deleted once read
-    assert sorted(p.name for p in remote.path.iterdir()) == ["prepare", "run.json", "train", "vocab"]
+    assert sorted(p.name for p in remote.path.iterdir()) == [".locks", "prepare", "run.json", "train", "vocab"]
     assert not any(srv.storage.iterdir()) and 1 <= srv.max_files <= 2
     # the same states as the in-process target's, so the same training
     a, b = final_weights(local), final_weights(remote)
@@ -539,7 +539,7 @@ def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
     print(f"\nloss step 1 {rows[0]['loss']} -> step {rows[-1]['step']} {rows[-1]['loss']}")
     assert rows[-1]["loss"][0] < 0.7 * rows[0]["loss"][0]
     # nothing stored but train/: no extract/, the server's file buffer gone with the server
-    assert sorted(p.name for p in run.path.iterdir()) == ["prepare", "run.json", "train", "vocab"]
+    assert sorted(p.name for p in run.path.iterdir()) == [".locks", "prepare", "run.json", "train", "vocab"]
     d = run.path / "train"
     assert (d / "vllm.log").is_file() and not (d / ".vllm_states").exists()
     assert (tmp_path / "shm").is_dir() and not any((tmp_path / "shm").iterdir())  # its own subfolder, removed

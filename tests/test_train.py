@@ -99,9 +99,12 @@ def make_run(path: Path, target, samples: list[dict], extract: bool = True) -> R
     return run
 
 
-def synthesize_states(run: RunDir, target, scale: float = 8.0, nan_sample: int | None = None) -> None:
+def synthesize_states(run: RunDir, target, scale: float = 8.0, nan_sample: int | None = None,
+                      nan_outside_loss: bool = False) -> None:
     """Replace the extracted states by a learnable signal: last_hidden[j] makes the target's
-    draft-vocab distribution peak at t[j+1]; aux_hidden[j] carries t[j]'s embedding."""
+    draft-vocab distribution peak at t[j+1]; aux_hidden[j] carries t[j]'s embedding. nan_sample:
+    that sample's aux state at its middle is NaN (with nan_outside_loss: its last_hidden at a
+    position outside the loss mask instead, which no loss ever reads)."""
     info = target_info(str(target))
     E = read_target_weights(info)[0].float()  # [V, H], tied lm_head
     store = ExtractStore(run)
@@ -114,7 +117,10 @@ def synthesize_states(run: RunDir, target, scale: float = 8.0, nan_sample: int |
         e = E[nxt]
         last = scale * e / (e * e).sum(-1, keepdim=True)  # logit of t[j+1] = scale
         aux = (E[ids] * 30).unsqueeze(1).expand(L, 3, H) + 0.01 * torch.randn(L, 3, H, generator=g)
-        if nan_sample == i:
+        if nan_sample == i and nan_outside_loss:
+            last = last.clone()
+            last[int((~rec["loss_mask"].bool()).nonzero()[0])] = float("nan")
+        elif nan_sample == i:
             aux = aux.clone()
             aux[L // 2] = float("nan")
         sample = {"id": store.metadata(i)["id"], "input_ids": ids.tolist(), "loss_mask": rec["loss_mask"].tolist()}
@@ -754,17 +760,22 @@ def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
         read_target_layer(types.SimpleNamespace(path=str(tmp_path / "bare")), 2)
 
 
-def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_the_last_checkpoint(synth_run, tiny8, tmp_path):
+@pytest.mark.parametrize("outside_loss", [False, True], ids=["in-the-loss", "outside-the-loss"])
+def test_a_non_finite_stored_state_names_its_file_and_the_verify_command(synth_run, tiny8, tmp_path, outside_loss):
+    """NaN in a stored state, where the loss reads it or where nothing does: the step stops before
+    any update, naming the store file, `extract --verify` (which finds and redoes it) and the last
+    good checkpoint; it never trains on to exit 0."""
     run = copy_run(synth_run, tmp_path / "run")
     store = ExtractStore(run)
     # the sample that the 4th micro-batch (= optimizer step 4) of epoch 0 packs first
     plan = pack_epoch(store.lengths, 64, 2, seed=0, epoch=0)
     bad = plan[3][0][0]
-    synthesize_states(run, tiny8, nan_sample=bad)
+    synthesize_states(run, tiny8, nan_sample=bad, nan_outside_loss=outside_loss)
     with pytest.raises(DraftsmithError) as e:
         run_train(run, cfg_for(tiny8, max_steps=20, checkpoint_every=1, keep_checkpoints=2))
     msg = str(e.value)
-    assert "non-finite loss" in msg and "at step 4" in msg and f"'s{bad}'" in msg
+    assert msg.startswith(f"{store.path(bad)}: the stored hidden states of sample 's{bad}' hold non-finite values")
+    assert f"`draftsmith extract --run {run.path} --verify`" in msg and "step 4" in msg
     assert "train/checkpoints/step_3" in msg
     d = run.path / "train"
     assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_2", "step_3"]
@@ -783,7 +794,7 @@ def test_online_mode_trains_on_the_same_numbers_as_offline(tiny8, tmp_path):
     run_train(off, cfg_for(tiny8, mode="offline", **sets))
     m = run_train(on, cfg_for(tiny8, mode="online", **sets))
     assert m["inputs"]["prepare"] and "extract" not in m["inputs"]
-    assert sorted(p.name for p in (on.path).iterdir()) == ["prepare", "run.json", "train", "vocab"]  # nothing else written
+    assert sorted(p.name for p in (on.path).iterdir()) == [".locks", "prepare", "run.json", "train", "vocab"]  # nothing else written (.locks: the stage locks)
     a, b = final_weights(off), final_weights(on)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)

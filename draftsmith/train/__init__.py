@@ -314,6 +314,8 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
             window.times["data"] += time.perf_counter() - t
 
             shared = _share_step(ts, micro_batches, window, stop)
+            if shared["bad_states"][0] > 0:
+                raise _non_finite_states(ts, micro_batches)
             ts.budget.clock_s = shared["clock_s"]
             grad_norm = _optimizer_step(ts, micro_batches, shared["denom"], window)
             ts.step += 1
@@ -358,13 +360,17 @@ def _share_step(ts: TrainState, micro_batches: list, window: Window, stop: Defer
     rank = ts.ranks.rank
     t2d, steps = ts.objective.drafter.t2d, ts.cfg.train.ttt_steps
     denom = torch.stack([step_counts(b, t2d, steps) for b in micro_batches]).sum(0)
+    # stored states that are not finite anywhere, inside the loss or not (a damaged store file):
+    # every rank learns of them here, so all stop together, each naming its own files
+    bad_states = torch.stack([~(torch.isfinite(b.aux_hidden).all() & torch.isfinite(b.last_hidden).all())
+                              for b in micro_batches]).sum().reshape(1)
     now_s = ts.budget.trained_s() if rank == 0 else 0.0
     last_by_time = rank == 0 and ts.budget.should_stop(now_s, ts.step - ts.start_step)
     want_log = rank == 0 and window.due(ts.step, ts.total_steps, last_by_time)
     return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in micro_batches),
                         "samples": sum(len(b.samples) for b in micro_batches),
                         "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time),
-                        "interrupt": float(stop.requested)}, ts.ranks)
+                        "interrupt": float(stop.requested), "bad_states": bad_states}, ts.ranks)
 
 
 def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], window: Window) -> float:
@@ -412,6 +418,29 @@ def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], win
     ts.optimizer.zero_grad(set_to_none=True)
     window.times["optimizer"] += time.perf_counter() - t
     return grad_norm
+
+
+def _non_finite_states(ts: TrainState, micro_batches: list) -> DraftsmithError:
+    """The error for non-finite target states in this step's micro-batches (on any rank): the
+    files of the samples that hold them (offline; gathered from every rank) and the command that
+    finds and redoes every such file; online, where nothing is stored, the samples."""
+    mine = [(ts.source.name(i), ts.source.damaged(i)) for b in micro_batches
+            if not (torch.isfinite(b.aux_hidden).all() and torch.isfinite(b.last_hidden).all()) for i in b.samples]
+    everyone = [mine]
+    if ts.ranks.world > 1:
+        everyone = [None] * ts.ranks.world
+        dist.all_gather_object(everyone, mine)
+    found = [x for r in everyone for x in r]
+    files = [why for _, why in found if why]
+    good = complete_checkpoints(ts.folder / "checkpoints")
+    kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written yet"
+    if files:
+        more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+        return DraftsmithError(f"{files[0]}{more}; `draftsmith extract --run {ts.run.path} --verify` finds and "
+                               f"rewrites such files; stopped at step {ts.step + 1} without updating the weights; {kept}")
+    ids = [name for name, _ in found]
+    return DraftsmithError(f"train: the target's hidden states of samples {ids[:20]} are not finite at step {ts.step + 1}; "
+                           f"stopped without updating the weights; {kept}")
 
 
 def _non_finite(ts: TrainState, bad: list[str], grad_norm: float) -> DraftsmithError:

@@ -248,6 +248,14 @@ class OfflineSource:
     def name(self, i: int) -> str:
         return str(self.store.metadata(i).get("id", i))
 
+    def damaged(self, i: int) -> str | None:
+        """What is wrong with sample i's stored states, naming its file (None: all finite). Read on
+        the failure path only (the loop checks a whole micro-batch on the device)."""
+        rec = self.store[i]
+        if all(bool(torch.isfinite(torch.as_tensor(rec[k]).float()).all()) for k in ("aux_hidden", "last_hidden")):
+            return None
+        return f"{self.store.path(i)}: the stored hidden states of sample {self.name(i)!r} hold non-finite values"
+
     def batch(self, rows: list[list[int]], row_len: int) -> Batch:
         return pack_rows([[self.sample(i, row_len) for i in row] for row in rows])
 
@@ -271,6 +279,10 @@ class PreparedSource:
 
     def name(self, i: int) -> str:
         return self.names[i]
+
+    def damaged(self, i: int) -> str | None:
+        """Nothing is stored: non-finite states here are the target's own (see the loop's error)."""
+        return None
 
     def states(self, indices: list[int], row_len: int) -> dict[int, dict]:
         """{i: {aux_hidden [n, 3, H], last_hidden [n, H]}} (bf16) for samples cut to row_len."""
