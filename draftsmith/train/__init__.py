@@ -121,8 +121,8 @@ def _train(run, cfg) -> dict:
         if (done := finished_run(run, inputs)) is not None:
             return done
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
-        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step, stall_after_s=cfg.stall_after_s,
-                      console=False, shared=True) as prog:
+        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step,
+                      stall_after_s=cfg.stall_after_s, console=False, shared=True) as prog:
             fit(ts, prog)
             manifest = finish(ts, prog)
         if ranks.world > 1:
@@ -202,9 +202,11 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     total_steps = count_steps(tc, packing, per_step)
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
-        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) and are cut to it")
+        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
+            "and are cut to it")
 
-    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc, lambda: source.batch(packing.plan(0)[0], packing.row_len),
+    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
+                                                lambda: source.batch(packing.plan(0)[0], packing.row_len),
                                                 init_layers, layers, say, ranks)
     mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
@@ -230,7 +232,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
     model = distribute(objective, ranks, tc.fsdp, precision)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, tc, fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
+    optimizer = make_optimizer(params, tc,
+                               fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
     budget = TimeBudget.resume(tc, state)
     scheduler = make_scheduler(optimizer, tc, total_steps, budget)
     ts = TrainState(run=run, cfg=cfg, book=book, ranks=ranks, source=source, packing=packing, objective=objective,
@@ -242,10 +245,13 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     metrics=state.get("metrics"))
     if resume is not None:
         load_training_state(resume, objective, optimizer, scheduler, ranks)
-        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, micro-batch {ts.position[1]})")
-    budget_note = "" if budget.budget_s is None else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)"
-    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} micro-batches "
-        f"({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, {precision}, {attention} attention, {ranks.world} rank(s) "
+        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
+            f"micro-batch {ts.position[1]})")
+    budget_note = ("" if budget.budget_s is None
+                   else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
+    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} "
+        f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, "
+        f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
 
@@ -274,7 +280,8 @@ def fit(ts: TrainState, prog: Progress) -> None:
     layout_of = ts.objective.layouts()
 
     def add_loss_layout(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
-        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on, tc.loss_skip_tokens))
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on,
+                                                tc.loss_skip_tokens))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
 
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
@@ -430,7 +437,8 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
              "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
              "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s}
     save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
-                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale, keep=keep)
+                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale,
+                    keep=keep)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -456,7 +464,7 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
-                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir), "world_size": ts.ranks.world,
-                                         "peak_memory_bytes": peak})
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir),
+                                         "world_size": ts.ranks.world, "peak_memory_bytes": peak})
     prog.end(steps=ts.step, tokens=ts.tokens_seen)
     return manifest
