@@ -68,7 +68,8 @@ def export_keys(num_layers: int = 1) -> dict[str, str]:
         norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm") if n == 0 else (
             "input_layernorm", "post_attention_layernorm")
         keys.update({f"layers.{n}.self_attn.{p}_proj.weight": f"layers.{n}.self_attn.{p}_proj.weight" for p in "qkvo"})
-        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")})
+        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight"
+                     for p in ("gate", "up", "down")})
         keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
     keys.update({"norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"})
     return keys
@@ -180,7 +181,8 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
             raise DraftsmithError(f"{path}: missing tensor '{key}'")
     extra = sorted(keys - set(names.values()) - set(OPTIONAL_KEYS.values()) - set(allow_extra))
     if extra:
-        raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+        raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'"
+                              + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
     st_kind = {"I64": "int64", "BOOL": "bool", "F32": "float", "F16": "float", "BF16": "float", "F64": "float"}
     for key in [*names.values(), *OPTIONAL_KEYS.values()]:  # a fixed order: the same error every time
         if key not in found or key not in shapes:
@@ -188,7 +190,8 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
         (shape, dtype), (want, kind) = found[key], shapes[key]
         if shape != want:
             raise DraftsmithError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
-                                  f"(hidden {config.hidden_size}, vocab {config.vocab_size}, draft vocab {config.draft_vocab_size})")
+                                  f"(hidden {config.hidden_size}, vocab {config.vocab_size}, "
+                                  f"draft vocab {config.draft_vocab_size})")
         if st_kind.get(dtype, dtype) != kind:
             raise DraftsmithError(f"{path}: tensor '{key}' has dtype {dtype}, expected {kind}")
 
@@ -265,7 +268,8 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
 def _config_from_export(cj: dict, where: str):
     """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
     if cj.get("speculators_model_type") != "eagle3":
-        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", got {cj.get('speculators_model_type')!r}")
+        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", "
+                              f"got {cj.get('speculators_model_type')!r}")
     layer = cj.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
@@ -281,7 +285,8 @@ def _config_from_export(cj: dict, where: str):
             raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
     num_layers = layer.get("num_hidden_layers", 1)
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, got {num_layers!r}")
+        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, "
+                              f"got {num_layers!r}")
     if cj.get("norm_before_residual", True):
         raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
                               "the raw hidden state as the residual; vLLM's default is true)")
@@ -419,12 +424,13 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     info = target_info(cfg.target, cfg.trust_remote_code)
     ck_name, ck_fp = _meta_target(meta)
     if ck_fp is not None and ck_fp != info.fingerprint:
-        raise DraftsmithError(f"{meta_path}: the checkpoint was trained for target {ck_name or '?'} (fingerprint {ck_fp}), "
-                              f"but target is {info.name} (fingerprint {info.fingerprint}); set target to the model it was trained on")
+        raise DraftsmithError(f"{meta_path}: the checkpoint was trained for target {ck_name or '?'} "
+                              f"(fingerprint {ck_fp}), but target is {info.name} (fingerprint {info.fingerprint}); "
+                              "set target to the model it was trained on")
     info.check_layers(aux, field=f"{meta_path}: aux_layers")
     if (config.hidden_size, config.vocab_size) != (info.hidden_size, info.vocab_size):
-        raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} do not match "
-                              f"target {info.name} ({info.hidden_size}/{info.vocab_size})")
+        raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} "
+                              f"do not match target {info.name} ({info.hidden_size}/{info.vocab_size})")
 
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
@@ -444,7 +450,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         shutil.rmtree(stale, ignore_errors=True)
 
     with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
-        prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, dtype {dtype_name}")
+        prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
+                 f"dtype {dtype_name}")
         check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
         sd = load_file(str(weights_path))
         check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
