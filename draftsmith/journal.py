@@ -203,7 +203,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     }
     stall = float(start.get("stall_after_s") or 300.0)
     kind = last.get("ev")
-    row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now) - float(start.get("t", now))), 1)
+    row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now)
+                                 - float(start.get("t", now))), 1)
     row["warming_up"] = False
     if kind == "end":
         row["state"] = "done"
@@ -229,7 +230,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
             row["state"] = "running"
         if row["state"] in ("running", "stalled"):
             points = [(float(e["t"]), float(e["done"])) for e in events
-                      if e.get("t") is not None and e.get("done") is not None and float(e["t"]) >= float(start.get("t", 0))]
+                      if e.get("t") is not None and e.get("done") is not None
+                         and float(e["t"]) >= float(start.get("t", 0))]
             r, row["warming_up"] = recent_rate(points, float(start.get("done") or 0))
             row["rate_per_s"] = round(r, 4) if r else None
             if r and row["total"] and row["done"] is not None:
