@@ -341,8 +341,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
 
     from draftsmith.extract import bytes_per_token as store_bytes  # the store's own rule; extract imports torch
 
-    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale per row),
-    # + id and mask
+    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale
+    # per row), + id and mask
     bytes_per_token = store_bytes(3, t.hidden_size, cfg.extract.store_format)
     prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
     if tr.mode == "offline":
