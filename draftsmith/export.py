@@ -265,15 +265,15 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
     }
 
 
-def _config_from_export(cj: dict, where: str):
+def _config_from_export(config_json: dict, where: str):
     """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
-    if cj.get("speculators_model_type") != "eagle3":
+    if config_json.get("speculators_model_type") != "eagle3":
         raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", "
-                              f"got {cj.get('speculators_model_type')!r}")
-    layer = cj.get("transformer_layer_config")
+                              f"got {config_json.get('speculators_model_type')!r}")
+    layer = config_json.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
-    sc = cj.get("speculators_config")
+    sc = config_json.get("speculators_config")
     try:
         int(sc["proposal_methods"][0]["speculative_tokens"])
         str(sc["verifier"]["name_or_path"])
@@ -287,10 +287,10 @@ def _config_from_export(cj: dict, where: str):
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
         raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, "
                               f"got {num_layers!r}")
-    if cj.get("norm_before_residual", True):
+    if config_json.get("norm_before_residual", True):
         raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
                               "the raw hidden state as the residual; vLLM's default is true)")
-    if cj.get("norm_before_fc") or cj.get("fc_norm"):
+    if config_json.get("norm_before_fc") or config_json.get("fc_norm"):
         raise DraftsmithError(f"{where}: 'norm_before_fc'/'fc_norm' are not supported by draftsmith's drafter")
     rope = layer.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
@@ -301,11 +301,11 @@ def _config_from_export(cj: dict, where: str):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config.rope_parameters.rope_theta'")
     if layer.get("rope_theta") is not None and float(layer["rope_theta"]) != float(theta):
         raise DraftsmithError(f"{where}: 'rope_theta' ({layer['rope_theta']}) disagrees with rope_parameters ({theta})")
-    aux = cj.get("eagle_aux_hidden_state_layer_ids")
+    aux = config_json.get("eagle_aux_hidden_state_layer_ids")
     if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
         raise DraftsmithError(f"{where}: 'eagle_aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
-    if cj.get("target_hidden_size") not in (None, layer["hidden_size"]):
-        raise DraftsmithError(f"{where}: 'target_hidden_size' ({cj['target_hidden_size']}) differs from the "
+    if config_json.get("target_hidden_size") not in (None, layer["hidden_size"]):
+        raise DraftsmithError(f"{where}: 'target_hidden_size' ({config_json['target_hidden_size']}) differs from the "
                               f"drafter's hidden_size ({layer['hidden_size']}); not supported")
     try:
         config = Eagle3Config(
@@ -318,7 +318,7 @@ def _config_from_export(cj: dict, where: str):
             rope_theta=float(theta),
             max_position_embeddings=layer.get("max_position_embeddings", 8192),
             vocab_size=layer["vocab_size"],
-            draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
+            draft_vocab_size=config_json.get("draft_vocab_size") or layer["vocab_size"],
             num_aux_layers=len(aux),
             hidden_act=layer.get("hidden_act", "silu"),
             num_hidden_layers=num_layers,
@@ -348,8 +348,8 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     if not folder.is_dir():
         raise DraftsmithError(f"{folder}: no such export folder")
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    cj = read_json_object(cpath)
-    config, aux = _config_from_export(cj, str(cpath))
+    config_json = read_json_object(cpath)
+    config, aux = _config_from_export(config_json, str(cpath))
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
         target_info.check_layers(aux, field=where)
@@ -384,11 +384,11 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         "path": str(folder.resolve()),
         "config": config,
         "aux_layers": list(aux),
-        "num_speculative_tokens": int(cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
-        "verifier": cj["speculators_config"]["verifier"]["name_or_path"],
+        "num_speculative_tokens": int(config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
+        "verifier": config_json["speculators_config"]["verifier"]["name_or_path"],
         "has_embed_tokens": has_embed,
         "dtype": stored_dtype,
-        "draftsmith": cj.get("draftsmith") or {},
+        "draftsmith": config_json.get("draftsmith") or {},
     }
     return model, info
 
@@ -465,7 +465,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         for name, export_name in export_keys(config.num_hidden_layers).items():
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
-        cj = speculators_config(
+        config_json = speculators_config(
             config, aux, target_name=verifier_name(cfg.target, info), target_arch=info.architecture,
             num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
             # what identifies the target wherever the drafter is deployed: the name the config
@@ -479,7 +479,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         built = Path(tempfile.mkdtemp(prefix=f".{STAGE}.", suffix=".tmp", dir=run.path))
         try:
             save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
-            (built / CONFIG_FILE).write_text(json.dumps(cj, indent=2) + "\n", encoding="utf-8")
+            (built / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
             for name in (WEIGHTS_FILE, CONFIG_FILE):
                 with open(built / name, "rb") as f:
                     os.fsync(f.fileno())

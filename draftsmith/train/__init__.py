@@ -56,10 +56,12 @@ TRAIN_VERSION = 1
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
                      "attention", "loss_chunk_tokens")
-# knobs added after runs were made, with their defaults
-LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0, "loss_tv": 0.0,
-               "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2, "ema": 0.0,
-               "loss_skip_tokens": 0}
+# Train settings added after runs already existed, each with the default that keeps those older
+# runs' fingerprint unchanged: `fingerprinted` (its later_defaults) leaves a setting out while it
+# holds this value, so an older run stays current instead of training again.
+ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0,
+                        "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
+                        "ema": 0.0, "loss_skip_tokens": 0}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -258,9 +260,9 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
 def _settings(cfg, layers: list[int], precision: str) -> dict:
     """What the manifest records and the fingerprint covers: the train section (less
-    NOT_FINGERPRINTED, less LATER_KNOBS at their defaults), the aux layers, the precision used."""
+    NOT_FINGERPRINTED, less ADDED_LATER_DEFAULTS at their defaults), the aux layers, the precision used."""
     section = cfg.section(STAGE)
-    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, LATER_KNOBS)
+    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, ADDED_LATER_DEFAULTS)
     settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
     if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
         # states from a server, not this process's forward, in the dtype the server computes in
