@@ -104,9 +104,9 @@ def score(args) -> dict:
     if info.fingerprint != store.meta.get("target_fingerprint"):
         sys.exit(f"{store.dir}: extracted from another target than {args.target}")
     embed, _, _ = read_target_weights(info, log=lambda *a: None)
-    drafter, dinfo = load_exported(folder, target_info=info, embed_weight=embed, dtype=torch.float32)
-    if list(dinfo["aux_layers"]) != list(store.layers):
-        sys.exit(f"{folder}: drafter reads layers {dinfo['aux_layers']}, the store holds {store.layers}")
+    drafter, exported = load_exported(folder, target_info=info, embed_weight=embed, dtype=torch.float32)
+    if list(exported["aux_layers"]) != list(store.layers):
+        sys.exit(f"{folder}: drafter reads layers {exported['aux_layers']}, the store holds {store.layers}")
     K = args.k
     t0 = time.time()
     steps = produced = 0

@@ -46,7 +46,8 @@ app = typer.Typer(
 # a string, not a Path: typer turns --run '' into Path('.'), the current folder, which RunDir must refuse
 RunOpt = Annotated[str, typer.Option("--run", help="The run directory (created if missing).")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set train.lr=3e-4 (repeatable).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", help="Override a config key: --set train.lr=3e-4 (repeatable).")]
 
 
 def stage_config(config: Path | None, sets: list[str] | None, **options):
@@ -78,11 +79,13 @@ def torch_threads(cfg) -> None:
 
   draftsmith generate --run runs/r1 --backend openai --server http://127.0.0.1:8000/v1 --concurrency 32
 
-  draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 --prompts chats.jsonl --max-tokens 1024
+  draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 \
+--prompts chats.jsonl --max-tokens 1024
 
   draftsmith generate --run runs/r1 --retry-failed
 
-  draftsmith generate --run runs/r1 --set generate.backend=openai --set generate.servers=[http://127.0.0.1:8000/v1] --set generate.api_key_env=MY_KEY
+  draftsmith generate --run runs/r1 --set generate.backend=openai --set generate.servers=[http://127.0.0.1:8000/v1] \
+--set generate.api_key_env=MY_KEY
 
   draftsmith generate --run runs/r1 --backend vllm --concurrency 64   (starts and stops its own vLLM server)
 """)
@@ -90,16 +93,24 @@ def generate(
     run: RunOpt,
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="local (in-process, the default), openai (served model at --server), vllm (a vLLM server generate starts itself) or dataset (the prompt file's own replies, no decoding).")] = None,
-    server: Annotated[Optional[list[str]], typer.Option("--server", help="Base URL of an OpenAI-compatible server (repeatable).")] = None,
-    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file, or sharegpt / mt-bench / humaneval.")] = None,
+    backend: Annotated[Optional[str], typer.Option(
+        "--backend", help="local (in-process, the default), openai (served model at --server), vllm (a vLLM server "
+        "generate starts itself) or dataset (the prompt file's own replies, no decoding).")] = None,
+    server: Annotated[Optional[list[str]], typer.Option(
+        "--server", help="Base URL of an OpenAI-compatible server (repeatable).")] = None,
+    prompts: Annotated[Optional[str], typer.Option(
+        "--prompts", help="Prompt file, or sharegpt / mt-bench / humaneval.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Maximum new tokens per answer.")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests in flight (backends openai, vllm).")] = None,
-    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
+    temperature: Annotated[Optional[float], typer.Option(
+        "--temperature", help="Sampling temperature (0 = greedy).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(
+        "--concurrency", help="Requests in flight (backends openai, vllm).")] = None,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
 ):
-    """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible servers), or keep the file's own (--backend dataset)."""
+    """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible
+    servers), or keep the file's own (--backend dataset)."""
     from draftsmith.generate import run_generate
 
     cfg = stage_config(
@@ -127,8 +138,10 @@ def prepare(
     run: RunOpt,
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
-    overflow: Annotated[Optional[str], typer.Option("--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
+    max_length: Annotated[Optional[int], typer.Option(
+        "--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
+    overflow: Annotated[Optional[str], typer.Option(
+        "--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
 ):
     """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
     from draftsmith.prepare import run_prepare
@@ -147,7 +160,8 @@ def vocab(
     run: RunOpt,
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    draft_vocab_size: Annotated[Optional[int], typer.Option("--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
+    draft_vocab_size: Annotated[Optional[int], typer.Option(
+        "--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
 ):
     """Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage."""
     from draftsmith.vocab import run_vocab
@@ -176,10 +190,15 @@ def extract(
     run: RunOpt,
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    verify: Annotated[bool, typer.Option("--verify", help="Open every finished file (and check shard.json checksums); redo corrupt or truncated ones.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Go on even when the free disk space looks too small.")] = False,
-    rank: Annotated[Optional[int], typer.Option("--rank", help="This process's rank (shard i goes to rank i % world-size); default $RANK or 0.")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Open every finished file (and check shard.json checksums); redo corrupt or truncated "
+        "ones.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Go on even when the free disk space looks too small.")] = False,
+    rank: Annotated[Optional[int], typer.Option(
+        "--rank", help="This process's rank (shard i goes to rank i % world-size); default $RANK or 0.")] = None,
+    world_size: Annotated[Optional[int], typer.Option(
+        "--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
 ):
     """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
     from draftsmith.extract import run_extract
@@ -209,8 +228,11 @@ def train(
     run: RunOpt,
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    mode: Annotated[Optional[str], typer.Option("--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) (train.mode).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
+    mode: Annotated[Optional[str], typer.Option(
+        "--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) "
+        "(train.mode).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(
+        "--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
 ):
     """Train the EAGLE-3 drafter with training-time test; checkpoints resume exactly."""
     from draftsmith.train import run_train
@@ -236,11 +258,13 @@ def train(
 """)
 def export(
     run: RunOpt,
-    checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
+    checkpoint: Annotated[Optional[str], typer.Option(
+        "--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
     config: ConfigOpt = None,
     sets: SetOpt = None,
 ):
-    """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by vLLM as is."""
+    """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by
+    vLLM as is."""
     from draftsmith.export import run_export
 
     cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
@@ -262,28 +286,40 @@ def export(
 
   draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)
 
-  draftsmith eval --run runs/other --engine vllm --drafter path/to/drafter   (a speculators-format drafter from elsewhere)
+  draftsmith eval --run runs/other --engine vllm --drafter path/to/drafter   \
+(a speculators-format drafter from elsewhere)
 """)
 def eval_(
     run: RunOpt,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM server, counts from its /metrics.")] = None,
-    server: Annotated[Optional[str], typer.Option("--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of starting one (eval.server).")] = None,
-    drafter: Annotated[Optional[str], typer.Option("--drafter", help="A speculators-format drafter folder to evaluate instead of RUN/export (eval.drafter).")] = None,
-    prompts: Annotated[Optional[str], typer.Option("--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
+    engine: Annotated[Optional[str], typer.Option(
+        "--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM "
+        "server, counts from its /metrics.")] = None,
+    server: Annotated[Optional[str], typer.Option(
+        "--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of "
+        "starting one (eval.server).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(
+        "--drafter", help="A speculators-format drafter folder to evaluate instead of RUN/export "
+        "(eval.drafter).")] = None,
+    prompts: Annotated[Optional[str], typer.Option(
+        "--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
     offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option(
+        "--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(
+        "--temperature", help="Sampling temperature (0 = greedy).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens per answer.")] = None,
     config: ConfigOpt = None,
     sets: SetOpt = None,
 ):
-    """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes RUN/eval/report.json."""
+    """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes
+    RUN/eval/report.json."""
     from draftsmith.eval import run_eval
     from draftsmith.eval.report import REPORT_JSON, fmt_value
 
     cfg = stage_config(config, sets, **{
-        "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts, "eval.limit": limit, "eval.offset": offset,
+        "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts,
+        "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
     torch_threads(cfg)
@@ -343,8 +379,10 @@ def demo_cmd(
 @app.command(
     "estimate",
     epilog="Examples:\n\n  draftsmith estimate configs/demo.yaml\n\n"
-    "  draftsmith estimate configs/llama-8b-1xh100.yaml --hardware h100 --target-config configs/targets/llama-3.1-8b-instruct.json\n\n"
-    "  draftsmith estimate configs/kimi-k2-8xh200.yaml --hardware h200 --devices 8 --target-config configs/targets/kimi-k2-instruct.json --json",
+    "  draftsmith estimate configs/llama-8b-1xh100.yaml --hardware h100 "
+    "--target-config configs/targets/llama-3.1-8b-instruct.json\n\n"
+    "  draftsmith estimate configs/kimi-k2-8xh200.yaml --hardware h200 --devices 8 "
+    "--target-config configs/targets/kimi-k2-instruct.json --json",
 )
 def estimate_cmd(
     config: Annotated[Path, typer.Argument(help="The run's YAML config.")],
@@ -355,7 +393,8 @@ def estimate_cmd(
         help="The target's config.json, when the target is not on this machine (else read from `target`).")] = None,
     prompt_tokens: Annotated[int, typer.Option(help="Average prompt tokens per sample, chat template included.")] = 100,
     answer_tokens: Annotated[Optional[int], typer.Option(
-        help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on ShareGPT).")] = None,
+        help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on "
+        "ShareGPT).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Estimate disk, memory per device and time of each stage, before running it."""
@@ -368,17 +407,20 @@ def estimate_cmd(
 # status / watch
 
 
-@app.command(epilog="Examples:\n\n  draftsmith status runs/demo\n\n  draftsmith status runs/demo --json | jq '.stages[] | {name, state, eta_s}'")
+@app.command(epilog="Examples:\n\n  draftsmith status runs/demo\n\n"
+             "  draftsmith status runs/demo --json | jq '.stages[] | {name, state, eta_s}'")
 def status(
     run: Annotated[str, typer.Argument(help="The run directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (the shape in SPEC.md).")] = False,
 ):
-    """Show each stage's state (pending, running, stalled, dead, failed, done), progress, rate, ETA and files on disk."""
+    """Show each stage's state (pending, running, stalled, dead, failed, done), progress, rate, ETA and files
+    on disk."""
     st = run_status(run)
     print(json.dumps(st) if json_out else render_table(st))
 
 
-@app.command(epilog="Examples:\n\n  draftsmith watch runs/demo\n\n  draftsmith watch runs/demo --interval 30 > watch.log")
+@app.command(epilog="Examples:\n\n  draftsmith watch runs/demo\n\n"
+             "  draftsmith watch runs/demo --interval 30 > watch.log")
 def watch(
     run: Annotated[str, typer.Argument(help="The run directory.")],
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,

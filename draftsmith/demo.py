@@ -4,10 +4,10 @@ machine it runs on.
 The demo's time is dominated by two rates of the target on this machine: batched greedy decoding
 (generate; extract and train scale with it, as all three are the target's or drafter's matrix
 products) and batch-1 decoding (eval, with and without drafting). calibrate() measures both on
-the real target (a few seconds on a quiet machine), and size_demo() picks the number of prompts and eval questions that fit
-DEMO_BUDGET_S by the cost model below, never more than the recipe's own. The chosen sizes go to
-RUN/demo.json: a rerun (a resume after a kill) keeps them, so that no stage restarts because a
-second calibration came out a little different.
+the real target (a few seconds on a quiet machine), and size_demo() picks the number of prompts
+and eval questions that fit DEMO_BUDGET_S by the cost model below, never more than the recipe's
+own. The chosen sizes go to RUN/demo.json: a rerun (a resume after a kill) keeps them, so that
+no stage restarts because a second calibration came out a little different.
 
 Cost model, per unit, fitted to the stage times of a full demo (360 prompts, 80 questions; docs/
 benchmarks.md, "The demo drafter on MT-bench"): there generate decoded 127.5 tokens/s at batch 64

@@ -65,7 +65,8 @@ class Hardware:
 # at 128 in flight (float32: its decode matmuls reach ~19% of peak); two one-thread training ranks
 # (`train.processes: 2`) ~950 tokens/s against ~730 for one two-thread process.
 HARDWARE = {
-    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02, 0.19, 1.3),
+    "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02,
+                    0.19, 1.3),
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
@@ -316,9 +317,11 @@ def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> 
     row = min(tr.seq_len, tr.batch_tokens)
     rows = next((n for n in range(tr.batch_tokens // row - 1, 0, -1) if need(batch_tokens=n * row) <= hw.mem), None)
     if rows is not None:
-        knobs.append(f"train.batch_tokens={rows * row} ({rows} row(s) of {row}; raise train.grad_accum to keep the step's tokens)")
+        knobs.append(f"train.batch_tokens={rows * row} ({rows} row(s) of {row}; "
+                     "raise train.grad_accum to keep the step's tokens)")
     else:
-        short = next((n for n in (4096, 2048, 1024, 512) if n < row and need(seq_len=n, batch_tokens=n) <= hw.mem), None)
+        short = next((n for n in (4096, 2048, 1024, 512) if n < row and need(seq_len=n, batch_tokens=n) <= hw.mem),
+                     None)
         if short is not None:
             knobs.append(f"train.seq_len={short} and train.batch_tokens={short} (one row; raise train.grad_accum)")
     steps = next((k for k in range(tr.ttt_steps - 1, 0, -1) if need(ttt_steps=k) <= hw.mem), None)
@@ -326,7 +329,8 @@ def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> 
         knobs.append(f"train.ttt_steps={steps}")
     if gpus > 1 and not tr.fsdp and need(fsdp=True) <= hw.mem:
         knobs.append(f"train.fsdp=true ({_bytes(need(fsdp=True))} per device)")
-    return knobs or [f"none alone: more devices with train.fsdp, or a drafter of fewer layers (train.num_layers={tr.num_layers})"]
+    return knobs or ["none alone: more devices with train.fsdp, or a drafter of fewer layers "
+                     f"(train.num_layers={tr.num_layers})"]
 
 
 # Backend dataset tokenizes each reply and its templated prompt: ~770 samples/s measured on the
@@ -358,7 +362,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
 
     from draftsmith.extract import bytes_per_token as store_bytes  # the store's own rule; extract imports torch
 
-    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale per row), + id and mask
+    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale
+    # per row), + id and mask
     bytes_per_token = store_bytes(3, t.hidden_size, cfg.extract.store_format)
     prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
     if tr.mode == "offline":
@@ -380,11 +385,12 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         train_tps = min(train_tps, hw.disk_bw / bytes_per_token)
     else:  # the target's forward runs beside the drafter on every batch
         train_tps = 1 / (1 / train_tps + 1 / prefill)
-    epochs = tr.epochs if tr.max_steps is None else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1)
+    epochs = (tr.epochs if tr.max_steps is None
+              else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1))
     train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)
     ckpt = 16 * trainable
-    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1), "memory": train_mem["total"],
-                       "seconds": tokens * epochs / train_tps}
+    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1),
+                       "memory": train_mem["total"], "seconds": tokens * epochs / train_tps}
     stages["export"] = {"tokens": 0, "disk": 2 * trainable + t.vocab_size, "memory": ckpt, "seconds": 10}
     ev_prompts = cfg.eval.limit or 80
     ev_tokens = ev_prompts * cfg.eval.max_tokens
@@ -400,7 +406,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         "stages": stages,
         "train_memory": {**train_mem, "device": hw.mem,
                          "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)},
-        "total": {"disk": sum(s["disk"] for s in stages.values()), "seconds": sum(s["seconds"] for s in stages.values()),
+        "total": {"disk": sum(s["disk"] for s in stages.values()),
+                  "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},
         # stages whose memory per device exceeds the device's (train has its own line, with knobs)
         "does_not_fit": [name for name, s in stages.items() if name != "train" and s["memory"] > hw.mem],
@@ -454,7 +461,8 @@ def _count(n: float) -> str:
 def render(e: dict) -> str:
     tps = e["tokens_per_s"]
     lines = [
-        f"target {e['target']}: {_count(e['target_params'])} parameters ({_count(e['target_active_params'])} active per token), "
+        f"target {e['target']}: {_count(e['target_params'])} parameters "
+        f"({_count(e['target_active_params'])} active per token), "
         f"{_bytes(e['target_weight_bytes'])} of weights; drafter {_count(e['drafter_params'])} trainable",
         f"hardware: {e['devices']} x {e['hardware']}; {e['samples']:,} samples, {_count(e['tokens'])} tokens "
         f"(~{e['assumptions']['prompt_tokens']} prompt + {e['assumptions']['answer_tokens']} answer each)",
@@ -466,9 +474,11 @@ def render(e: dict) -> str:
         f"{'stage':<9} {'tokens':>8} {'disk':>10} {'memory/dev':>11} {'time':>8}",
     ]
     for name, s in e["stages"].items():
-        lines.append(f"{name:<9} {_count(s['tokens']):>8} {_bytes(s['disk']):>10} {_bytes(s['memory']):>11} {_seconds(s['seconds']):>8}")
+        lines.append(f"{name:<9} {_count(s['tokens']):>8} {_bytes(s['disk']):>10} {_bytes(s['memory']):>11} "
+                     f"{_seconds(s['seconds']):>8}")
     t = e["total"]
-    lines.append(f"{'total':<9} {'':>8} {_bytes(t['disk']):>10} {_bytes(t['memory_per_device']):>11} {_seconds(t['seconds']):>8}")
+    lines.append(f"{'total':<9} {'':>8} {_bytes(t['disk']):>10} {_bytes(t['memory_per_device']):>11} "
+                 f"{_seconds(t['seconds']):>8}")
     m = e["train_memory"]
     lines.append(f"train memory per device: weights, gradients and optimizer {_bytes(m['weights'])}, target "
                  f"{_bytes(m['target'])}, activations {_bytes(m['activations'])}, loss {_bytes(m['loss'])}")

@@ -68,7 +68,8 @@ def export_keys(num_layers: int = 1) -> dict[str, str]:
         norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm") if n == 0 else (
             "input_layernorm", "post_attention_layernorm")
         keys.update({f"layers.{n}.self_attn.{p}_proj.weight": f"layers.{n}.self_attn.{p}_proj.weight" for p in "qkvo"})
-        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")})
+        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight"
+                     for p in ("gate", "up", "down")})
         keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
     keys.update({"norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"})
     return keys
@@ -180,7 +181,8 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
             raise DraftsmithError(f"{path}: missing tensor '{key}'")
     extra = sorted(keys - set(names.values()) - set(OPTIONAL_KEYS.values()) - set(allow_extra))
     if extra:
-        raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+        raise DraftsmithError(f"{path}: unexpected tensor '{extra[0]}'"
+                              + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
     st_kind = {"I64": "int64", "BOOL": "bool", "F32": "float", "F16": "float", "BF16": "float", "F64": "float"}
     for key in [*names.values(), *OPTIONAL_KEYS.values()]:  # a fixed order: the same error every time
         if key not in found or key not in shapes:
@@ -188,7 +190,8 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
         (shape, dtype), (want, kind) = found[key], shapes[key]
         if shape != want:
             raise DraftsmithError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
-                                  f"(hidden {config.hidden_size}, vocab {config.vocab_size}, draft vocab {config.draft_vocab_size})")
+                                  f"(hidden {config.hidden_size}, vocab {config.vocab_size}, "
+                                  f"draft vocab {config.draft_vocab_size})")
         if st_kind.get(dtype, dtype) != kind:
             raise DraftsmithError(f"{path}: tensor '{key}' has dtype {dtype}, expected {kind}")
 
@@ -262,14 +265,15 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
     }
 
 
-def _config_from_export(cj: dict, where: str):
+def _config_from_export(config_json: dict, where: str):
     """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
-    if cj.get("speculators_model_type") != "eagle3":
-        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", got {cj.get('speculators_model_type')!r}")
-    layer = cj.get("transformer_layer_config")
+    if config_json.get("speculators_model_type") != "eagle3":
+        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", "
+                              f"got {config_json.get('speculators_model_type')!r}")
+    layer = config_json.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
-    sc = cj.get("speculators_config")
+    sc = config_json.get("speculators_config")
     try:
         int(sc["proposal_methods"][0]["speculative_tokens"])
         str(sc["verifier"]["name_or_path"])
@@ -281,11 +285,12 @@ def _config_from_export(cj: dict, where: str):
             raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
     num_layers = layer.get("num_hidden_layers", 1)
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, got {num_layers!r}")
-    if cj.get("norm_before_residual", True):
+        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, "
+                              f"got {num_layers!r}")
+    if config_json.get("norm_before_residual", True):
         raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
                               "the raw hidden state as the residual; vLLM's default is true)")
-    if cj.get("norm_before_fc") or cj.get("fc_norm"):
+    if config_json.get("norm_before_fc") or config_json.get("fc_norm"):
         raise DraftsmithError(f"{where}: 'norm_before_fc'/'fc_norm' are not supported by draftsmith's drafter")
     rope = layer.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
@@ -296,11 +301,11 @@ def _config_from_export(cj: dict, where: str):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config.rope_parameters.rope_theta'")
     if layer.get("rope_theta") is not None and float(layer["rope_theta"]) != float(theta):
         raise DraftsmithError(f"{where}: 'rope_theta' ({layer['rope_theta']}) disagrees with rope_parameters ({theta})")
-    aux = cj.get("eagle_aux_hidden_state_layer_ids")
+    aux = config_json.get("eagle_aux_hidden_state_layer_ids")
     if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
         raise DraftsmithError(f"{where}: 'eagle_aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
-    if cj.get("target_hidden_size") not in (None, layer["hidden_size"]):
-        raise DraftsmithError(f"{where}: 'target_hidden_size' ({cj['target_hidden_size']}) differs from the "
+    if config_json.get("target_hidden_size") not in (None, layer["hidden_size"]):
+        raise DraftsmithError(f"{where}: 'target_hidden_size' ({config_json['target_hidden_size']}) differs from the "
                               f"drafter's hidden_size ({layer['hidden_size']}); not supported")
     try:
         config = Eagle3Config(
@@ -313,7 +318,7 @@ def _config_from_export(cj: dict, where: str):
             rope_theta=float(theta),
             max_position_embeddings=layer.get("max_position_embeddings", 8192),
             vocab_size=layer["vocab_size"],
-            draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
+            draft_vocab_size=config_json.get("draft_vocab_size") or layer["vocab_size"],
             num_aux_layers=len(aux),
             hidden_act=layer.get("hidden_act", "silu"),
             num_hidden_layers=num_layers,
@@ -343,8 +348,8 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     if not folder.is_dir():
         raise DraftsmithError(f"{folder}: no such export folder")
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    cj = read_json_object(cpath)
-    config, aux = _config_from_export(cj, str(cpath))
+    config_json = read_json_object(cpath)
+    config, aux = _config_from_export(config_json, str(cpath))
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
         target_info.check_layers(aux, field=where)
@@ -379,11 +384,11 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         "path": str(folder.resolve()),
         "config": config,
         "aux_layers": list(aux),
-        "num_speculative_tokens": int(cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
-        "verifier": cj["speculators_config"]["verifier"]["name_or_path"],
+        "num_speculative_tokens": int(config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
+        "verifier": config_json["speculators_config"]["verifier"]["name_or_path"],
         "has_embed_tokens": has_embed,
         "dtype": stored_dtype,
-        "draftsmith": cj.get("draftsmith") or {},
+        "draftsmith": config_json.get("draftsmith") or {},
     }
     return model, info
 
@@ -420,12 +425,13 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     info = target_info(cfg.target, cfg.trust_remote_code)
     ck_name, ck_fp = _meta_target(meta)
     if ck_fp is not None and ck_fp != info.fingerprint:
-        raise DraftsmithError(f"{meta_path}: the checkpoint was trained for target {ck_name or '?'} (fingerprint {ck_fp}), "
-                              f"but target is {info.name} (fingerprint {info.fingerprint}); set target to the model it was trained on")
+        raise DraftsmithError(f"{meta_path}: the checkpoint was trained for target {ck_name or '?'} "
+                              f"(fingerprint {ck_fp}), but target is {info.name} (fingerprint {info.fingerprint}); "
+                              "set target to the model it was trained on")
     info.check_layers(aux, field=f"{meta_path}: aux_layers")
     if (config.hidden_size, config.vocab_size) != (info.hidden_size, info.vocab_size):
-        raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} do not match "
-                              f"target {info.name} ({info.hidden_size}/{info.vocab_size})")
+        raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} "
+                              f"do not match target {info.name} ({info.hidden_size}/{info.vocab_size})")
 
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
@@ -445,7 +451,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         shutil.rmtree(stale, ignore_errors=True)
 
     with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
-        prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, dtype {dtype_name}")
+        prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
+                 f"dtype {dtype_name}")
         check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
         sd = load_file(str(weights_path))
         check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
@@ -459,7 +466,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         for name, export_name in export_keys(config.num_hidden_layers).items():
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
-        cj = speculators_config(
+        config_json = speculators_config(
             config, aux, target_name=verifier_name(cfg.target, info), target_arch=info.architecture,
             num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
             # what identifies the target wherever the drafter is deployed: the name the config
@@ -473,7 +480,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         built = Path(tempfile.mkdtemp(prefix=f".{STAGE}.", suffix=".tmp", dir=run.path))
         try:
             save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
-            (built / CONFIG_FILE).write_text(json.dumps(cj, indent=2) + "\n", encoding="utf-8")
+            (built / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
             for name in (WEIGHTS_FILE, CONFIG_FILE):
                 with open(built / name, "rb") as f:
                     os.fsync(f.fileno())

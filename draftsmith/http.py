@@ -64,8 +64,9 @@ def health_ok(root: str, timeout_s: float, client: httpx.Client | None = None) -
 
 def _secret_pattern(secret: str) -> re.Pattern:
     """The secret in any encoding a server might echo it in: each character as itself, escaped by
-    any number of backslashes (JSON writing a slash as backslash-slash, an escape of an escape), as a backslash-u escape, or
-    percent-encoded (URL, form: `+` for a space); hex digits in either case."""
+    any number of backslashes (JSON writing a slash as backslash-slash, an escape of an escape), as
+    a backslash-u escape, or percent-encoded (URL, form: `+` for a space); hex digits in either
+    case."""
     parts = []
     for ch in secret:
         forms = [re.escape(ch), f"u{ord(ch):04x}"]

@@ -47,7 +47,8 @@ def env_rank() -> tuple[int, int]:
         try:
             return int(raw)
         except ValueError:
-            raise DraftsmithError(f"${name}={raw!r}: not an integer (torchrun sets it; unset it outside torchrun)") from None
+            raise DraftsmithError(f"${name}={raw!r}: not an integer (torchrun sets it; unset it outside torchrun)"
+                                  ) from None
 
     rank, world = integer("RANK", 0), integer("WORLD_SIZE", 1)
     integer("LOCAL_RANK", 0)
@@ -56,8 +57,8 @@ def env_rank() -> tuple[int, int]:
     if not 0 <= rank < world:
         raise DraftsmithError(f"$RANK={rank}: must be in 0..{world - 1} for $WORLD_SIZE={world}")
     if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise DraftsmithError(f"$WORLD_SIZE={world} without $MASTER_ADDR and $MASTER_PORT: start the ranks with torchrun "
-                              "(torchrun --nproc-per-node N -m draftsmith -- ...), or use train.processes")
+        raise DraftsmithError(f"$WORLD_SIZE={world} without $MASTER_ADDR and $MASTER_PORT: start the ranks with "
+                              "torchrun (torchrun --nproc-per-node N -m draftsmith -- ...), or use train.processes")
     return rank, world
 
 
@@ -225,7 +226,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
     }
     stall = float(start.get("stall_after_s") or 300.0)
     kind = last.get("ev")
-    row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now) - float(start.get("t", now))), 1)
+    row["elapsed_s"] = round(max(0.0, (float(last["t"]) if kind in ("end", "error") else now)
+                                 - float(start.get("t", now))), 1)
     row["warming_up"] = False
     if kind == "end":
         row["state"] = "done"
@@ -251,7 +253,8 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
             row["state"] = "running"
         if row["state"] in ("running", "stalled"):
             points = [(float(e["t"]), float(e["done"])) for e in events
-                      if e.get("t") is not None and e.get("done") is not None and float(e["t"]) >= float(start.get("t", 0))]
+                      if e.get("t") is not None and e.get("done") is not None
+                         and float(e["t"]) >= float(start.get("t", 0))]
             r, row["warming_up"] = recent_rate(points, float(start.get("done") or 0))
             row["rate_per_s"] = round(r, 4) if r else None
             if r and row["total"] and row["done"] is not None:

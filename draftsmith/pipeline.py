@@ -117,8 +117,8 @@ def _refuse_other_format(run: RunDir, wanted: str) -> None:
     if held != wanted:
         raise DraftsmithError(
             f"{run.path / 'extract'}: holds a finished {held} store, but extract.store_format is {wanted} "
-            f"(the default is fp8; stores made before it are bf16); set extract.store_format={held} to keep training from it, "
-            f"or extract.overwrite=true to replace it")
+            f"(the default is fp8; stores made before it are bf16); set extract.store_format={held} to keep "
+            "training from it, or extract.overwrite=true to replace it")
 
 
 def summarize(run: RunDir) -> str:
@@ -127,7 +127,8 @@ def summarize(run: RunDir) -> str:
 
     def current(folder: str) -> bool:  # a report of this run's drafter, not one left from an earlier one
         m = run.read_manifest(folder)
-        return m is not None and (m.get("inputs") or {}).get("export") == export and (run.path / folder / "report.json").is_file()
+        return (m is not None and (m.get("inputs") or {}).get("export") == export
+                and (run.path / folder / "report.json").is_file())
 
     folders = [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if current(f)]
     if not folders:
@@ -139,6 +140,8 @@ def _summary_line(run: RunDir, folder: str) -> str:
     r = json.loads((run.path / folder / "report.json").read_text())
     tau = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") is not None else "n/a (no drafts)"
     per_pos = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
-    speedup = f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None else "no speedup measured (eval.baseline off)"
-    return (f"{r['engine']} engine: acceptance length {tau} (per position {per_pos}) at K={r['num_speculative_tokens']}, "
-            f"{speedup} on {r['prompts']} prompts; report {run.path / folder / 'report.md'}")
+    speedup = (f"speedup {r['speedup']:.2f}x" if r.get("speedup") is not None
+               else "no speedup measured (eval.baseline off)")
+    return (f"{r['engine']} engine: acceptance length {tau} (per position {per_pos}) "
+            f"at K={r['num_speculative_tokens']}, {speedup} on {r['prompts']} prompts; "
+            f"report {run.path / folder / 'report.md'}")

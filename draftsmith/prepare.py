@@ -108,7 +108,8 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            text = self.tok.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
             raise TemplateProblem(f"the chat template of {self.target} fails on it ({type(e).__name__}: {e})") from None
         if not isinstance(text, str):
@@ -343,7 +344,8 @@ def _check_record(rec: Any, where: str) -> tuple[Any, list[dict], list[str] | No
         raise DraftsmithError(f"{where}: 'messages' must be a non-empty list")
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise DraftsmithError(f"{where}: message {j + 1}: role must be one of {', '.join(ROLES)} (got {m.get('role') if isinstance(m, dict) else m!r})")
+            raise DraftsmithError(f"{where}: message {j + 1}: role must be one of {', '.join(ROLES)} "
+                                  f"(got {m.get('role') if isinstance(m, dict) else m!r})")
         if not isinstance(m.get("content"), str):
             raise DraftsmithError(f"{where}: message {j + 1}: 'content' must be a string")
         if m.get("reasoning") is not None and not isinstance(m["reasoning"], str):
@@ -432,7 +434,8 @@ def run_prepare(run: RunDir, cfg) -> dict:
     gen_manifest = upstream(run, "generate", by="draftsmith prepare")
     gen_path = run.stage_dir("generate", create=False) / "samples.jsonl"
     if not gen_path.is_file():
-        raise DraftsmithError(f"{gen_path}: missing although generate completed; rerun `draftsmith generate --run {run.path}`")
+        raise DraftsmithError(f"{gen_path}: missing although generate completed; "
+                              f"rerun `draftsmith generate --run {run.path}`")
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
     check_target(run, "generate", gen_manifest, info)
     gen_sha = file_sha256(gen_path)
@@ -450,12 +453,15 @@ def run_prepare(run: RunDir, cfg) -> dict:
     encoder = ChatEncoder.for_target(tok, info)
     keys = scan_generated(gen_path)
     done_keys, tally = _resume(run, book, keys, say)
-    with Progress(run, STAGE, total=len(keys), unit="samples", done=len(done_keys), stall_after_s=cfg.stall_after_s) as prog:
+    with Progress(run, STAGE, total=len(keys), unit="samples", done=len(done_keys),
+                  stall_after_s=cfg.stall_after_s) as prog:
         prog.log(f"target {info.name}; {len(keys)} generated samples, {len(done_keys)} already prepared; "
                  f"max_length {cfg.prepare.max_length} ({cfg.prepare.overflow}); reasoning "
                  + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else
-                    "spliced into the template's own think block (last turns)" if encoder.think_slot else "written as <think> blocks"))
-        counts, dropped_examples = _encode_samples(gen_path, out_path, keys, done_keys, encoder, tally, cfg.prepare, prog)
+                    "spliced into the template's own think block (last turns)" if encoder.think_slot else
+                    "written as <think> blocks"))
+        counts, dropped_examples = _encode_samples(gen_path, out_path, keys, done_keys, encoder, tally,
+                                                   cfg.prepare, prog)
         _log_summary(prog, gen_path, tally, counts, dropped_examples)
         manifest_counts = {
             "done": tally.samples, "total": tally.samples, "unit": "samples",
@@ -492,8 +498,8 @@ def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "Prepar
     return read_prepared(out_path, set(keys))
 
 
-def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, encoder: "ChatEncoder", tally: "PreparedTotals",
-                    pcfg, prog) -> tuple[dict[str, int], list[str]]:
+def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, encoder: "ChatEncoder",
+                    tally: "PreparedTotals", pcfg, prog) -> tuple[dict[str, int], list[str]]:
     """Append one prepared line per generated sample not yet done; (drop counts, a few examples)."""
     counts = {"dropped_too_long": 0, "dropped_empty_mask": 0}
     dropped_examples: list[str] = []
@@ -558,7 +564,8 @@ def capture_rate(notes: dict[str, int]) -> float | None:
     return round(notes.get("reasoning_kept", 0) / turns, 4) if turns else None
 
 
-def _log_summary(prog, gen_path: Path, tally: "PreparedTotals", counts: dict[str, int], dropped_examples: list[str]) -> None:
+def _log_summary(prog, gen_path: Path, tally: "PreparedTotals", counts: dict[str, int],
+                 dropped_examples: list[str]) -> None:
     """What was kept and dropped, as log lines; no sample kept is an error."""
     dropped = counts["dropped_too_long"] + counts["dropped_empty_mask"]
     if tally.samples == 0:
@@ -572,11 +579,14 @@ def _log_summary(prog, gen_path: Path, tally: "PreparedTotals", counts: dict[str
     if tally.notes.get("reasoning_turns"):
         turns, kept = tally.notes["reasoning_turns"], tally.notes.get("reasoning_kept", 0)
         prog.log(f"reasoning: {turns} assistant turns had reasoning; {kept} of them ({kept / turns:.0%}) kept in the "
-                 f"prepared ids and the loss mask" + (f" ({tally.notes['reasoning_spliced']} last turns spliced after the "
-                 f"generation prompt: the template drops their reasoning)" if tally.notes.get("reasoning_spliced") else ""))
-    for k, msg in (("reasoning_dropped_by_template", "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
+                 f"prepared ids and the loss mask"
+                 + (f" ({tally.notes['reasoning_spliced']} last turns spliced after the generation prompt: the "
+                    "template drops their reasoning)" if tally.notes.get("reasoning_spliced") else ""))
+    for k, msg in (("reasoning_dropped_by_template",
+                    "assistant turns whose reasoning the template leaves out (it keeps only the last turn's)"),
                    ("turns_without_end_token", "assistant turns with no end-of-turn token after them in the template"),
-                   ("generation_prompt_not_in_history", "assistant turns whose generation prompt the template's history does not show "
+                   ("generation_prompt_not_in_history",
+                    "assistant turns whose generation prompt the template's history does not show "
                     "(e.g. DeepSeek-R1's '<think>\\n'): masked from where the two part"),
                    ("boundary_retokenized", "samples tokenized piecewise because a token straddled a turn boundary"),
                    ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
@@ -600,7 +610,8 @@ def check_prepared_line(line: bytes | str, where: str, rerun: str = "rerun `draf
     ids = rec.get("input_ids") if isinstance(rec, dict) else None
     mask = rec.get("loss_mask") if isinstance(rec, dict) else None
     if not isinstance(ids, list) or not isinstance(mask, list) or "id" not in rec:
-        raise DraftsmithError(f"{where}: not a prepared sample (expected {{\"id\", \"input_ids\", \"loss_mask\"}}); {rerun}")
+        raise DraftsmithError(f"{where}: not a prepared sample "
+                              f"(expected {{\"id\", \"input_ids\", \"loss_mask\"}}); {rerun}")
     if not ids or len(ids) != len(mask):
         raise DraftsmithError(f"{where}: input_ids ({len(ids)}) and loss_mask ({len(mask)}) must be non-empty and "
                               f"equally long; {rerun}")

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line, scrub
-from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate, journal_name,
-                               journal_state, read_journal, recent_rate)
+from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate,
+                               journal_name, journal_state, read_journal, recent_rate)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
 
@@ -88,7 +88,8 @@ class Progress:
         self.done = self.start_done = done
         self.stall_after_s = stall_after_s
         # Seconds between plain progress lines; DRAFTSMITH_LOG_INTERVAL_S overrides the default.
-        self.interval_s = interval_s if interval_s is not None else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0))
+        self.interval_s = (interval_s if interval_s is not None
+                           else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0)))
         # Heartbeat often enough that a healthy stage is never near its stall threshold.
         self.heartbeat_s = heartbeat_s or max(0.2, min(5.0, stall_after_s / 10))
         self.rank = env_r if rank is None else rank
@@ -286,7 +287,8 @@ class Progress:
 
     def _start_bar(self) -> None:
         # rich only when a bar is drawn (a terminal): journals and plain log lines do without it
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self._bar = Bar(
             TextColumn(f"[bold]{self.stage}[/bold]"), BarColumn(), MofNCompleteColumn(),

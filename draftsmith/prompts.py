@@ -89,7 +89,8 @@ def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int, lim
         if prefix_exceeds(tokenizer, text, limit):
             return limit + 1
         # per turn: the answer, and the template's few tokens around it
-        longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
+        longest = max(longest,
+                      len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
     return longest
 
 
@@ -266,7 +267,8 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
         answers = [None]
         pid = str(rec["task_id"]).replace("/", "-")
     else:
-        raise PromptError(f"{where}: unknown record format (expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
+        raise PromptError(f"{where}: unknown record format "
+                          "(expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
     if not turns or not any(x.strip() for x in turns):
         raise PromptError(f"{where}: empty conversation (no user turn)")
     return Prompt(id=pid, turns=turns, system=system, answers=answers)
@@ -346,8 +348,9 @@ def load_prompts(
     if limit is not None:
         out = out[:limit]
     if not out:
-        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, filtered {stats.filtered}"
-                          + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a file with "
-                             "assistant replies" if require_answers else "")
+        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, "
+                          f"filtered {stats.filtered}"
+                          + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a "
+                             "file with assistant replies" if require_answers else "")
                           + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")")
     return out

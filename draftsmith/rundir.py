@@ -596,10 +596,12 @@ def write_stage_config(run: RunDir, stage: str, config) -> Path:
 
 def stage_fingerprint(settings: dict[str, Any], upstream: dict[str, dict | None]) -> str:
     """What a stage's result depends on: its settings plus the fingerprints of its inputs."""
-    return fingerprint({"settings": settings, "upstream": {k: (m or {}).get("fingerprint") for k, m in upstream.items()}})
+    return fingerprint({"settings": settings,
+                        "upstream": {k: (m or {}).get("fingerprint") for k, m in upstream.items()}})
 
 
-def fingerprinted(section: dict[str, Any], ignore: tuple[str, ...] = (), later_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+def fingerprinted(section: dict[str, Any], ignore: tuple[str, ...] = (),
+                  later_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """A stage's config section as its fingerprint sees it: without the keys that do not change
     what it writes (`ignore`), and without knobs added after runs were made while they hold their
     defaults (`later_defaults`), so that those runs stay current."""

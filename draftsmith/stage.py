@@ -135,6 +135,7 @@ class StageBook:
     def finish(self, counts: dict[str, Any], outputs: list[str] | None = None, extra: dict[str, Any] | None = None,
                inputs: dict[str, Any] | None = None) -> dict:
         """Write the manifest (the record that the stage completed) and return it."""
-        return self.run.write_manifest(self.name, fingerprint=self.fingerprint, inputs={**self.inputs, **(inputs or {})},
+        return self.run.write_manifest(self.name, fingerprint=self.fingerprint,
+                                       inputs={**self.inputs, **(inputs or {})},
                                        settings=self.settings, counts=counts, started=self.started,
                                        outputs=outputs, extra=extra)

@@ -235,8 +235,8 @@ def pipeline_status(run: RunDir, host: str) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     alive = pid_alive(int(p["pid"])) if p.get("host") == host and p.get("pid") else None
-    state = "done" if p.get("finished") else "interrupted" if p.get("interrupted") else "failed" if p.get("error") else (
-        "running" if alive else "dead" if alive is False else "unknown")
+    state = ("done" if p.get("finished") else "interrupted" if p.get("interrupted") else "failed" if p.get("error")
+             else "running" if alive else "dead" if alive is False else "unknown")
     return {"state": state, "pid": p.get("pid"), "current": p.get("current"), "stages": p.get("stages"),
             "error": p.get("error")}
 
@@ -265,10 +265,12 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
         f"{fmt_rate(r['rate_per_s'])}/s" + (" (warming up)" if r.get("warming_up") else "") if r["rate_per_s"] else "-",
         fmt_duration(r["eta_s"]) if r["eta_s"] is not None else "-",
         fmt_duration(r["elapsed_s"]) if r.get("elapsed_s") is not None else "-",
-        f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending") else "-",
+        (f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending")
+         else "-"),
         str(r["pid"] or "-"),
-        f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])}" + (f", {r['bytes_per_token']:,.0f} B/token" if r.get("bytes_per_token") else "")
-        + ")" if r["bytes_on_disk"] else str(r["on_disk"] or "-"),
+        (f"{r['on_disk']} ({_bytes(r['bytes_on_disk'])}"
+         + (f", {r['bytes_per_token']:,.0f} B/token" if r.get("bytes_per_token") else "") + ")"
+         if r["bytes_on_disk"] else str(r["on_disk"] or "-")),
     ]
 
 
@@ -285,7 +287,8 @@ def render_table(status: dict[str, Any]) -> str:
         if r.get("bad_journal_lines"):
             notes.append(f"{r['name']}: {r['bad_journal_lines']} line(s) of its progress journal are not valid events "
                          "and were skipped")
-        if r["state"] != "pending" and r["done"] is not None and r["name"] in ("generate", "extract", "eval", "prepare"):
+        if (r["state"] != "pending" and r["done"] is not None
+                and r["name"] in ("generate", "extract", "eval", "prepare")):
             if r["on_disk"] != r["done"]:
                 notes.append(f"{r['name']}: the journal says {r['done']} {r['unit'] or ''} done, "
                              f"the files on disk hold {r['on_disk']}")
@@ -293,8 +296,10 @@ def render_table(status: dict[str, Any]) -> str:
     head = f"run: {status['run']}"
     pipe = status.get("pipeline")
     if pipe:
-        head += f"  (draftsmith run: {pipe['state']}" + (f", at {pipe['current']}" if pipe["current"] and pipe["state"] == "running" else "") + \
-            (f", pid {pipe['pid']}" if pipe["state"] == "running" else "") + (f": {pipe['error']}" if pipe.get("error") else "") + ")"
+        head += (f"  (draftsmith run: {pipe['state']}"
+                 + (f", at {pipe['current']}" if pipe["current"] and pipe["state"] == "running" else "")
+                 + (f", pid {pipe['pid']}" if pipe["state"] == "running" else "")
+                 + (f": {pipe['error']}" if pipe.get("error") else "") + ")")
     lines = [head, "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines += notes

@@ -64,7 +64,8 @@ def pick_device(spec: str = "auto"):
     if dev.index is None:
         dev = torch.device("cuda", int(local or 0))
     elif local is not None and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1 and dev.index != int(local):
-        raise DraftsmithError(f"device: {spec!r} under torchrun puts every rank on one GPU; use `cuda` (each rank its own)")
+        raise DraftsmithError(f"device: {spec!r} under torchrun puts every rank on one GPU; "
+                              "use `cuda` (each rank its own)")
     if dev.index >= torch.cuda.device_count():
         raise DraftsmithError(f"device: {dev} asked for, but this node has {torch.cuda.device_count()} GPU(s) "
                               "(under torchrun: --nproc-per-node at most the GPU count)")
@@ -174,7 +175,8 @@ def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
         fresh = type(src)(config)
         missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
         if [k for k in missing if "rotary" not in k] or unexpected:
-            raise DraftsmithError(f"{gguf}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise DraftsmithError(f"{gguf}: weights do not match the architecture "
+                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         fresh = fresh.to(torch.bfloat16)
         tmp.mkdir(parents=True)
         try:
@@ -240,7 +242,8 @@ class TargetInfo:
             # id k = the hidden state entering decoder layer k (HF hidden_states[k]), 0 < k < N.
             if not 0 < k < self.num_layers:
                 raise DraftsmithError(
-                    f"{field}: layer id {k} is out of range for {self.name} ({self.num_layers} layers; valid 1..{self.num_layers - 1})")
+                    f"{field}: layer id {k} is out of range for {self.name} "
+                    f"({self.num_layers} layers; valid 1..{self.num_layers - 1})")
         if sorted(set(layers)) != list(layers):
             raise DraftsmithError(f"{field}: layer ids must be distinct and increasing, got {layers}")
         return list(layers)
@@ -305,7 +308,8 @@ def check_followable(cfg, text_cfg, where, trust_remote_code: bool = False) -> N
     if reason is not None:
         arch = ", ".join(getattr(cfg, "architectures", None) or []) or type(cfg).__name__
         raise DraftsmithError(f"{where}: {arch} (model_type {getattr(cfg, 'model_type', '?')}) is {reason}; "
-                              "draftsmith trains EAGLE-3 drafters for decoder-only language models (e.g. LlamaForCausalLM)")
+                              "draftsmith trains EAGLE-3 drafters for decoder-only language models "
+                              "(e.g. LlamaForCausalLM)")
 
 
 def target_info(spec: str, trust_remote_code: bool = False, log=print) -> TargetInfo:
@@ -319,8 +323,8 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
         cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except Exception as e:
         if not trust_remote_code and "trust_remote_code" in str(e):
-            raise DraftsmithError(f"{folder / 'config.json'}: the model needs Python code from its own folder (auto_map); "
-                                  "set trust_remote_code=true to let it run") from None
+            raise DraftsmithError(f"{folder / 'config.json'}: the model needs Python code from its own folder "
+                                  "(auto_map); set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
@@ -399,7 +403,8 @@ class Target:
         """Token ids that end an answer: the tokenizer's EOS and the generation config's (often
         several: Llama 3's <|eot_id|> beside <|end_of_text|>)."""
         ids: set[int] = set()
-        for v in (self.tokenizer.eos_token_id, getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+        for v in (self.tokenizer.eos_token_id,
+                  getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
             if isinstance(v, int):
                 ids.add(v)
             elif isinstance(v, (list, tuple)):
@@ -437,7 +442,8 @@ def target_device_map(info: TargetInfo, dev, dtype, log=print) -> dict[str, Any]
     return "auto"
 
 
-def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, log=print) -> Target:
+def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
+                log=print) -> Target:
     """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
     info = target_info(spec, trust_remote_code, log=log)
     quiet_transformers()

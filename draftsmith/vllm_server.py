@@ -281,7 +281,8 @@ class VLLMServer:
             logf.flush()
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True,  # its own process group: stop() kills all of it
-                                         preexec_fn=die_with_parent if self.kill_with_parent and sys.platform == "linux" else None)
+                                         preexec_fn=(die_with_parent
+                                                     if self.kill_with_parent and sys.platform == "linux" else None))
         atexit.register(self.stop)
         deadline = t0 + self.startup_timeout_s
         watch = _StartupWatch(self.log_path, self.say)
@@ -290,7 +291,8 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: {self._log_tail()}")
+                raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: "
+                                      f"{self._log_tail()}")
             if health_ok(self.url, timeout_s=2.0):
                 watch.poll()
                 if watch.phase != "ready":
@@ -298,7 +300,8 @@ class VLLMServer:
                 break
             if time.time() > deadline:
                 self.stop()
-                raise DraftsmithError(f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}: {self._log_tail()}")
+                raise DraftsmithError(f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; "
+                                      f"log {self.log_path}: {self._log_tail()}")
             time.sleep(0.5)
         self.startup_s = time.time() - t0
         return self

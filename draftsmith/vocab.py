@@ -49,7 +49,8 @@ def select_draft_vocab(counts, draft_vocab_size: int):
     counts = np.asarray(counts, dtype=np.int64)
     v = counts.shape[0]
     if draft_vocab_size > v:
-        raise DraftsmithError(f"vocab.draft_vocab_size: {draft_vocab_size} is larger than the target vocabulary ({v} tokens)")
+        raise DraftsmithError(f"vocab.draft_vocab_size: {draft_vocab_size} is larger than the target vocabulary "
+                              f"({v} tokens)")
     ids = np.arange(v, dtype=np.int64)
     # lexsort sorts by the last key first: descending count, then ascending id.
     order = np.lexsort((ids, -counts))
@@ -70,7 +71,8 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     for i, _, ids, mask in iter_prepared(run):
         masked = ids[mask]
         if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
-            raise DraftsmithError(f"{path}:{i + 1}: token id {int(masked.max())} is outside the target vocabulary ({vocab_size})")
+            raise DraftsmithError(f"{path}:{i + 1}: token id {int(masked.max())} is outside the target vocabulary "
+                                  f"({vocab_size})")
         buf.append(masked)
         buffered += masked.size
         samples += 1
@@ -95,7 +97,8 @@ def run_vocab(run: RunDir, cfg) -> dict:
     size = cfg.vocab.draft_vocab_size
     if size > info.vocab_size:
         raise DraftsmithError(
-            f"vocab.draft_vocab_size: {size} is larger than the vocabulary of target {info.name} ({info.vocab_size} tokens)")
+            f"vocab.draft_vocab_size: {size} is larger than the vocabulary of target {info.name} "
+            f"({info.vocab_size} tokens)")
     book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": VOCAB_VERSION},
                      upstream={"prepare": prep}, target=info)
     fp = book.fingerprint
@@ -123,8 +126,9 @@ def run_vocab(run: RunDir, cfg) -> dict:
         covered = int(counts[t2d].sum())
         coverage = covered / total
         filled = max(0, size - distinct)
-        prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {fmt_count(total)} loss-masked tokens "
-                 f"({distinct} distinct tokens seen" + (f"; {filled} unseen ids fill the rest" if filled else "") + ")")
+        prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {fmt_count(total)} "
+                 f"loss-masked tokens ({distinct} distinct tokens seen"
+                 + (f"; {filled} unseen ids fill the rest" if filled else "") + ")")
 
         vocab_info = {
             "draft_vocab_size": size, "target_vocab_size": info.vocab_size, "coverage": coverage,
@@ -132,7 +136,8 @@ def run_vocab(run: RunDir, cfg) -> dict:
             "target": info.name, "target_fingerprint": info.fingerprint,
             "prepare_fingerprint": prep.get("fingerprint"), "fingerprint": fp,
         }
-        meta = {k: str(vocab_info[k]) for k in ("fingerprint", "prepare_fingerprint", "target_fingerprint", "draft_vocab_size")}
+        meta = {k: str(vocab_info[k])
+                for k in ("fingerprint", "prepare_fingerprint", "target_fingerprint", "draft_vocab_size")}
         with atomic_path(st_path) as tmp:
             save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp), metadata=meta)
         atomic_write_json(json_path, vocab_info)
@@ -164,7 +169,8 @@ def load_vocab(run: RunDir, expect_target_fingerprint: str | None = None, expect
         raise DraftsmithError(f"{json_path}: does not belong to {run.manifest_path(STAGE)} (another build); {rerun}")
     if expect_target_fingerprint is not None and info.get("target_fingerprint") != expect_target_fingerprint:
         raise DraftsmithError(
-            f"{json_path}: built for another target ({info.get('target')}, fingerprint {info.get('target_fingerprint')}) "
+            f"{json_path}: built for another target "
+            f"({info.get('target')}, fingerprint {info.get('target_fingerprint')}) "
             f"than the current one ({expect_target_fingerprint}); {rerun}")
     if expect_size is not None and info.get("draft_vocab_size") != expect_size:
         raise DraftsmithError(
@@ -183,7 +189,8 @@ def load_vocab(run: RunDir, expect_target_fingerprint: str | None = None, expect
         raise DraftsmithError(f"{st_path}: does not belong to {json_path} (another build); {rerun}")
     dv, v = info["draft_vocab_size"], info["target_vocab_size"]
     if d2t.shape != (dv,) or t2d.shape != (v,) or int(t2d.sum()) != dv:
-        raise DraftsmithError(f"{st_path}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match {dv} of {v} tokens")
+        raise DraftsmithError(f"{st_path}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                              f"{dv} of {v} tokens")
     if not np.array_equal(np.arange(dv) + d2t, np.flatnonzero(t2d)):
         raise DraftsmithError(f"{st_path}: d2t and t2d disagree; {rerun}")
     return torch.from_numpy(d2t.astype(np.int64)), torch.from_numpy(t2d.astype(bool)), info

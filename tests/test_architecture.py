@@ -73,3 +73,9 @@ def test_light_paths_stay_light(code, heavy):
     probe = f"import sys; {code}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "", p.stdout + p.stderr
+
+
+def test_no_line_of_the_package_is_over_120_characters():
+    long = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
+    assert not long, long[:20]

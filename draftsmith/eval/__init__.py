@@ -43,7 +43,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
     eval_cfg = cfg.eval
     if eval_cfg.engine not in ENGINES:
-        raise DraftsmithError(f"eval.engine={eval_cfg.engine}: not available in this build; use one of {', '.join(ENGINES)}")
+        raise DraftsmithError(f"eval.engine={eval_cfg.engine}: not available in this build; "
+                              f"use one of {', '.join(ENGINES)}")
     run.ensure()
     started = time.time()
     export_manifest, export_dir = drafter_source(run, eval_cfg.drafter)
@@ -51,12 +52,13 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     info = target_info(cfg.target, cfg.trust_remote_code)
     exported_for = drafter_config.get("draftsmith") or {}
     if exported_for.get("target_fingerprint") not in (None, info.fingerprint):
-        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target {exported_for.get('target')} "
-                              f"(fingerprint {exported_for.get('target_fingerprint')}), but target is {info.name} "
-                              f"(fingerprint {info.fingerprint})")
+        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target "
+                              f"{exported_for.get('target')} (fingerprint {exported_for.get('target_fingerprint')}), "
+                              f"but target is {info.name} (fingerprint {info.fingerprint})")
     prompts = load_prompts(eval_cfg.prompts, limit=eval_cfg.limit, offset=eval_cfg.offset, first_turn_only=True)
     if not prompts:
-        raise DraftsmithError(f"eval.prompts: no prompts in {eval_cfg.prompts} (offset {eval_cfg.offset}, limit {eval_cfg.limit})")
+        raise DraftsmithError(f"eval.prompts: no prompts in {eval_cfg.prompts} "
+                              f"(offset {eval_cfg.offset}, limit {eval_cfg.limit})")
 
     settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
     if eval_cfg.engine == "local":  # the server settings do not change what the local engine computes
@@ -73,12 +75,14 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     d = run.stage_dir(folder)
     done = resume_records(d / ANSWERS, record_fp, keep={p.id for p in prompts})
 
-    with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done), stall_after_s=cfg.stall_after_s) as prog:
+    with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done),
+                  stall_after_s=cfg.stall_after_s) as prog:
         if done:
             prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {d / ANSWERS}")
         trained = exported_for.get("ttt_steps")
         if trained and eval_cfg.num_speculative_tokens > trained:
-            prog.log(f"note: K={eval_cfg.num_speculative_tokens} exceeds the {trained} steps the drafter was trained to draft")
+            prog.log(f"note: K={eval_cfg.num_speculative_tokens} exceeds the {trained} steps the drafter was "
+                     "trained to draft")
         todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
         if todo:
             ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup,
@@ -89,7 +93,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         write_report(d, report, run.path / "train" / "metrics.jsonl")
         prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
                  f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
-                 f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs {fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
+                 f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
+                 f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
                  f"(speedup {fmt_value(report['speedup'])})")
     return book.finish(
         counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
@@ -143,9 +148,11 @@ def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config
     eval_cfg = cfg.eval
     device = pick_device(cfg.device)
     report = {
-        "engine": eval_cfg.engine, "num_speculative_tokens": eval_cfg.num_speculative_tokens, "temperature": eval_cfg.temperature,
+        "engine": eval_cfg.engine, "num_speculative_tokens": eval_cfg.num_speculative_tokens,
+        "temperature": eval_cfg.temperature,
         **aggregate(records, eval_cfg.num_speculative_tokens),
-        "max_tokens": eval_cfg.max_tokens, "prompts_source": eval_cfg.prompts, "offset": eval_cfg.offset, "limit": eval_cfg.limit,
+        "max_tokens": eval_cfg.max_tokens, "prompts_source": eval_cfg.prompts, "offset": eval_cfg.offset,
+        "limit": eval_cfg.limit,
         "target": info.name, "target_fingerprint": info.fingerprint,
         # what "auto" resolved to on this machine
         "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),

@@ -253,7 +253,8 @@ def local_engine(ctx: EngineContext) -> Iterator[dict]:
                                       device=target.device, dtype=target.dtype)
     prog.log(f"target {target.info.name} ({target.dtype}, {target.device}), drafter {ctx.export_dir} "
              f"(aux layers {exported['aux_layers']}, draft vocab {exported['config'].draft_vocab_size}), "
-             f"K={eval_cfg.num_speculative_tokens}, temperature {eval_cfg.temperature}, max_tokens {eval_cfg.max_tokens}")
+             f"K={eval_cfg.num_speculative_tokens}, temperature {eval_cfg.temperature}, "
+             f"max_tokens {eval_cfg.max_tokens}")
     tok = target.tokenizer
     dec = SpecDecoder(target.model, drafter, exported["aux_layers"], eval_cfg.num_speculative_tokens,
                       eval_cfg.temperature, target.eos_ids())
@@ -267,7 +268,8 @@ def local_engine(ctx: EngineContext) -> Iterator[dict]:
             ids = render_prompt(tok, prompt)
             seed = prompt_seed(eval_cfg.seed, index)
             spec = dec.generate(ids, eval_cfg.max_tokens, torch.Generator().manual_seed(seed))
-            base = dec.plain_generate(ids, eval_cfg.max_tokens, torch.Generator().manual_seed(seed)) if eval_cfg.baseline else None
+            base = (dec.plain_generate(ids, eval_cfg.max_tokens, torch.Generator().manual_seed(seed))
+                    if eval_cfg.baseline else None)
             yield make_record(index, prompt, ids, spec, base, tok, eval_cfg.temperature)
     finally:
         dec.close()

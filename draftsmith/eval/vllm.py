@@ -118,10 +118,12 @@ class VLLMChat:
     def counters(self) -> SpecCounters:
         r = self.http.get_root(self.server, "/metrics")
         if r is None or r.status_code != 200:
-            raise DraftsmithError(f"eval: {self.url}/metrics: " + ("no answer" if r is None else f"HTTP {r.status_code}"))
+            raise DraftsmithError(f"eval: {self.url}/metrics: "
+                                  + ("no answer" if r is None else f"HTTP {r.status_code}"))
         return spec_counters(r.text)
 
-    def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int, what: str) -> tuple[dict, float]:
+    def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int,
+             what: str) -> tuple[dict, float]:
         """-> (the response's first choice with `usage` added, wall seconds of the request)."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "return_token_ids": True}
@@ -235,7 +237,8 @@ def _vllm_baseline(ctx: EngineContext, missing: list, target_dir: str, python, t
     is appended to eval/vllm_baseline.jsonl (a resumed run does not redo it) and to `baseline`.
     Returns what the report says of that server."""
     eval_cfg, prog, d = ctx.cfg.eval, ctx.prog, ctx.stage_dir
-    with _server(ctx, target_dir, vllm_server_args(ctx.cfg, None), BASELINE_LOG, python, "baseline, no drafting") as srv:
+    with _server(ctx, target_dir, vllm_server_args(ctx.cfg, None), BASELINE_LOG, python,
+                 "baseline, no drafting") as srv:
         client = VLLMChat(srv.url, timeout_s).connect()
         about = {"args": srv.command()[1:], "vllm_version": client.version(),
                  "startup_s": round(srv.startup_s, 1), "log": BASELINE_LOG}
@@ -270,8 +273,8 @@ def _vllm_record(client: VLLMChat, ctx: EngineContext, index: int, prompt, base:
     """One prompt with drafting: its answer, and its counts from the counters before and after it."""
     eval_cfg, K = ctx.cfg.eval, ctx.cfg.eval.num_speculative_tokens
     before = client.counters()
-    choice, sec = client.chat(prompt.first_turn_messages(), eval_cfg.max_tokens, eval_cfg.temperature, prompt_seed(eval_cfg.seed, index),
-                              f"prompt {prompt.id}")
+    choice, sec = client.chat(prompt.first_turn_messages(), eval_cfg.max_tokens, eval_cfg.temperature,
+                              prompt_seed(eval_cfg.seed, index), f"prompt {prompt.id}")
     ans = _answer_fields(choice, sec)
     counts = counter_delta(before, client.counters(), K)
     if not counts_consistent(counts, ans["output_tokens"], K):

@@ -24,8 +24,8 @@ import shutil
 from draftsmith import DraftsmithError
 from draftsmith.extract import hf, store, vllm_backend
 from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
-from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION, META, SHARD_RECORD,
-                                      STAGE, ExtractStore, bytes_per_token, encode_sample, shard_name,
+from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION, META,
+                                      SHARD_RECORD, STAGE, ExtractStore, bytes_per_token, encode_sample, shard_name,
                                       shard_ranges)
 from draftsmith.journal import env_rank
 from draftsmith.prepare import Prepared, index_prepared, prepared_path
@@ -59,12 +59,14 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     prep = upstream(run, "prepare", by="draftsmith extract")
     info = target.info if target is not None else target_info(cfg.target, cfg.trust_remote_code)
     check_target(run, "prepare", prep, info)
-    layers = info.check_layers(list(extract_cfg.layers) if extract_cfg.layers is not None else info.default_aux_layers())
+    layers = info.check_layers(list(extract_cfg.layers) if extract_cfg.layers is not None
+                               else info.default_aux_layers())
     samples_path = prepared_path(run, by="draftsmith extract")
     compute_dtype = _compute_dtype(cfg, target)
-    settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size, "backend": extract_cfg.backend,
-                "compute_dtype": compute_dtype}
-    if extract_cfg.store_format != "bf16":  # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
+    settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size,
+                "backend": extract_cfg.backend, "compute_dtype": compute_dtype}
+    # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
+    if extract_cfg.store_format != "bf16":
         settings["store_format"] = extract_cfg.store_format
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
@@ -84,10 +86,11 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     meta = {
         "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
         "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-        "vocab_size": info.vocab_size, "store_format": extract_cfg.store_format, "dtype": FORMAT_DTYPE[extract_cfg.store_format],
+        "vocab_size": info.vocab_size, "store_format": extract_cfg.store_format,
+        "dtype": FORMAT_DTYPE[extract_cfg.store_format],
         "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
-        "shard_size": extract_cfg.shard_size, "fields": list(FORMAT_FIELDS[extract_cfg.store_format]), "backend": extract_cfg.backend,
-        "lengths": prepared.lengths,
+        "shard_size": extract_cfg.shard_size, "fields": list(FORMAT_FIELDS[extract_cfg.store_format]),
+        "backend": extract_cfg.backend, "lengths": prepared.lengths,
     }
     d = run.stage_dir(STAGE)
     with store.ranks_lock(d):
@@ -148,7 +151,8 @@ def _compute_dtype(cfg, target) -> str:
     """The dtype the states are computed in (before the store's bfloat16)."""
     if cfg.extract.backend == "vllm":
         return vllm_backend.server_dtype(cfg)  # what the server runs in (its files are checked to hold it)
-    return str(target.dtype if target is not None else pick_dtype(cfg.dtype, pick_device(cfg.device))).replace("torch.", "")
+    return str(target.dtype if target is not None
+               else pick_dtype(cfg.dtype, pick_device(cfg.device))).replace("torch.", "")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -192,7 +196,8 @@ def _resume(d, mine, present: dict, prepared: Prepared, layers: list[int], hidde
     check = [s for s in mine if verify is True or (verify and s in verify)]
     if check and done:
         with prog.busy(f"verifying the finished files of {len(check)} shard(s)"):
-            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log, store_format) for s in check)
+            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log, store_format)
+                          for s in check)
         present = {s: store.present(d, s) for s in mine}
         prog.done -= removed  # the journal's count must match what is on disk
         prog.log(f"verify: {done - removed} files good, {removed} redone")

@@ -426,7 +426,8 @@ def remove_damaged(stage_dir: Path, shards: list[tuple[int, int]]) -> tuple[list
             size = p.stat().st_size if p.is_file() else None
             if size != sizes.get(p.name):
                 bad.append(p)
-                damaged.append(f"{d.name}/{p.name}: " + ("missing" if size is None else f"{size} bytes, {sizes.get(p.name)} recorded"))
+                damaged.append(f"{d.name}/{p.name}: "
+                               + ("missing" if size is None else f"{size} bytes, {sizes.get(p.name)} recorded"))
         if bad:
             (d / SHARD_RECORD).unlink(missing_ok=True)
             for p in bad:
@@ -467,7 +468,8 @@ def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], h
     for k, (dt, shape) in expect.items():
         if t[k].dtype != dt or tuple(t[k].shape) != shape:
             return f"{k} is {t[k].dtype} {tuple(t[k].shape)}, expected {dt} {shape}"
-    if meta.get("index") != str(index) or meta.get("id") != str(sample["id"]) or meta.get("layers") != json.dumps(list(layers)):
+    if (meta.get("index") != str(index) or meta.get("id") != str(sample["id"])
+            or meta.get("layers") != json.dumps(list(layers))):
         return f"metadata {meta} does not match sample {index} ({sample['id']!r}, layers {layers})"
     if t["input_ids"].tolist() != list(sample["input_ids"]) or t["loss_mask"].tolist() != list(sample["loss_mask"]):
         return "input_ids/loss_mask differ from prepare/samples.jsonl"
@@ -552,8 +554,8 @@ def check_store(stage_dir: Path, meta: dict, overwrite: bool) -> None:
     if not diff:
         return
     if not overwrite:
-        what = ", ".join(f"{k} {(old or {}).get(k)!r} -> {meta[k]!r}" if k not in ("prepare_fingerprint", "target_fingerprint")
-                         else f"{k} changed" for k in diff)
+        what = ", ".join(f"{k} {(old or {}).get(k)!r} -> {meta[k]!r}"
+                         if k not in ("prepare_fingerprint", "target_fingerprint") else f"{k} changed" for k in diff)
         raise DraftsmithError(
             f"{meta_path}: the existing store was built differently ({what}); use a new run dir, "
             "or --set extract.overwrite=true to delete it and start over")
@@ -669,7 +671,8 @@ class ExtractStore:
             raise DraftsmithError(f"{p}: missing; extract has not finished (rerun `draftsmith extract`)") from None
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise DraftsmithError(f"{p}: unreadable ({type(e).__name__}: {e}); `draftsmith extract --run "
-                                  f"{self.dir.parent}` redoes files cut short or missing, `--verify` any other damage") from None
+                                  f"{self.dir.parent}` redoes files cut short or missing, "
+                                  "`--verify` any other damage") from None
 
     def metadata(self, i: int) -> dict:
         with safe_open(str(self.path(i)), framework="pt") as f:

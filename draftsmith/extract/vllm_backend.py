@@ -83,7 +83,8 @@ def server_dtype(cfg) -> str:
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
-def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str, extra: list[str]) -> tuple[list[str], dict]:
+def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str,
+                extra: list[str]) -> tuple[list[str], dict]:
     """(`vllm serve` arguments, environment) of an extraction server writing into `storage`."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
@@ -92,7 +93,8 @@ def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str,
     env = {}
     if connector == "draftsmith":
         kv.update(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE)
-        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir())] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir())]
+                                            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     args = ["--dtype", dtype, *extra, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
     return args, env
 
@@ -118,8 +120,9 @@ class FinalNorm:
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         eps = getattr(text, "rms_norm_eps", None)
         if eps is None:
-            raise DraftsmithError(f"{folder / 'config.json'}: no rms_norm_eps; extract.backend=vllm applies the target's "
-                                  f"final RMSNorm itself and supports RMSNorm targets only ({info.architecture})")
+            raise DraftsmithError(f"{folder / 'config.json'}: no rms_norm_eps; extract.backend=vllm applies the "
+                                  "target's final RMSNorm itself and supports RMSNorm targets only "
+                                  f"({info.architecture})")
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             where = json.loads(index.read_text())["weight_map"]
@@ -218,8 +221,8 @@ class HiddenStatesClient:
         self.norm, self.dtype = norm, dtype
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.log, self.alive = log, alive
-        self.http = OpenAIClient(urls, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, concurrency=concurrency,
-                                 on_no_answer=self._no_answer)
+        self.http = OpenAIClient(urls, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                                 concurrency=concurrency, on_no_answer=self._no_answer)
         self.models: dict[str, str] = {}  # server -> the model name its requests carry
         self.max_model_len: int | None = None  # the smallest over the servers
         self._warned: set[str] = set()
@@ -260,7 +263,8 @@ class HiddenStatesClient:
         Raises SampleFailed after retries; ServersDown/DraftsmithError stop everything."""
         L = len(ids)
         if self.max_model_len is not None and L + 1 > self.max_model_len:
-            raise SampleFailed(f"{L} tokens + 1 generated exceed the server's max_model_len {self.max_model_len}", attempts=0)
+            raise SampleFailed(f"{L} tokens + 1 generated exceed the server's max_model_len {self.max_model_len}",
+                               attempts=0)
 
         def body(server: str) -> dict:
             return {"model": self.models[server], "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
@@ -278,8 +282,8 @@ class HiddenStatesClient:
         when the states are unusable, DraftsmithError when the server is set up wrong."""
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
-            raise DraftsmithError(f"extract.servers: {server} returned no kv_transfer_params.hidden_states_path: it does "
-                                  "not run the extract_hidden_states method with a hidden-states connector")
+            raise DraftsmithError(f"extract.servers: {server} returned no kv_transfer_params.hidden_states_path: "
+                                  "it does not run the extract_hidden_states method with a hidden-states connector")
         try:
             t, meta = wait_and_load(path, self.timeout_s)  # even when unusable: waits until it can be deleted
         finally:
@@ -288,8 +292,8 @@ class HiddenStatesClient:
         if echoed is not None and list(echoed) != list(ids):
             raise BadReply(f"the server's prompt_token_ids ({len(echoed)} ids) differ from the sample's ({len(ids)})")
         if meta.get("layers") is not None and json.loads(meta["layers"]) != self.ids:
-            raise DraftsmithError(f"extract.servers: {server} captures layers {meta['layers']}, but this extraction needs "
-                                  f"{self.ids} (extract.layers + the last); restart it with those ids")
+            raise DraftsmithError(f"extract.servers: {server} captures layers {meta['layers']}, but this extraction "
+                                  f"needs {self.ids} (extract.layers + the last); restart it with those ids")
         if meta.get("layers") is None and server not in self._warned:
             self._warned.add(server)
             self.log(f"{server}: its connector does not record layer ids; trusting it captures {self.ids}")
@@ -372,7 +376,8 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             args, env = server_args(ids, staging, extract_cfg.connector, dtype, list(extract_cfg.vllm_args))
             srv = closing.enter_context(serving(
                 VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
-                           dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s, say=log),
+                           dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s,
+                           say=log),
                 f"hidden states of layers {ids}", busy))
             urls = [srv.base_url]
 
@@ -381,8 +386,9 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
                 raise DraftsmithError(why)
 
         client = HiddenStatesClient(urls, layers, info.num_layers, info.hidden_size, norm, dtype,
-                                    concurrency=extract_cfg.concurrency, retries=extract_cfg.retries, timeout_s=extract_cfg.timeout_s,
-                                    backoff_s=extract_cfg.backoff_s, log=log, alive=alive)
+                                    concurrency=extract_cfg.concurrency, retries=extract_cfg.retries,
+                                    timeout_s=extract_cfg.timeout_s, backoff_s=extract_cfg.backoff_s, log=log,
+                                    alive=alive)
         closing.callback(client.close)
         yield client.connect()
 
@@ -418,7 +424,8 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
                     yield (s, i, recs[i]), recs[i]["input_ids"]
 
     def record_failure(i: int, sample: dict, e: SampleFailed) -> None:
-        rec = {"index": i, "id": str(sample["id"]), "error": str(e), "attempts": e.attempts, "time": round(time.time(), 3)}
+        rec = {"index": i, "id": str(sample["id"]), "error": str(e), "attempts": e.attempts,
+               "time": round(time.time(), 3)}
         append_text(d / FAILURES, json.dumps(rec) + "\n")  # whole lines; a full disk ends in one line
         prog.log(f"sample {i} ({sample['id']}) failed after {e.attempts} attempt(s): {e}")
 

@@ -46,7 +46,8 @@ from draftsmith.generate.vllm import own_server_seeds, served_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.prompts import LoadStats, load_prompts, resolve_source
-from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, fingerprinted, jsonl_text
+from draftsmith.rundir import (RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, fingerprinted,
+                               jsonl_text)
 from draftsmith.stage import StageBook, one_process
 from draftsmith.target import target_info
 
@@ -99,7 +100,8 @@ def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
             rid = f"{p.id}#{k}@T{gen.resample_temperature:g}"
             # Seeded by the id alone: the same sample whatever else is selected or retried.
             seed = (int.from_bytes(hashlib.sha256(rid.encode()).digest()[:4], "big") >> 1) if seeded else None
-            out.append(dataclasses.replace(p, id=rid, meta={**p.meta, SAMPLING: {"temperature": gen.resample_temperature, "seed": seed}}))
+            out.append(dataclasses.replace(
+                p, id=rid, meta={**p.meta, SAMPLING: {"temperature": gen.resample_temperature, "seed": seed}}))
     return out
 
 
@@ -124,7 +126,8 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
 
     source = _prompt_source(gen)
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-    if gen.backend in ("local", "vllm", "dataset") and not info.has_chat_template:  # before loading the weights, or any file is written
+    # before loading the weights, or any file is written
+    if gen.backend in ("local", "vllm", "dataset") and not info.has_chat_template:
         raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
     section = cfg.section(STAGE)
     # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
@@ -143,8 +146,9 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         return old
     book.begin()
     stats = LoadStats()
-    prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset, skip_invalid=gen.skip_invalid,
-                           first_turn_only=gen.first_turn_only, min_chars=gen.min_chars, max_chars=gen.max_chars,
+    prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
+                           skip_invalid=gen.skip_invalid, first_turn_only=gen.first_turn_only,
+                           min_chars=gen.min_chars, max_chars=gen.max_chars,
                            require_answers=gen.backend == "dataset", stats=stats)
     n_prompts = len(prompts)
     prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
@@ -158,13 +162,17 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
         pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
         say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
-            f"filtered {stats.filtered}" + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
-            + ")" + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1 else "")
+            f"filtered {stats.filtered}"
+            + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
+            + ")"
+            + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1
+               else "")
             + f"; {already} already done, {earlier_failed} failed earlier"
             + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
             + f"; {len(pending)} to generate with backend {gen.backend}")
 
-        with Progress(run, STAGE, total=len(prompts), unit="samples", done=already, stall_after_s=cfg.stall_after_s) as prog:
+        with Progress(run, STAGE, total=len(prompts), unit="samples", done=already,
+                      stall_after_s=cfg.stall_after_s) as prog:
             counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
             store.flush_failures()
             sel_done = [store.done[i] for i in selected if i in store.done]
@@ -201,7 +209,8 @@ def _sample_settings(gen, info, source: dict, dtype: str | None) -> dict:
     return settings
 
 
-def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore, prog) -> tuple[DecodeCounts, dict[str, Any], float]:
+def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore,
+                   prog) -> tuple[DecodeCounts, dict[str, Any], float]:
     """Decode the pending samples with generate.backend, each appended to the store (or to its
     failures) as it ends. Returns (counts, what the backend reports: model, retries, requests per
     server; seconds spent decoding, a server's start-up left out)."""
@@ -215,7 +224,8 @@ def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore, pr
         prog.advance(1)
 
     def on_fail(p, e: SampleFailed) -> None:
-        store.add_failure({"id": p.id, "error": e.error, "attempts": e.attempts, "time": round(time.time(), 3), "turn": e.turn})
+        store.add_failure({"id": p.id, "error": e.error, "attempts": e.attempts, "time": round(time.time(), 3),
+                           "turn": e.turn})
         counts.failed += 1
         if counts.failed <= 10 or counts.failed % 100 == 0:
             prog.log(f"sample {p.id} failed (turn {e.turn + 1}, {e.attempts} attempts): {e.error}"
@@ -228,8 +238,8 @@ def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore, pr
     return counts, extra, time.time() - t0 - (extra.pop("startup_s", None) or 0.0)
 
 
-def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[dict], sel_failed: list[str], already: int, *,
-            not_retried: int, decoded: bool, prog) -> dict:
+def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[dict], sel_failed: list[str],
+             already: int, *, not_retried: int, decoded: bool, prog) -> dict:
     """Log the `done: ...` line; return the summary the manifest and the journal's end record keep."""
     reasoning_n = sum(1 for s in sel_done if s["reasoning"])
     truncated_n = sum(1 for s in sel_done if s["truncated"])
@@ -242,7 +252,8 @@ def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[d
     answers_n = sum(s.get("answers") or 0 for s in sel_done)
     reasoning_answers = sum(s.get("reasoning_answers") or 0 for s in sel_done)
     if reasoning_n:
-        line += f" | reasoning captured for {reasoning_n}/{len(sel_done)} ({100 * reasoning_n / max(1, len(sel_done)):.0f}%)"
+        line += (f" | reasoning captured for {reasoning_n}/{len(sel_done)} "
+                 f"({100 * reasoning_n / max(1, len(sel_done)):.0f}%)")
         if answers_n != len(sel_done):
             line += f", {reasoning_answers}/{answers_n} answers"
     if extra.get("retried_requests"):

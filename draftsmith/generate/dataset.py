@@ -24,7 +24,8 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     gen = cfg.generate
     tok = load_tokenizer(info, cfg.trust_remote_code)
     model = f"dataset:{gen.prompts}"
-    prog.log(f"dataset backend: the replies in {gen.prompts}, at most {gen.max_tokens} tokens each ({info.name}'s tokenizer)")
+    prog.log(f"dataset backend: the replies in {gen.prompts}, at most {gen.max_tokens} tokens each "
+             f"({info.name}'s tokenizer)")
     for p in pending:
         conv = p.system_messages()
         turns: list[TurnResult] = []

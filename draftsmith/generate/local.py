@@ -42,14 +42,16 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     name = target.info.name
 
     def generation_config(temperature: float) -> GenerationConfig:
-        gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=temperature > 0, pad_token_id=pad_id, eos_token_id=sorted(eos_ids))
+        gcfg = dict(max_new_tokens=gen.max_tokens, do_sample=temperature > 0, pad_token_id=pad_id,
+                    eos_token_id=sorted(eos_ids))
         if temperature > 0:
             gcfg.update(temperature=temperature, top_p=gen.top_p)
         else:  # the model's own sampling defaults must not turn greedy into something else
             gcfg.update(temperature=None, top_p=None, top_k=None)
         return GenerationConfig(**gcfg)
 
-    prog.log(f"local backend: {name} on {target.device} ({str(target.dtype).replace('torch.', '')}), batch {gen.batch_size}, "
+    prog.log(f"local backend: {name} on {target.device} ({str(target.dtype).replace('torch.', '')}), "
+             f"batch {gen.batch_size}, "
              + ("greedy" if gen.temperature == 0 else f"temperature {gen.temperature}")
              + (f"; {gen.answers_per_prompt - 1} more answer(s) per prompt at temperature {gen.resample_temperature}"
                 if gen.answers_per_prompt > 1 else ""))
@@ -106,15 +108,16 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
             turn = f", turn {k + 1}" if k else ""
             with prog.busy(f"decoding batch {j + 1}/{len(batches)} ({len(active)} conversations{turn}, "
                            f"up to {gen.max_tokens} tokens each)"), torch.inference_mode():
-                out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-                                     generation_config=config)
+                out = model.generate(input_ids=input_ids.to(target.device),
+                                     attention_mask=attention_mask.to(target.device), generation_config=config)
             new = out[:, width:].tolist()  # [B, <= max_tokens]; rows that stopped early are padded
             for p, x, row in zip(active, ids, new):
                 stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
                 answer = row if stop is None else row[:stop]
                 content, reasoning = decode_answer(tok, answer)
                 n_out = len(answer) + (stop is not None)  # the stop token counts, as servers count it
-                results[p.id].append(TurnResult(content, reasoning, "length" if stop is None else "stop", len(x), n_out))
+                results[p.id].append(TurnResult(content, reasoning, "length" if stop is None else "stop",
+                                                len(x), n_out))
                 convs[p.id].append({"role": "assistant", "content": content})
         for p in batch:
             if p.id not in failed:

@@ -137,6 +137,7 @@ async def _served_model(client: OpenAIClient, gen, prog) -> str:
         raise DraftsmithError(f"generate.servers: {servers[0]} serves no model (empty /models)")
     for s, served in zip(servers, lists):
         if model not in served:
-            raise DraftsmithError(f"generate.model: {s} does not serve {model!r} (it serves {', '.join(served) or 'nothing'})")
+            raise DraftsmithError(f"generate.model: {s} does not serve {model!r} "
+                                  f"(it serves {', '.join(served) or 'nothing'})")
     prog.log(f"model {model} on {len(servers)} server(s): {', '.join(servers)}; concurrency {gen.concurrency}")
     return model

@@ -35,7 +35,8 @@ def split_reasoning(content: str, reasoning: str | None = None) -> tuple[str, st
 
 # gpt-oss (harmony): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
 _HARMONY_MESSAGE = re.compile(
-    r"(?:<\|start\|>[^<]*)?<\|channel\|>([A-Za-z_]+)[^<]*<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
+    r"(?:<\|start\|>[^<]*)?<\|channel\|>([A-Za-z_]+)[^<]*<\|message\|>(.*?)"
+    r"(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
     re.DOTALL)
 
 

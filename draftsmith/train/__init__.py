@@ -60,10 +60,12 @@ LENGTH_KEYS = ("max_steps", "epochs", "max_minutes")
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
                      "attention", "loss_chunk_tokens")
-# knobs added after runs were made, with their defaults
-LATER_KNOBS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0, "loss_tv": 0.0,
-               "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2, "ema": 0.0,
-               "loss_skip_tokens": 0}
+# Train settings added after runs already existed, each with the default that keeps those older
+# runs' fingerprint unchanged: `fingerprinted` (its later_defaults) leaves a setting out while it
+# holds this value, so an older run stays current instead of training again.
+ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0,
+                        "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
+                        "ema": 0.0, "loss_skip_tokens": 0}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -126,8 +128,8 @@ def _train(run, cfg) -> dict:
         if (done := finished_run(run, inputs)) is not None:
             return done
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
-        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step, stall_after_s=cfg.stall_after_s,
-                      console=False, shared=True) as prog, DeferredStop(say) as stop:
+        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step,
+                      stall_after_s=cfg.stall_after_s, console=False, shared=True) as prog, DeferredStop(say) as stop:
             fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
             manifest = finish(ts, prog)
             if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
@@ -216,9 +218,11 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         dist.barrier()
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
-        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) and are cut to it")
+        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
+            "and are cut to it")
 
-    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc, lambda: source.batch(packing.plan(0)[0], packing.row_len),
+    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
+                                                lambda: source.batch(packing.plan(0)[0], packing.row_len),
                                                 init_layers, layers, say, ranks)
     mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
@@ -248,7 +252,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
     model = distribute(objective, ranks, tc.fsdp, precision)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, tc, fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
+    optimizer = make_optimizer(params, tc,
+                               fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
     budget = TimeBudget.resume(tc, state)
     scheduler = make_scheduler(optimizer, tc, total_steps, budget)
     ts = TrainState(run=run, cfg=cfg, book=book, ranks=ranks, source=source, packing=packing, objective=objective,
@@ -260,10 +265,13 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     metrics=state.get("metrics"))
     if resume is not None:
         load_training_state(resume, objective, optimizer, scheduler, ranks)
-        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, micro-batch {ts.position[1]})")
-    budget_note = "" if budget.budget_s is None else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)"
-    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} micro-batches "
-        f"({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, {precision}, {attention} attention, {ranks.world} rank(s) "
+        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
+            f"micro-batch {ts.position[1]})")
+    budget_note = ("" if budget.budget_s is None
+                   else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
+    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} "
+        f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, "
+        f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
 
@@ -277,9 +285,9 @@ def _resume_fingerprint(book: StageBook) -> str:
 
 def _settings(cfg, layers: list[int], precision: str) -> dict:
     """What the manifest records and the fingerprint covers: the train section (less
-    NOT_FINGERPRINTED, less LATER_KNOBS at their defaults), the aux layers, the precision used."""
+    NOT_FINGERPRINTED, less ADDED_LATER_DEFAULTS at their defaults), the aux layers, the precision used."""
     section = cfg.section(STAGE)
-    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, LATER_KNOBS)
+    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, ADDED_LATER_DEFAULTS)
     settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
     if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
         # states from a server, not this process's forward, in the dtype the server computes in
@@ -300,7 +308,8 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     layout_of = ts.objective.layouts()
 
     def add_loss_layout(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
-        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on, tc.loss_skip_tokens))
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on,
+                                                tc.loss_skip_tokens))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
 
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
@@ -437,9 +446,11 @@ def _non_finite_states(ts: TrainState, micro_batches: list) -> DraftsmithError:
     if files:
         more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
         return DraftsmithError(f"{files[0]}{more}; `draftsmith extract --run {ts.run.path} --verify` finds and "
-                               f"rewrites such files; stopped at step {ts.step + 1} without updating the weights; {kept}")
+                               f"rewrites such files; stopped at step {ts.step + 1} without updating the weights; "
+                               f"{kept}")
     ids = [name for name, _ in found]
-    return DraftsmithError(f"train: the target's hidden states of samples {ids[:20]} are not finite at step {ts.step + 1}; "
+    return DraftsmithError(f"train: the target's hidden states of samples {ids[:20]} are not finite at step "
+                           f"{ts.step + 1}; "
                            f"stopped without updating the weights; {kept}")
 
 
@@ -492,7 +503,8 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
              "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
              "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s}
     save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
-                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale, keep=keep)
+                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale,
+                    keep=keep)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -518,7 +530,7 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
-                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir), "world_size": ts.ranks.world,
-                                         "peak_memory_bytes": peak})
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir),
+                                         "world_size": ts.ranks.world, "peak_memory_bytes": peak})
     prog.end(steps=ts.step, tokens=ts.tokens_seen)
     return manifest

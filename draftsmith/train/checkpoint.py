@@ -66,9 +66,11 @@ def write_checkpoint(dest: Path, model_sd: dict, meta: dict, optim: dict, rng: d
     try:
         with naming_full_disk(dest):  # a full disk: one line naming the checkpoint, no half folder
             tmp.mkdir(parents=True)
-            save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / CKPT_WEIGHTS), metadata={"format": "pt"})
+            save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / CKPT_WEIGHTS),
+                      metadata={"format": "pt"})
             (tmp / CKPT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            with open(tmp / CKPT_OPTIM, "wb") as f:  # (a file object: torch then chains the OSError behind its own error)
+            # (a file object: torch then chains the OSError behind its own error)
+            with open(tmp / CKPT_OPTIM, "wb") as f:
                 torch.save(optim, f)
             save_file(rng, str(tmp / CKPT_RNG))
             (tmp / CKPT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
@@ -176,7 +178,8 @@ def read_checkpoint(ck: Path, continues: Callable[[dict], bool]) -> Checkpoint:
         except MemoryError:
             raise  # no damage: the machine is short of memory
         except Exception as e:  # safetensors, torch.load (cut zip, bad pickle) and the system raise many kinds
-            raise DamagedCheckpoint(f"{ck / name}: cannot read ({type(e).__name__}: {one_line(str(e))[:200]})") from None
+            raise DamagedCheckpoint(f"{ck / name}: cannot read "
+                                    f"({type(e).__name__}: {one_line(str(e))[:200]})") from None
     saved = parts[CKPT_OPTIM]
     if not isinstance(saved, dict) or not {"optimizer", "scheduler"} <= set(saved):
         raise DamagedCheckpoint(f"{ck / CKPT_OPTIM}: not an optimizer checkpoint (no optimizer/scheduler state)")
@@ -233,7 +236,8 @@ def load_weights(ck: Checkpoint, drafter) -> dict:
     missing, unexpected = drafter.load_state_dict(sd, strict=False)
     if set(missing) != {"embed_tokens.weight"} or unexpected:
         raise DraftsmithError(f"{ck.folder / CKPT_WEIGHTS}: tensors do not match the drafter "
-                              f"(missing {sorted(set(missing) - {'embed_tokens.weight'})[:3]}, unexpected {unexpected[:3]})")
+                              f"(missing {sorted(set(missing) - {'embed_tokens.weight'})[:3]}, "
+                              f"unexpected {unexpected[:3]})")
     return ck.state
 
 
@@ -253,7 +257,8 @@ def load_training_state(ck: Checkpoint, objective, optimizer, scheduler, ranks: 
         set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"] if rank == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
-        set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(objective, optimizer, ck.saved["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(ck.saved["scheduler"])
     if f"cpu.rank{rank}" in ck.rng:
         torch.set_rng_state(ck.rng[f"cpu.rank{rank}"])
@@ -284,8 +289,8 @@ def save_checkpoint(dest: Path, objective, optimizer, scheduler, *, rank: int, w
                     if k.startswith("drafter.") and k != "drafter.embed_tokens.weight"}
         bad = [k for k, v in model_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:  # never a checkpoint that a later error would call "the last good one"
-            raise DraftsmithError(f"train: the weights are non-finite ({', '.join(bad[:3])}) at step {state.get('step')}; "
-                                  f"not writing {dest}; lower train.lr or check the samples")
+            raise DraftsmithError(f"train: the weights are non-finite ({', '.join(bad[:3])}) at step "
+                                  f"{state.get('step')}; not writing {dest}; lower train.lr or check the samples")
         if fc_scale is not None:
             model_sd[FC_INPUT_SCALE] = fc_scale.detach().cpu()  # export folds it into fc.weight
         rng = {f"{name}.rank{r}": t.cpu() for r, g in enumerate(gathered) for name, t in g.items()}

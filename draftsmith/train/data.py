@@ -106,8 +106,9 @@ def count_steps(tc, packing: Packing, per_step: int) -> int:
     n_mb = packing.micro_batches(tc.epochs)
     if n_mb // per_step == 0:
         raise DraftsmithError(
-            f"train.epochs: {tc.epochs} epoch(s) of {len(packing.lengths)} samples pack into {n_mb} micro-batches, fewer than one "
-            f"optimizer step takes ({per_step} = ranks x train.grad_accum); set train.max_steps or lower train.batch_tokens")
+            f"train.epochs: {tc.epochs} epoch(s) of {len(packing.lengths)} samples pack into {n_mb} micro-batches, "
+            f"fewer than one optimizer step takes ({per_step} = ranks x train.grad_accum); set train.max_steps or "
+            "lower train.batch_tokens")
     return n_mb // per_step
 
 
@@ -134,7 +135,8 @@ class Batch:
         nb = device.type == "cuda" if non_blocking is None else non_blocking
         return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
                      self.doc_ids.to(device, non_blocking=nb), self.position_ids.to(device, non_blocking=nb),
-                     self.aux_hidden.to(device, dtype, non_blocking=nb), self.last_hidden.to(device, dtype, non_blocking=nb),
+                     self.aux_hidden.to(device, dtype, non_blocking=nb),
+                     self.last_hidden.to(device, dtype, non_blocking=nb),
                      self.samples, self.tokens, self.layout)
 
     def pin(self) -> "Batch":
@@ -194,7 +196,8 @@ def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
         raise DraftsmithError(f"extract.layers: {list(cfg.extract.layers)} differs from the layers {layers} that "
                               f"{where} was extracted with; rerun `draftsmith extract --run {run.path}`")
     if int(meta.get("hidden_size", info.hidden_size)) != info.hidden_size:
-        raise DraftsmithError(f"{where}: hidden_size {meta.get('hidden_size')} but target {info.name} has {info.hidden_size}")
+        raise DraftsmithError(f"{where}: hidden_size {meta.get('hidden_size')} but target {info.name} has "
+                              f"{info.hidden_size}")
     prepare_manifest = run.read_manifest("prepare")
     stored_fp = meta.get("prepare_fingerprint")  # of the prepared data the store was extracted from
     if stored_fp is None and isinstance(meta.get("prepare"), dict):
@@ -216,7 +219,8 @@ def open_upstream(run, cfg, info) -> tuple[list[int], dict[str, dict], ExtractSt
         store = ExtractStore(run)
         return _check_store(run, cfg, info, store), {"extract": extract_manifest}, store
     prepare_manifest = upstream(run, "prepare", by="draftsmith train (train.mode=online)", target=info)
-    layers = info.check_layers(list(cfg.extract.layers) if cfg.extract.layers is not None else info.default_aux_layers())
+    layers = info.check_layers(list(cfg.extract.layers) if cfg.extract.layers is not None
+                               else info.default_aux_layers())
     return layers, {"prepare": prepare_manifest}, None
 
 
@@ -352,8 +356,8 @@ class ServerSource(PreparedSource):
     def start(self, cfg, info, layers: list[int], row_len: int, world: int, log, folder: Path) -> "ServerSource":
         """Connect to extract.servers, or start a server (its log and file buffer under `folder`)."""
         if world > 1 and not cfg.extract.servers:
-            raise DraftsmithError(f"extract.servers: train.mode=online with extract.backend=vllm on {world} ranks needs "
-                                  "running servers that the ranks share (each rank would start its own)")
+            raise DraftsmithError(f"extract.servers: train.mode=online with extract.backend=vllm on {world} ranks "
+                                  "needs running servers that the ranks share (each rank would start its own)")
         max_len = min(max(self.lengths), row_len)
         self.client = self._stack.enter_context(open_client(cfg, info, layers, folder, max_len, log))
         return self
@@ -382,7 +386,8 @@ def open_source(run, cfg, info, layers: list[int], store: ExtractStore | None, d
     if cfg.extract.backend == "vllm":
         return ServerSource(run).start(cfg, info, layers, min(tc.seq_len, tc.batch_tokens), world, log, folder)
     log(f"loading target {info.name} for online hidden states (layers {layers})")
-    target = load_target(cfg.target, device=str(device), dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, log=log)
+    target = load_target(cfg.target, device=str(device), dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                         log=log)
     return OnlineSource(run, target, layers, cfg.extract.batch_tokens)
 
 
@@ -437,7 +442,8 @@ class DeviceFeeder:
             self.stream = torch.cuda.Stream(self.device)
 
     def send(self, item: tuple) -> tuple:
-        """(position, [Batch] on the host) -> (position, [Batch] on the device, the event their copies end with or None)."""
+        """(position, [Batch] on the host) -> (position, [Batch] on the device, the event their copies end with
+        or None)."""
         position, micro_batches = item
         if self.stream is None:
             return position, [b.to(self.device, self.dtype) for b in micro_batches], None

@@ -80,7 +80,8 @@ def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if "ignored_params" not in inspect.signature(fully_shard).parameters:
-            raise DraftsmithError(f"train.fsdp: needs torch >= 2.7 (fully_shard's ignored_params); this is {torch.__version__}")
+            raise DraftsmithError("train.fsdp: needs torch >= 2.7 (fully_shard's ignored_params); "
+                                  f"this is {torch.__version__}")
 
         frozen = {p for p in objective.parameters() if not p.requires_grad}
         if precision == "bf16":
@@ -144,7 +145,8 @@ def on_rank0(fn: Callable[[], Any], ranks: Ranks) -> Any:
             box[0] = fn()
         except Exception as e:  # noqa: BLE001 - every kind must reach the other ranks, then rank 0 re-raises it
             error = e
-            box[1] = str(e) if isinstance(e, DraftsmithError) else f"rank 0: {type(e).__name__}: {one_line(str(e))[:300]}"
+            box[1] = (str(e) if isinstance(e, DraftsmithError)
+                      else f"rank 0: {type(e).__name__}: {one_line(str(e))[:300]}")
     dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error

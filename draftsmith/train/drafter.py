@@ -110,7 +110,8 @@ def drafter_config(info, cfg, draft_vocab_size: int) -> Eagle3Config:
     """The drafter's shape from the target's (text) config, with train.num_layers decoder layers."""
     hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
     hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-    return Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size, num_hidden_layers=cfg.train.num_layers)
+    return Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size,
+                                           num_hidden_layers=cfg.train.num_layers)
 
 
 def first_init_layer(tc) -> int:
@@ -126,7 +127,8 @@ def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
         return None
     first = first_init_layer(tc)
     if not 0 <= tc.init_layer < info.num_layers:
-        raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target (0..{info.num_layers - 1})")
+        raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target "
+                              f"(0..{info.num_layers - 1})")
     if first < 0:
         raise DraftsmithError(f"train.init_layer: {tc.init_layer} with train.num_layers {tc.num_layers} needs target "
                               f"layers {first}..{tc.init_layer}; the target has 0..{info.num_layers - 1}")

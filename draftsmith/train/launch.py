@@ -64,7 +64,8 @@ def launch_ranks(run, cfg, stage: str) -> dict:
         with contextlib.suppress(OSError):
             os.unlink(f.name)
     if rc != 0:
-        raise DraftsmithError(error or f"train: {n} ranks under torchrun exited with status {rc} (see {rd.path / stage / 'stage.log'})")
+        raise DraftsmithError(error or f"train: {n} ranks under torchrun exited with status {rc} "
+                                       f"(see {rd.path / stage / 'stage.log'})")
     manifest = rd.read_manifest(stage)
     if manifest is None:
         raise DraftsmithError(f"train: the ranks exited without writing {rd.path / stage / 'manifest.json'}")

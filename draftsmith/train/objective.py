@@ -83,7 +83,8 @@ class TTTLayout:
 
     counts: list[int]  # [steps] N_k: positions where step k's KL is taken
     teacher: int  # N: teacher rows (teacher_need)
-    bounds: list[list[int]]  # per step: where each chunk of `chunk` teacher rows begins among its N_k positions, then N_k
+    # per step: where each chunk of `chunk` teacher rows begins among its N_k positions, then N_k
+    bounds: list[list[int]]
     key_floors: list[int] | None  # the SDPA path's TTTMask key blocks (model.ttt.key_floors); None for flex
 
 
@@ -118,10 +119,11 @@ def resolve_attention(spec: str, device) -> str:
     if spec == "auto":
         return "flex" if kind == "cuda" and flex_attention is not None else "sdpa"
     if spec == "flex" and flex_attention is None:
-        raise DraftsmithError(f"train.attention: flex needs torch >= 2.5 (this is {torch.__version__}); use sdpa or auto")
-    if spec == "flex" and kind == "cpu":
-        raise DraftsmithError("train.attention: flex cannot train on the CPU (torch has no flex-attention backward there); "
+        raise DraftsmithError(f"train.attention: flex needs torch >= 2.5 (this is {torch.__version__}); "
                               "use sdpa or auto")
+    if spec == "flex" and kind == "cpu":
+        raise DraftsmithError("train.attention: flex cannot train on the CPU (torch has no flex-attention backward "
+                              "there); use sdpa or auto")
     return spec
 
 
@@ -291,9 +293,9 @@ class TTTObjective(nn.Module):
     blocks kept for backward; the reference the chunked loss is tested against).
     """
 
-    def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None, teacher_temperature: float = 1.0,
-                 feature_noise: float = 0.0, attention: str = "sdpa", chunk_tokens: int | None = None,
-                 mix: LossMix = LossMix()):
+    def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None,
+                 teacher_temperature: float = 1.0, feature_noise: float = 0.0, attention: str = "sdpa",
+                 chunk_tokens: int | None = None, mix: LossMix = LossMix()):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
@@ -360,7 +362,8 @@ class TTTObjective(nn.Module):
         else:
             plan = KLPlan(rows=[row_of[vi + 1 + k] for k, vi in enumerate(vis)],
                           targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
-                          bounds=layout.bounds, d2t=d.d2t, temperature=self.teacher_temperature, chunk=self.chunk_tokens,
+                          bounds=layout.bounds, d2t=d.d2t, temperature=self.teacher_temperature,
+                          chunk=self.chunk_tokens,
                           grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
                           grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs), mix=self.mix)
             loss, kl, correct = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
@@ -384,7 +387,8 @@ class TTTObjective(nn.Module):
             # forward KL(p || q) summed over positions = sum p log p - sum p log q; the
             # cross term as one dot product (no [N_k, Dv] temporary in the forward)
             kl = t_negent[rows].sum() - torch.dot(t_p[rows].flatten(), logq.flatten())
-            obj = kl if self.mix.pure_kl else self.mix.kl * kl + mix_terms(self.mix, t_p[rows], t_logp[rows], logq).sum()
+            obj = (kl if self.mix.pure_kl
+                   else self.mix.kl * kl + mix_terms(self.mix, t_p[rows], t_logp[rows], logq).sum())
             # every step's term stays in the graph (weight 0 when it has no position anywhere),
             # so every parameter gets a gradient on every rank
             loss = loss + weights[k] * obj

@@ -88,7 +88,8 @@ class Window:
             self.tb.flush()
         self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
                  + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k) + f" | tau {metrics['acceptance_length']:.2f}"
-                 + f" | {metrics['tokens_per_s']:,.0f} tok/s | lr {metrics['lr']:.2e} | gnorm {metrics['grad_norm']:.2f}"
+                 + f" | {metrics['tokens_per_s']:,.0f} tok/s | lr {metrics['lr']:.2e} "
+                   f"| gnorm {metrics['grad_norm']:.2f}"
                  + f" | ETA {fmt_duration(eta_s)}")
 
     def close(self) -> None:
