@@ -158,9 +158,6 @@ class ExtractConfig(_Section):
         "only).")
 
 
-
-
-
 class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM "
