@@ -162,7 +162,8 @@ class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM "
         "server(s) with extract.backend=vllm).")
-    ttt_steps: int = Field(3, ge=1, description="Training-time-test steps (unrolled draft steps).")
+    ttt_steps: int = Field(3, ge=1, le=32, description="Training-time-test steps (unrolled draft steps); at most 32 "
+                           "(each step is a forward pass kept for backward: more is memory, not acceptance).")
     gamma: float = Field(
         0.8, gt=0.0, le=4.0, description="Weight of step k's loss is gamma**k: below 1 the first drafts count most (a "
         "later draft is only accepted after the earlier ones), above 1 the later steps, where acceptance collapses, "
@@ -203,7 +204,7 @@ class TrainConfig(_Section):
         "times each state's RMS (per token and layer); 0: none. Why: EAGLE-1's regulariser against fitting the exact "
         "states of few training answers; serving is unchanged.")
     num_layers: int = Field(
-        1, ge=1, description="Decoder layers of the drafter. The first reads the next token's embedding beside the "
+        1, ge=1, le=32, description="Decoder layers of the drafter (at most 32: a drafter is a few layers). The first reads the next token's embedding beside the "
         "fused states; each later one is a plain Llama layer over the previous one's output, as vLLM's llama_eagle3 "
         "builds them. A second layer made training steps ~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: "
         "~790 against ~1,150 tokens/s) and adds a layer's work to every draft pass in serving.")
