@@ -204,10 +204,11 @@ class TrainConfig(_Section):
         "times each state's RMS (per token and layer); 0: none. Why: EAGLE-1's regulariser against fitting the exact "
         "states of few training answers; serving is unchanged.")
     num_layers: int = Field(
-        1, ge=1, le=32, description="Decoder layers of the drafter (at most 32: a drafter is a few layers). The first reads the next token's embedding beside the "
-        "fused states; each later one is a plain Llama layer over the previous one's output, as vLLM's llama_eagle3 "
-        "builds them. A second layer made training steps ~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: "
-        "~790 against ~1,150 tokens/s) and adds a layer's work to every draft pass in serving.")
+        1, ge=1, le=32, description="Decoder layers of the drafter (at most 32: a drafter is a few layers). "
+        "The first reads the next token's embedding beside the fused states; each later one is a plain Llama layer "
+        "over the previous one's output, as vLLM's llama_eagle3 builds them. A second layer made training steps "
+        "~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: ~790 against ~1,150 tokens/s) and adds a "
+        "layer's work to every draft pass in serving.")
     init_layer: int | None = Field(
         None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and "
         "MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; "
@@ -415,25 +416,35 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: YAML says
-    keys are unique, PyYAML silently keeps the last (a second `generate:` would drop the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in first_line:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice (first on line {first_line[key] + 1})", key_node.start_mark)
-            if isinstance(key, typing.Hashable):
+def _refuse_duplicate_keys(node, seen: set[int] | None = None) -> None:
+    """A key given twice in one mapping of a YAML node tree is an error: YAML says keys are unique,
+    PyYAML silently keeps the last (a second `generate:` would drop the first). Checked on the
+    composed nodes (no object is constructed), before yaml.safe_load builds the data. An alias
+    shares its anchor's node, which can contain itself (`&a [*a]`): each node is visited once."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = (key_node.tag, key_node.value)
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} given twice (first on line {first_line[key] + 1})",
+                        key_node.start_mark)
                 first_line[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
+            _refuse_duplicate_keys(value_node, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, seen)
 
 
 def yaml_load(text: str) -> Any:
-    """YAML text -> Python, as yaml.safe_load does but refusing duplicate keys (_UniqueKeyLoader)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass: no arbitrary objects)
+    """YAML text -> Python, as yaml.safe_load, refusing duplicate keys (_refuse_duplicate_keys)."""
+    _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+    return yaml.safe_load(text)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
