@@ -41,6 +41,10 @@ def one_process(stage: str):
             run = run if isinstance(run, RunDir) else RunDir(run)
             rank = kwargs.get("rank")
             rank = env_rank()[0] if rank is None else rank
+            if not run.path.exists() and stage != "generate":
+                # no process can be on a run that does not exist, and this stage fails at its upstream
+                # check: taking the lock would create the (mistyped) run folder for nothing
+                return fn(run, cfg, *args, **kwargs)
             with run.stage_lock(kwargs.get("folder", stage), by=f"draftsmith {stage}", rank=rank):
                 return fn(run, cfg, *args, **kwargs)
         return locked

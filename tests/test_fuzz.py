@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import time
-import typing
 from pathlib import Path
 
 import pytest

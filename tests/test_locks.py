@@ -109,3 +109,14 @@ def test_distributed_variables_torchrun_cannot_have_set_are_refused_before_any_w
     assert snapshot(tmp_path) == before
     row = next(s for s in json.loads(run_cli("status", str(tmp_path), "--json").stdout)["stages"] if s["name"] == "train")
     assert row["state"] == "done"
+
+
+@pytest.mark.parametrize("stage", ["prepare", "vocab", "extract"])  # (train, export and eval make the folder first)
+def test_a_stage_on_a_run_that_does_not_exist_creates_nothing(tmp_path, tiny_target, stage):
+    """A mistyped --run: the stage's one line about its missing upstream, and no folder made for the
+    lock (only generate, the stage that starts a run, creates it)."""
+    missing = tmp_path / "typo"
+    p = run_cli(stage, "--run", str(missing), "--set", f"target={tiny_target}", timeout=300)
+    assert p.returncode == 2 and ("before" in p.stderr or "first" in p.stderr), p.stderr  # names what to run
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not missing.exists()
