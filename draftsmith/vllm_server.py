@@ -226,8 +226,12 @@ class VLLMServer:
         python: str | os.PathLike | None = None,
         kill_with_parent: bool = True,
         say: Callable[[str], None] | None = None,
+        trust_remote_code: bool = False,
     ):
         self.model_dir = str(model_dir)
+        # the config's trust_remote_code, forwarded to `vllm serve` (Kimi-K2.5's tokenizer and processor are
+        # the folder's own code): the one place every server draftsmith starts gets it
+        self.trust_remote_code = trust_remote_code
         self.host = host
         self.port = port
         self.extra_args = [str(a) for a in extra_args]
@@ -264,6 +268,8 @@ class VLLMServer:
             args += ["--dtype", self.dtype]
         if "--max-model-len" not in self.extra_args:
             args += ["--max-model-len", str(self.max_model_len)]
+        if self.trust_remote_code and "--trust-remote-code" not in self.extra_args:
+            args.append("--trust-remote-code")
         return args + self.extra_args
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -273,6 +279,8 @@ class VLLMServer:
         if self.port is None:
             self.port = free_port(self.host)
         cmd = self.command()
+        if "--trust-remote-code" in cmd:
+            self.say(f"trust_remote_code is ON for vllm serve {self.model_dir}: Python code from the folder may run")
         env = {**os.environ, **({} if on_cuda_machine() else CPU_ENV), **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()

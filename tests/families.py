@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "kimi_k25")
 
 NUM_LAYERS = 8
 HIDDEN = 128
@@ -32,7 +32,9 @@ FAMILY_NOTES = {
     "mistral": "MistralForCausalLM, sliding window",
     "gemma3": "Gemma3ForCausalLM (gemma3_text), scaled embeddings, tied head, sliding/full layers",
     "gpt_oss": "GptOssForCausalLM, 4 experts (top 2), attention sinks, sliding/full layers",
-    "deepseek_v3": "DeepseekV3ForCausalLM, MLA (q/kv LoRA, rope head 16), dense layer 0, noaux_tc router",
+    "deepseek_v3": "DeepseekV3ForCausalLM, MLA (q/kv LoRA, latent 512 + rope 64), dense layer 0, noaux_tc router",
+    "kimi_k25": "KimiK25ForConditionalGeneration: a MoonViT tower and projector around the DeepSeek-V3 text model "
+                "(text_config, weights under language_model.*), untied head",
 }
 
 
@@ -85,14 +87,103 @@ def family_config(family: str, *, bos: int, eos: int, pad: int, vocab_size: int,
         cfg = tf.DeepseekV3Config(
             **common, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+            # latent 512 + rope 64: vLLM-CPU's MLA decode kernel takes a head of 576 only (320 failed with
+            # "Unsupported block size: 16"); the MLA drafter shares the target's KV-cache layout
+            first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32,
             v_head_dim=32, num_nextn_predict_layers=0, tie_word_embeddings=False, topk_method="noaux_tc",
             scoring_func="sigmoid")
         arch = "DeepseekV3ForCausalLM"
+    elif family == "kimi_k25":
+        text = family_config("deepseek_v3", bos=bos, eos=eos, pad=pad, vocab_size=vocab_size, num_layers=num_layers)
+        text.architectures = None
+        vision = tf.models.kimi_k25.Kimi_K25VisionConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                                         num_attention_heads=2, pos_emb_height=8, pos_emb_width=8)
+        # the media token ids are the vocabulary's last (Kimi's own lie beyond SmolLM2's 49,152)
+        cfg = tf.Kimi_K25Config(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_hidden_size=64,
+                                tie_word_embeddings=False, image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
+                                vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4)
+        arch = "KimiK25ForConditionalGeneration"  # the checkpoint's name (and vLLM's), not transformers' Kimi_K25...
     else:
         raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     cfg.architectures = [arch]
     return cfg
+
+
+# Kimi-K2.5-style chat template over SmolLM2's ChatML tokens: every assistant turn is rendered with a think
+# block, the last one with its reasoning_content and earlier ones empty (Kimi-K2-Thinking keeps reasoning of
+# the last turn only)
+KIMI_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "<|im_start|>assistant\n<think>{{ (m.reasoning_content or '') if loop.last else '' }}</think>"
+    "{{ m.content }}<|im_end|>{{ '\\n' }}"
+    "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{{ '\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
+def _write_kimi_tokenizer(folder: Path, fast) -> None:
+    """The tiny Kimi's tokenizer: SmolLM2's vocabulary as a tiktoken file read by a Python tokenizer class
+    that the folder ships as its own code (tests/assets/tokenization_tiny_kimi.py, through auto_map), as
+    Kimi-K2.5's does: loading it needs trust_remote_code and tiktoken, and it has no offset mapping."""
+    import base64
+    import shutil
+
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    specials = {t.content: i for i, t in fast.added_tokens_decoder.items()}
+    lines = [f"{base64.b64encode(bytes(byte_of[c] for c in tok)).decode()} {i}"
+             for tok, i in sorted(fast.get_vocab().items(), key=lambda kv: kv[1]) if tok not in specials]
+    (folder / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    shutil.copy(Path(__file__).parent / "assets" / "tokenization_tiny_kimi.py", folder / "tokenization_tiny_kimi.py")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TinyKimiTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_tiny_kimi.TinyKimiTokenizer", None]},
+        "special_tokens": specials, "bos_token": fast.bos_token, "eos_token": fast.eos_token,
+        "pad_token": fast.pad_token, "unk_token": fast.unk_token, "chat_template": KIMI_TEMPLATE,
+        "model_max_length": 2048}, indent=1))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _fix_kimi_checkpoint(folder: Path) -> None:
+    """Rewrite the names transformers 5.24 saves a Kimi_K25ForConditionalGeneration under into the released
+    checkpoint's (and vLLM's kimi_k25.py's): its reverse of the vision renames also turns the language
+    model's `layers` into `blocks`, writes the projector's norm under `model.` and the patch embedding
+    under `vision_tower.encoder.`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
+                   .replace("model.mm_projector.", "mm_projector.")
+                   .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): f.get_tensor(k)
+                   for k in f.keys()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    # the image processor's settings as Kimi-K2.5's preprocessor_config.json gives them (vLLM's multimodal
+    # processor reads them at start-up even when no image is allowed)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {
+        "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
+        "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
+        "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}},
+        indent=1))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["KimiK25ForConditionalGeneration"]
+    cfg["media_placeholder_token_id"] = cfg["image_token_id"]  # the released config's field, which vLLM reads
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
 def make_tiny(family: str, folder: Path, *, num_layers: int = NUM_LAYERS, seed: int = 0,
@@ -111,7 +202,12 @@ def make_tiny(family: str, folder: Path, *, num_layers: int = NUM_LAYERS, seed: 
     cfg = family_config(family, bos=tok.bos_token_id, eos=tok.eos_token_id, pad=tok.pad_token_id,
                         vocab_size=len(tok), num_layers=num_layers)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family == "kimi_k25":
+        from transformers import Kimi_K25ForConditionalGeneration
+
+        model = Kimi_K25ForConditionalGeneration(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if lively:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -125,6 +221,9 @@ def make_tiny(family: str, folder: Path, *, num_layers: int = NUM_LAYERS, seed: 
     model.config.dtype = getattr(torch, dtype)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
+    if family == "kimi_k25":
+        _fix_kimi_checkpoint(folder)
+        _write_kimi_tokenizer(folder, tok)
     (folder / "draftsmith-family.json").write_text(json.dumps({"family": family, "note": FAMILY_NOTES[family]}))
     return folder
 

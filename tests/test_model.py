@@ -21,9 +21,14 @@ def make_config(**overrides) -> Eagle3Config:
     return Eagle3Config(**kwargs)
 
 
-def make_drafter(seed: int = 0, layers: int = 1) -> Eagle3Drafter:
+# a small MLA layer (q LoRA, latent, nope + rope heads of unequal value width), as model/mla.py builds it
+MLA = dict(attention="mla", num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+           qk_rope_head_dim=6, v_head_dim=10)
+
+
+def make_drafter(seed: int = 0, layers: int = 1, attention: str = "gqa") -> Eagle3Drafter:
     torch.manual_seed(seed)
-    model = Eagle3Drafter(make_config(num_hidden_layers=layers))
+    model = Eagle3Drafter(make_config(num_hidden_layers=layers, **(MLA if attention == "mla" else {})))
     # random norm weights too, so a swapped or skipped norm changes the output
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -153,11 +158,12 @@ def test_decoder_layer_follows_vllm_residual_structure():
 # --- training-time test == inference -----------------------------------------
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_ttt_matches_cached_chain_drafting(layers):
+def test_ttt_matches_cached_chain_drafting(layers, attention):
     """The central guarantee: ttt_forward's step-k logits at index i are what
     chain drafting with a KV cache produces after the prefix t_0..t_{i+1}."""
-    model = make_drafter(layers=layers)
+    model = make_drafter(layers=layers, attention=attention)
     B, L, steps = 2, 12, 3
     ids, aux = make_batch(B, L)
     # a non-zero position offset per row, as if the sequence continued a prompt
@@ -187,9 +193,10 @@ def test_ttt_matches_cached_chain_drafting(layers):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_cache_prefill_in_chunks_matches_one_shot(layers):
-    model = make_drafter(layers=layers)
+def test_cache_prefill_in_chunks_matches_one_shot(layers, attention):
+    model = make_drafter(layers=layers, attention=attention)
     ids, aux = make_batch(L=10)
     pos = torch.arange(10).expand(2, 10)
     full, _ = model(ids, aux, pos, DrafterCache())
@@ -206,9 +213,10 @@ def test_cache_prefill_in_chunks_matches_one_shot(layers):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_packed_documents_match_separate_documents(layers):
-    model = make_drafter(layers=layers)
+def test_packed_documents_match_separate_documents(layers, attention):
+    model = make_drafter(layers=layers, attention=attention)
     steps, La, Lb = 3, 7, 6
     ids, aux = make_batch(B=1, L=La + Lb)
     pos = torch.cat([torch.arange(La), torch.arange(Lb)])[None]
@@ -448,3 +456,57 @@ def test_init_layer_from_target_undoes_an_input_scale_and_refuses_foreign_layers
         init_layer_from_target(make_drafter(layers=2), tensors, aux_index=-1)
     with pytest.raises(ValueError, match=r"o_proj.weight must be \[32, 32\]"):
         init_layer_from_target(model, {**tensors, "self_attn.o_proj.weight": torch.zeros(H, 2 * H)}, aux_index=-1)
+
+
+@torch.no_grad()
+def test_mla_attention_matches_transformers_deepseek_v3():
+    """model/mla.py computes DeepSeek-V3's attention (transformers' DeepseekV3Attention, interleaved RoPE): the
+    same weights give the same output, so the exported layer is the function vLLM's MLA computes."""
+    import transformers as tf
+
+    from draftsmith.model.mla import MLAAttention
+
+    c = make_config(**MLA)
+    hf_cfg = tf.DeepseekV3Config(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                 q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                                 qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                                 v_head_dim=c.v_head_dim, rms_norm_eps=c.rms_norm_eps, rope_interleave=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    theirs = tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(hf_cfg, layer_idx=0).eval()
+    for p in theirs.parameters():
+        p.normal_(0, 0.3)
+    mine = MLAAttention(c, in_dim=H)
+    missing, unexpected = mine.load_state_dict(theirs.state_dict(), strict=False)
+    assert not missing and not unexpected  # vLLM's names, one to one
+    B, T = 2, 9
+    x = torch.randn(B, T, H)
+    pos = torch.arange(T).expand(B, T) + torch.tensor([[0], [7]])
+    rope = tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(hf_cfg)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    want, _ = theirs(x, position_embeddings=rope(x, pos), attention_mask=torch.where(causal, 0.0, float("-inf")))
+    cos, sin = rope_cos_sin(pos, c.rope_dim, c.rope_theta)
+    got, (k, v) = mine(x, cos, sin, causal)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert k.shape == (B, HEADS, T, 14) and v.shape == (B, HEADS, T, 10)
+
+
+def test_from_target_config_picks_mla_for_mla_targets():
+    import transformers as tf
+
+    ds = tf.DeepseekV3Config(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+                             intermediate_size=18432, moe_intermediate_size=2048)
+    c = Eagle3Config.from_target_config(ds, draft_vocab_size=32000)
+    assert (c.attention, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.rope_dim, c.v_head_dim) == (
+        "mla", 128, 1536, 512, 64, 128)
+    assert c.intermediate_size == 18432
+    gqa = Eagle3Config.from_target_config(ds, draft_vocab_size=32000, attention="gqa")
+    assert (gqa.attention, gqa.head_dim, gqa.num_attention_heads) == ("gqa", 128, 56)
+    llama = tf.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    assert Eagle3Config.from_target_config(llama, draft_vocab_size=32000).attention == "gqa"
+    mla = Eagle3Config.from_target_config(llama, draft_vocab_size=32000, attention="mla")
+    assert (mla.kv_lora_rank + mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.q_lora_rank) == (576, 128, None)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        make_config(attention="mha")

@@ -164,7 +164,7 @@ def _server(ctx: EngineContext, model_dir: str, args: list[str], log_name: str, 
                                    cfg.eval.max_tokens, limit=context_limit(model_dir))
     srv = VLLMServer(model_dir, extra_args=args, log_path=ctx.stage_dir / log_name, python=python,
                      max_model_len=max_model_len(model_dir, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
-                     say=ctx.prog.log)
+                     say=ctx.prog.log, trust_remote_code=cfg.trust_remote_code)
     return serving(srv, what, ctx.prog.busy)
 
 

@@ -53,7 +53,7 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
-from draftsmith.target import pick_device, pick_dtype
+from draftsmith.target import language_model_names, pick_device, pick_dtype, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
 from draftsmith.vllm_server import VLLMServer, serving, vllm_python
 
@@ -123,20 +123,12 @@ class FinalNorm:
             raise DraftsmithError(f"{folder / 'config.json'}: no rms_norm_eps; extract.backend=vllm applies the "
                                   "target's final RMSNorm itself and supports RMSNorm targets only "
                                   f"({info.architecture})")
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            where = json.loads(index.read_text())["weight_map"]
-        else:
-            where = {}
-            for p in sorted(folder.glob("*.safetensors")):
-                with safe_open(str(p), framework="pt") as f:
-                    where.update({k: p.name for k in f.keys()})
-        keys = [k for k in where if k.endswith("norm.weight") and ".layers." not in k and "embed" not in k]
-        key = "model.norm.weight" if "model.norm.weight" in where else (min(keys, key=len) if keys else None)
-        if key is None:
-            raise DraftsmithError(f"{folder}: no final norm weight (model.norm.weight) in the safetensors files")
-        with safe_open(str(folder / where[key]), framework="pt") as f:
-            weight = f.get_tensor(key)
+        names = language_model_names(info)
+        if names is None or names.norm is None:
+            raise DraftsmithError(f"{folder}: no final norm weight of its language model "
+                                  f"({names.base if names else 'model.'}norm.weight) in the safetensors files")
+        key = names.norm
+        weight = read_tensor(folder, names, key)
         if weight.shape != (info.hidden_size,):
             raise DraftsmithError(f"{folder}: {key} has shape {tuple(weight.shape)}, expected ({info.hidden_size},)")
         gemma = str(getattr(text, "model_type", "")).startswith("gemma")
@@ -377,7 +369,7 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             srv = closing.enter_context(serving(
                 VLLMServer(info.path, extra_args=args, env=env, log_path=stage_dir / SERVER_LOG, python=python,
                            dtype=dtype, max_model_len=max_len + 1, startup_timeout_s=cfg.vllm_startup_timeout_s,
-                           say=log),
+                           say=log, trust_remote_code=cfg.trust_remote_code),
                 f"hidden states of layers {ids}", busy))
             urls = [srv.base_url]
 

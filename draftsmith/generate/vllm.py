@@ -38,7 +38,7 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *gen.vllm_args],
                      log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(cfg.vllm_python, log=prog.log),
                      max_model_len=max_model_len(info.path, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
-                     say=prog.log)
+                     say=prog.log, trust_remote_code=cfg.trust_remote_code)
     with serving(srv, f"target, {dtype}", prog.busy):
         extra = asyncio.run(ask_servers(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
                                         server_gone=srv.exited))

