@@ -260,7 +260,8 @@ def row_shapes(row: Row) -> tuple:
     cfg = row.config()
     hf = target_config(row)
     dcfg = Eagle3Config.from_target_config(hf, draft_vocab_size=cfg.vocab.draft_vocab_size,
-                                           num_hidden_layers=cfg.train.num_layers)
+                                           num_hidden_layers=cfg.train.num_layers,
+                                           attention=cfg.train.drafter_attention)
     online = None
     if cfg.train.mode == "online":  # the target as train.mode=online loads it (Llama only here)
         online = AutoConfig.for_model(**{k: v for k, v in vars(hf).items() if not k.startswith("_")})

@@ -36,7 +36,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.model.config import ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention_shape, drafter_intermediate_size
+from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
+                                     drafter_intermediate_size, drafter_mla_shape)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class TargetShape:
     intermediate_size: int  # the drafter's MLP width (model.config.drafter_intermediate_size)
     kv_dim: int  # key/value width of the drafter's attention (kv heads x head_dim, model.config's attention rule)
     q_dim: int = 0  # query/output width of the drafter's attention (heads x head_dim); 0: hidden_size
+    # the MLA drafter's (heads, q_lora_rank or 0, kv_lora_rank, nope, rope, v) for an MLA target
+    # (train.drafter_attention auto); None: a Llama-attention drafter
+    drafter_mla: tuple[int, int, int, int, int, int] | None = None
 
     @property
     def weight_bytes(self) -> float:
@@ -162,8 +166,8 @@ def _quantized_bytes_per_param(qc: dict) -> float | None:
     return bits
 
 
-def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
-    """Parameter counts of a transformers model from its config.json."""
+def target_shape(config_json: Path, name: str | None = None, attention: str = "auto") -> TargetShape:
+    """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention."""
     try:
         c = json.loads(config_json.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -175,6 +179,14 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
         raise DraftsmithError(f"{config_json}: no {e.args[0]} in the model config") from None
     inter = c.get("intermediate_size", 4 * h)
     d_q, d_kv, d_inter = drafter_widths(c)
+    view = SimpleNamespace(**c)
+    mla = None
+    if drafter_attention(view, attention) == "mla":
+        m = drafter_mla_shape(view)
+        heads = int(c.get("num_attention_heads") or h // 64)
+        mla = (heads, m["q_lora_rank"] or 0, m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"],
+               m["v_head_dim"])
+        d_q = d_kv = heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"])  # per-head keys, as the TTT keeps them
     attn = _attention_params(c, h)
     dense_mlp = 3 * h * inter  # gate, up, down
     experts = c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
@@ -191,6 +203,11 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
     qc = c.get("quantization_config") or top.get("quantization_config") or {}
     bits = _quantized_bytes_per_param(qc)
     dtype_bytes = {"float32": 4}.get(str(c.get("torch_dtype", c.get("dtype", "bfloat16"))), 2)
+    ignored = " ".join(str(x) for x in qc.get("ignore") or [])
+    if bits and routed and "self_attn" in ignored:
+        # only the routed experts quantized (Kimi-K2.5's INT4: attention, shared experts, dense layers and the
+        # head left in bf16 by its `ignore` list): the bytes a parameter takes on average
+        bits = (routed * bits + common * dtype_bytes) / (common + routed)
     return TargetShape(
         # a config.json is named by its folder (the model's), any other file by its own name
         name=name or top.get("_name_or_path") or c.get("_name_or_path")
@@ -198,7 +215,8 @@ def target_shape(config_json: Path, name: str | None = None) -> TargetShape:
         num_layers=n, hidden_size=h, vocab_size=v,
         total_params=common + routed, active_params=common + moe_layers * per_tok * expert_mlp,
         expert_params=routed, experts=experts, experts_per_token=per_tok,
-        weight_bytes_per_param=bits or dtype_bytes, intermediate_size=d_inter, kv_dim=d_kv, q_dim=d_q)
+        weight_bytes_per_param=bits or dtype_bytes, intermediate_size=d_inter, kv_dim=d_kv, q_dim=d_q,
+        drafter_mla=mla)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -221,11 +239,21 @@ def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: i
 
 def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1) -> tuple[float, float]:
     """(trainable parameters, parameters used per token per TTT step) of the drafter: the fc over
-    3 fused layers, a first Llama decoder layer at the target's widths whose q/k/v read
+    3 fused layers, a first decoder layer (Llama, or MLA beside an MLA target) at the target's widths whose q/k/v read
     [embedding; hidden] (2h), num_layers - 1 plain ones (q/k/v read h), and the draft LM head."""
     h, q = t.hidden_size, t.q_dim or t.hidden_size
-    mlp_o = q * h + 3 * h * t.intermediate_size
-    layers = 2 * h * (q + 2 * t.kv_dim) + mlp_o + (num_layers - 1) * (h * (q + 2 * t.kv_dim) + mlp_o)
+    mlp = 3 * h * t.intermediate_size
+    if t.drafter_mla:  # model/mla.py's projections (norms left out, as for the Llama layer)
+        heads, q_rank, kv_rank, nope, rope, v = t.drafter_mla
+
+        def attention(width: int) -> int:
+            qk = heads * (nope + rope)
+            q_params = width * q_rank + q_rank * qk if q_rank else width * qk
+            return q_params + width * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h
+
+        layers = attention(2 * h) + mlp + (num_layers - 1) * (attention(h) + mlp)
+    else:
+        layers = 2 * h * (q + 2 * t.kv_dim) + q * h + mlp + (num_layers - 1) * (h * (q + 2 * t.kv_dim) + q * h + mlp)
     fc, head = 3 * h * h, h * draft_vocab
     return fc + layers + head, layers + head
 
@@ -428,9 +456,9 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
         from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
 
         folder, name = resolve_target(cfg.target, log=lambda *a, **k: None)
-        shape = target_shape(folder / "config.json", name)
+        shape = target_shape(folder / "config.json", name, cfg.train.drafter_attention)
     else:
-        shape = target_shape(target_config)
+        shape = target_shape(target_config, attention=cfg.train.drafter_attention)
     answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
     return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer)
 

@@ -333,7 +333,8 @@ def _mla_config_from_export(cj: dict, where: str):
                               "hidden state as the residual)")
     rope = cj.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
-        raise DraftsmithError(f"{where}: 'rope_parameters.rope_type' must be \"default\", got {rope.get('rope_type')!r}")
+        raise DraftsmithError(f"{where}: 'rope_parameters.rope_type' must be \"default\", "
+                              f"got {rope.get('rope_type')!r}")
     aux = (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
         raise DraftsmithError(f"{where}: 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of layer "

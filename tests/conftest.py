@@ -115,7 +115,7 @@ def cli():
 
 def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int] | None = None,
                              draft_vocab_size: int | None = None, seed: int = 0, step: int = 10,
-                             ttt_steps: int = 3, num_layers: int = 1) -> Path:
+                             ttt_steps: int = 3, num_layers: int = 1, trust_remote_code: bool = False) -> Path:
     """A training checkpoint folder as `train` writes it (model.safetensors without embed_tokens,
     drafter.json, state.json last), holding a randomly initialised Eagle3Drafter for `target`
     (initialised from the target's embeddings, lm_head rows and final norm)."""
@@ -124,16 +124,16 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
 
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
     from draftsmith.model.config import Eagle3Config
     from draftsmith.model.eagle3 import Eagle3Drafter
     from draftsmith.model.init import init_from_target
-    from draftsmith.target import target_info
+    from draftsmith.target import load_target, target_info
 
-    info = target_info(target)
+    info = target_info(target, trust_remote_code=trust_remote_code, log=lambda *a: None)
     aux_layers = aux_layers or info.default_aux_layers()
-    hf = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32)
+    # a wrapper's (Kimi-K2.5's) language model alone, as the pipeline loads it
+    hf = load_target(target, device="cpu", dtype="float32", trust_remote_code=trust_remote_code,
+                     log=lambda *a: None).model
     V = info.vocab_size
     dv = draft_vocab_size or V
     config = Eagle3Config.from_target_config(hf.config, dv, num_hidden_layers=num_layers)

@@ -71,7 +71,7 @@ def test_kimi_recipe_estimate_matches_the_case_we_learn_from():
     """10,000 samples of ~2,100 tokens (21 M tokens): the store is ~0.6 TB in fp8 (the default) and
     ~1.2 TB in bf16 with 4 layers of 7168 (the case wrote 828 GB of bf16 for 3), and generation takes
     hours, not minutes or days."""
-    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
     assert 0.95e12 < shape.total_params < 1.1e12 and 28e9 < shape.active_params < 36e9
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
     e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
@@ -98,7 +98,7 @@ def test_cli_prints_estimate_and_rejects_unknown_hardware(cli):
 def test_backend_dataset_decodes_nothing():
     """Backend dataset keeps the file's replies: generate costs tokenizing, not hours of decoding,
     and loads no weights; the stages after it are estimated as for regenerated answers."""
-    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
     served = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
     cfg.generate.backend = "dataset"
@@ -113,7 +113,7 @@ def test_backend_dataset_decodes_nothing():
 
 
 def test_more_answers_per_prompt_cost_as_more_samples():
-    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
     one = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
     cfg.generate.answers_per_prompt = 3
@@ -194,7 +194,7 @@ def test_training_memory_estimate_agrees_with_the_measured_step(memory_bench, ro
     H100; Kimi-K2 on an H200 with DDP's gradient buckets)."""
     r = memory_bench.ROWS[row]
     cfg = r.config()
-    shape = target_shape(REPO / r.target_config)
+    shape = target_shape(REPO / r.target_config, attention=cfg.train.drafter_attention)  # the recipe's drafter
     hw = HARDWARE[r.hardware]
     measured = memory_bench.measure_row(r, "after")["peak"]
     est = train_memory(cfg.train, shape, hw, r.devices, cfg.vocab.draft_vocab_size)
@@ -210,7 +210,7 @@ def test_training_memory_estimate_agrees_with_the_measured_step(memory_bench, ro
 def test_estimate_says_which_knob_makes_training_fit():
     """A step too big for the device: the estimate names the micro-batch, the TTT depth and FSDP
     settings that each make it fit, and each of them does fit."""
-    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json")
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
     # (a drafter with 8 kv heads of 128, the MLA rule of model/config.py: these settings are just over an H200)
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["train.batch_tokens=24576", "train.ttt_steps=9"])
     hw = HARDWARE["h200"]

@@ -34,8 +34,12 @@ EXPECTED_SHAPE = {
     "mistral": (4, 2, 32, 256, 10000.0),
     "gemma3": (4, 2, 32, 256, 1000000.0),        # the full-attention layers' theta
     "gpt_oss": (4, 2, 32, 192, 150000.0),        # 2 experts per token x 96
-    "deepseek_v3": (4, 4, 32, 256, 10000.0),     # MLA: head_dim = v_head_dim 32, not qk_rope_head_dim 16
+    "deepseek_v3": (4, 4, 96, 256, 10000.0),     # MLA drafter: the target's 4 heads of nope 32 + rope 64
+    "kimi_k25": (4, 4, 96, 256, 10000.0),        # its DeepSeek-V3 text model's
 }
+MLA_FAMILIES = ("deepseek_v3", "kimi_k25")
+# the folder's own code: Kimi-K2.5's tokenizer (tests/assets/tokenization_tiny_kimi.py)
+REMOTE_CODE = ("kimi_k25",)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def family_run(family_target, tmp_path_factory):
     def get(family: str) -> tuple[RunDir, Path]:
         if family not in built:
             folder = tmp_path_factory.mktemp(f"{family}-run")
-            recipe = write_recipe(folder, family_target(family))
+            recipe = write_recipe(folder, family_target(family), trust_remote_code=family in REMOTE_CODE)
             run = RunDir(folder / "run")
             run_pipeline(run, load_config(recipe), until_stage="export")
             built[family] = run, recipe
@@ -69,12 +73,12 @@ def family_run(family_target, tmp_path_factory):
     return get
 
 
-def write_recipe(folder: Path, target: Path) -> Path:
+def write_recipe(folder: Path, target: Path, trust_remote_code: bool = False) -> Path:
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
                                for i, t in enumerate(PROMPTS)))
     cfg = {
-        "target": str(target), "dtype": "float32",
+        "target": str(target), "dtype": "float32", "trust_remote_code": trust_remote_code,
         "generate": {"backend": "local", "prompts": str(prompts), "max_tokens": 10, "batch_size": 3},
         "prepare": {"max_length": 64},
         "vocab": {"draft_vocab_size": DRAFT_VOCAB},
@@ -92,6 +96,8 @@ def check_export(run: RunDir, family: str, target: Path) -> dict:
     info = target_info(str(target))
     out = run.path / "export"
     cj = json.loads((out / "config.json").read_text())
+    if family in MLA_FAMILIES:
+        return check_mla_export(run, family, target, cj)
     layer = cj["transformer_layer_config"]
     assert info.num_layers == 8 and info.hidden_size == 128
     assert cj["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # [2, N // 2, N - 3] for 8 layers
@@ -115,6 +121,26 @@ def check_export(run: RunDir, family: str, target: Path) -> dict:
     return cj
 
 
+def check_mla_export(run: RunDir, family: str, target: Path, cj: dict) -> dict:
+    """An MLA target's export: the native EAGLE-3 folder vLLM serves as Eagle3DeepseekV3ForCausalLM, with the
+    target's latent widths; read back through load_exported."""
+    info = target_info(str(target), trust_remote_code=family in REMOTE_CODE)
+    text = json.loads((target / "config.json").read_text())
+    text = text.get("text_config", text)
+    assert cj["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cj["model_type"] == "deepseek_v2"
+    for key in ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "hidden_size", "vocab_size"):
+        assert cj[key] == text[key], key
+    assert cj["intermediate_size"] == text["intermediate_size"] and cj["draft_vocab_size"] == DRAFT_VOCAB
+    assert cj["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cj["norm_before_residual"] is False and cj["rope_parameters"]["rope_type"] == "default"
+    assert cj["draftsmith"]["verifier"] == str(target) and cj["draftsmith"]["target_fingerprint"] == info.fingerprint
+    drafter, meta = load_exported(run.path / "export", target_info=info)
+    assert meta["aux_layers"] == [2, 4, 5] and drafter.config.attention == "mla"
+    assert drafter.layers[0].self_attn.kv_a_proj_with_mqa.weight.shape == (512 + 64, 2 * 128)
+    return cj
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_through_the_hf_pipeline(family, family_target, family_run):
     target = family_target(family)
@@ -132,7 +158,9 @@ def test_family_through_the_hf_pipeline(family, family_target, family_run):
     assert train["settings"]["train"]["mode"] == "online"
     assert train["counts"]["loss"] == pytest.approx(offline_loss, rel=0.05)
     online = check_export(run, family, target)
-    assert online["transformer_layer_config"] == offline["transformer_layer_config"]
+    shape_of = (lambda c: {k: v for k, v in c.items() if k != "draftsmith"}) if family in MLA_FAMILIES else (
+        lambda c: c["transformer_layer_config"])
+    assert shape_of(online) == shape_of(offline)
 
 
 @pytest.mark.vllm
@@ -156,7 +184,7 @@ def test_vllm_reads_every_family_export(family_run):
         " 'shape': [c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size],"
         " 'aux': c.eagle_aux_hidden_state_layer_ids, 'dv': c.draft_vocab_size, 'hidden': c.target_hidden_size}))\n"
     )
-    families = sorted(FAMILIES)
+    families = sorted(f for f in FAMILIES if f not in MLA_FAMILIES)  # MLA exports are native: served in test_families_vllm
     exports = [str(family_run(f)[0].path / "export") for f in families]  # online or offline: the same shapes
     p = subprocess.run([str(vllm_python()), "-c", code, *exports], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
@@ -177,7 +205,7 @@ def test_mla_drafter_shape_for_kimi_k2():
     from types import SimpleNamespace
 
     c = json.loads((Path(__file__).resolve().parents[1] / "configs" / "targets" / "kimi-k2-instruct.json").read_text())
-    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c, head_dim=c["qk_rope_head_dim"]), 32000)
+    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c, head_dim=c["qk_rope_head_dim"]), 32000, attention="gqa")
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (7168, 56, 8, 128)
     assert cfg.num_attention_heads * cfg.head_dim == 7168
     assert cfg.intermediate_size == 18432
@@ -212,7 +240,7 @@ def test_drafter_shape_rule_on_real_configs(name):
 
     fields, (heads, kv, head_dim, inter) = REAL_SHAPES[name]
     c = {**fields, "vocab_size": 32000, "num_hidden_layers": 32}
-    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c), 1000)
+    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c), 1000, attention="gqa")
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (heads, kv, inter)
     assert cfg.head_dim == (head_dim or 4096 // 32)
     assert drafter_widths(c) == (heads * cfg.head_dim, kv * cfg.head_dim, inter)
@@ -243,10 +271,12 @@ def test_estimate_from_the_family_config_alone(family, family_target):
     assert all(s["seconds"] > 0 for s in e["stages"].values()) and "train" in render(e)
     shape = target_shape(folder / "config.json")
     assert (shape.num_layers, shape.hidden_size) == (8, 128)
-    dcfg = Eagle3Config.from_target_config(AutoConfig.from_pretrained(folder), DRAFT_VOCAB)
+    hf = AutoConfig.from_pretrained(folder)
+    dcfg = Eagle3Config.from_target_config(hf.get_text_config(), DRAFT_VOCAB)
     # estimate's widths, from the plain config.json, are those of the drafter from transformers' config
     assert (shape.q_dim, shape.kv_dim, shape.intermediate_size) == (
         dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim, dcfg.intermediate_size)
+    assert (shape.drafter_mla is not None) == (dcfg.attention == "mla") == (family in MLA_FAMILIES)
     assert _drafter_params(shape, DRAFT_VOCAB)[0] == _drafter_trainable(dcfg)
 
 
