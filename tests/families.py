@@ -119,7 +119,7 @@ KIMI_TEMPLATE = (
     "{{ m.content }}<|im_end|>{{ '\\n' }}"
     "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{{ '\\n' }}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}{%- endif -%}")
 
 
 def _write_kimi_tokenizer(folder: Path, fast) -> None:

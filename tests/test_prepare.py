@@ -422,3 +422,61 @@ def test_a_full_disk_names_the_file_and_tears_no_line(tiny_target, tmp_path, mon
     assert got.endswith(b"\n") and got.count(b"\n") == 2 and want.startswith(got)
     run_prepare(run, cfg_for(tiny_target))
     assert out.read_bytes() == want
+
+
+class _NoOffsets:
+    """The tokenizer seen as a Python (slow) tokenizer: no offsets, as transformers gives Kimi's."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __call__(self, text, **kwargs):
+        kwargs.pop("return_offsets_mapping", None)
+        return {"input_ids": self._tok(text, **kwargs)["input_ids"]}
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "A poem?"},
+     {"role": "assistant", "content": "The sea and the sky, numbers and letters."}],
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
+     {"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "def add(a, b):\n    return a + b\n"}],
+    [{"role": "user", "content": "Ünïcödé 日本?"}, {"role": "assistant", "content": "  spaced   out\n\n and 12345 ☃"}],
+]
+
+
+@pytest.mark.parametrize("template", ["chatml", "joined"])
+def test_prepare_without_offsets_equals_the_offsets_path(tmp_path, template):
+    """A tokenizer without offsets (a Python tokenizer) gets the same ids and masks as the fast path, on SmolLM2's
+    tokenizer both ways, the boundary fix included (JOINED_TEMPLATE merges a token across the turn start)."""
+    folder = build_tiny_target(tmp_path / template, **({"chat_template": JOINED_TEMPLATE} if template == "joined" else {}))
+    fast, tok = encoder_for(folder)
+    slow = ChatEncoder(_NoOffsets(tok), fast.target, fast.end_tokens)
+    convs = CONVERSATIONS if template == "chatml" else [
+        [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "ance and the sky."}]]
+    for msgs in convs:
+        a, b = fast.encode(msgs), slow.encode(msgs)
+        assert (b.input_ids, b.loss_mask, b.notes) == (a.input_ids, a.loss_mask, a.notes)
+        assert sum(b.loss_mask) > 0
+
+
+def test_prepare_with_the_tiktoken_tokenizer_of_the_kimi_family(tmp_path):
+    """The tiny Kimi-K2.5's tiktoken tokenizer (the folder's own code, no offsets): its think-block template
+    masks the reasoning and the answer of the last turn, as the SmolLM2 tokenizer with offsets does."""
+    from families import make_tiny
+
+    folder = make_tiny("kimi_k25", tmp_path / "k25")
+    info = target_info(str(folder), trust_remote_code=True, log=lambda *a: None)
+    tok = load_tokenizer(info, trust_remote_code=True)
+    assert not tok.is_fast and "offset_mapping" not in tok("a b", return_offsets_mapping=True)
+    enc = ChatEncoder.for_target(tok, info)
+    msgs = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning": "Two and two make four."}]
+    out = enc.encode(msgs)
+    runs = [tok.decode(r) for r in masked_runs(out.input_ids, out.loss_mask)]
+    assert runs == ["<think>Two and two make four.</think>4.<|im_end|>"]
+    assert out.notes.get("reasoning_kept") == 1
