@@ -92,6 +92,9 @@ def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
     checked against the drafter's config; None without it."""
     if tc.init_layer is None:
         return None
+    if dcfg.attention == "mla":
+        raise DraftsmithError("train.init_layer: starting an MLA drafter from the target's layers is not supported; "
+                              "unset it, or set train.drafter_attention=gqa")
     first = first_init_layer(tc)
     if not 0 <= tc.init_layer < info.num_layers:
         raise DraftsmithError(f"train.init_layer: {tc.init_layer} is not a layer of the target "
