@@ -314,10 +314,16 @@ class OpenAIClient:
         return self._judge_reply(s, r, parse)
 
     async def _asend(self, s: str, method: str, path: str, body, parse) -> _Outcome:
+        request = self._async.request(method, s + path, json=body(s) if callable(body) else body)
         try:
-            # wait_for: one deadline for the whole request (httpx's read timeout is per read)
-            r = await asyncio.wait_for(self._async.request(method, s + path, json=body(s) if callable(body) else body),
-                                       self.timeout_s)
+            # one deadline for the whole request (httpx's read timeout is per read). asyncio.timeout where it
+            # exists (3.11+): Python 3.11's wait_for loses a cancellation that lands as the request completes,
+            # so a Ctrl-C (asyncio.run cancels the main task) was swallowed and generate finished with exit 0
+            if hasattr(asyncio, "timeout"):
+                async with asyncio.timeout(self.timeout_s):
+                    r = await request
+            else:  # pragma: no cover - Python 3.10
+                r = await asyncio.wait_for(request, self.timeout_s)
         except (asyncio.TimeoutError, httpx.TransportError) as e:
             return self._judge_error(s, e, self.timeout_s)
         return self._judge_reply(s, r, parse)

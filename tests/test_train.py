@@ -750,14 +750,16 @@ def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
                "model.language_model.layers.27.mlp.up_proj.weight": torch.zeros(3, 2),
                "model.vision_tower.encoder.layers.2.mlp.up_proj.weight": torch.zeros(3, 2),
                "mtp.layers.2.mlp.up_proj.weight": torch.zeros(3, 2)}, str(tmp_path / "model.safetensors"))
-    info = types.SimpleNamespace(path=str(tmp_path))
+    info = types.SimpleNamespace(path=str(tmp_path), num_layers=28, architecture="Gemma3ForConditionalGeneration",
+                                 tie_word_embeddings=True)
     got = read_target_layer(info, 2)
     assert list(got) == ["mlp.up_proj.weight"] and bool(got["mlp.up_proj.weight"].eq(1).all())
     with pytest.raises(DraftsmithError, match=r"no tensors named model\.language_model\.layers\.5\."):
         read_target_layer(info, 5)
     (tmp_path / "bare").mkdir()
     with pytest.raises(DraftsmithError, match="has no safetensors weights to read layer 2 from"):
-        read_target_layer(types.SimpleNamespace(path=str(tmp_path / "bare")), 2)
+        read_target_layer(types.SimpleNamespace(path=str(tmp_path / "bare"), num_layers=28, architecture="X",
+                                                tie_word_embeddings=True), 2)
 
 
 @pytest.mark.parametrize("outside_loss", [False, True], ids=["in-the-loss", "outside-the-loss"])
