@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
 
@@ -545,6 +547,61 @@ def target_device_map(info: TargetInfo, dev, dtype, log=print) -> dict[str, Any]
     return "auto"
 
 
+_decoder_lm_classes: dict[type, type] = {}
+
+
+def text_causal_lm_class(text_cfg) -> type:
+    """transformers' ForCausalLM class of a wrapper's text config; where transformers ships only the decoder
+    (Qwen3-VL's `qwen3_vl_text`: Qwen3VLTextModel, no Qwen3VLTextForCausalLM), that decoder under a plain LM
+    head, named as the checkpoint's `model.` + `lm_head` once the wrapper's prefixes are mapped."""
+    causal = AutoModelForCausalLM._model_mapping
+    if type(text_cfg) in causal:
+        return causal[type(text_cfg)]
+    try:
+        decoder_cls = AutoModel._model_mapping[type(text_cfg)]
+    except KeyError:
+        raise DraftsmithError(f"{type(text_cfg).__name__}: transformers has no decoder class for this "
+                              "language model") from None
+    if decoder_cls not in _decoder_lm_classes:
+        _decoder_lm_classes[decoder_cls] = _decoder_with_head(decoder_cls, type(text_cfg))
+    return _decoder_lm_classes[decoder_cls]
+
+
+def _decoder_with_head(decoder_cls: type, config_cls: type) -> type:
+    """A ForCausalLM of `decoder_cls` (a transformers decoder returning last_hidden_state): what transformers
+    writes for every text model, built for the few that ship inside a wrapper only."""
+    base = decoder_cls.__mro__[1]  # the family's PreTrainedModel: its weight init and attention settings
+    # transformers 5.24 renamed the decoders' `past_key_values` to `cache` (the old name warns until 5.40)
+    cache_kwarg = "cache" if "cache" in inspect.signature(decoder_cls.forward).parameters else "past_key_values"
+
+    class DecoderWithHead(base, GenerationMixin):
+        config_class = config_cls
+        base_model_prefix = "model"
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # applied only when the config ties
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = decoder_cls(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, logits_to_keep=0, **kwargs):
+            given = cache if cache is not None else past_key_values
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **{cache_kwarg: given}, **kwargs)
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state[:, keep]),
+                                          past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+                                          attentions=out.attentions)
+
+    DecoderWithHead.__name__ = DecoderWithHead.__qualname__ = decoder_cls.__name__.replace("Model", "") + "ForCausalLM"
+    return DecoderWithHead
+
+
 def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
                 log=print) -> Target:
     """Load the target for inference (eval mode, no grad) on the chosen device and dtype."""
@@ -554,6 +611,7 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
     dt = pick_dtype(dtype, dev)
     device_map = target_device_map(info, dev, dt, log)
     kwargs: dict[str, Any] = {}
+    model_cls = AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=trust_remote_code)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if text_cfg is not cfg:
@@ -565,13 +623,14 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
             raise DraftsmithError(f"{info.path}: {info.architecture} wraps a language model, and draftsmith "
                                   "reads a wrapper's language model from safetensors files only; none found")
         kwargs = {"config": text_cfg, "key_mapping": names.key_mapping() or None}
+        model_cls = text_causal_lm_class(text_cfg)
         log(f"target {info.name}: {info.architecture}: loading its language model alone "
-            f"({type(text_cfg).__name__}, tensors under {names.base[:-1]!r})")
+            f"({model_cls.__name__}, tensors under {names.base[:-1]!r})")
         hf_logging.set_verbosity_error()  # the load report lists every vision tensor left unread
     try:
         # straight onto its device(s) in its dtype: no full host copy per rank, no second copy on the GPU
-        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code,
-                                                     device_map=device_map, **kwargs)
+        model = model_cls.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code,
+                                          device_map=device_map, **kwargs)
     except Exception as e:
         raise DraftsmithError(f"{info.path}: cannot load the model ({_first_sentence(e)})") from None
     model.eval().requires_grad_(False)

@@ -230,7 +230,8 @@ def test_estimate_says_which_knob_makes_training_fit():
 
 def test_a_wrappers_quantization_name_and_what_does_not_fit(tmp_path):
     """A multimodal wrapper (Kimi-K2.5's shape: text_config inside, quantization_config at the top):
-    its int4 compressed-tensors weights count half a byte a parameter, not two; the target is named
+    its int4 compressed-tensors weights count 4.5 bits a parameter (4 and a bf16 scale per group of 32), not
+    16; the target is named
     after the file, not the folder it sits in; a stage whose weights per device exceed the device
     says so in a line."""
     text = json.loads((REPO / "configs" / "targets" / "kimi-k2-instruct.json").read_text())
@@ -244,10 +245,16 @@ def test_a_wrappers_quantization_name_and_what_does_not_fit(tmp_path):
     path = tmp_path / "kimi-k2.5.json"
     path.write_text(json.dumps(wrapper))
     shape = target_shape(path)
-    assert shape.name == "kimi-k2.5" and shape.weight_bytes_per_param == 0.5
-    assert 0.45e12 < shape.weight_bytes < 0.55e12  # ~1.03 T parameters at 4 bits
-    for qc, want in (({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 0.5), ({"quant_method": "fp8"}, 1),
-                     ({"quant_method": "gptq", "bits": 8}, 1)):
+    assert shape.name == "kimi-k2.5" and shape.weight_bytes_per_param == 4.5 / 8
+    assert 0.5e12 < shape.weight_bytes < 0.62e12  # ~1.03 T parameters at 4.5 bits
+    for qc, want in (({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 4.5 / 8), ({"quant_method": "fp8"}, 1),
+                     ({"quant_method": "gptq", "bits": 8}, 1), ({"quant_method": "gptq", "bits": 4, "group_size": 128},
+                                                                (4 + 20 / 128) / 8),
+                     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+                         "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}}},
+                      (4 + 20 / 128) / 8),
+                     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+                         "num_bits": 8, "type": "float", "strategy": "channel"}}}}, 1)):
         path.write_text(json.dumps({**wrapper, "quantization_config": qc}))
         assert target_shape(path).weight_bytes_per_param == want, qc
     path.write_text(json.dumps({**wrapper, "quantization_config": {}}))  # bf16: 2 TB over one H200
@@ -257,3 +264,12 @@ def test_a_wrappers_quantization_name_and_what_does_not_fit(tmp_path):
     assert "generate does not fit: " in render(e) and "more than one NVIDIA H200 holds (141.0 GB)" in render(e)
     fits = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
     assert fits["does_not_fit"] == [] and "does not fit" not in render(fits).replace("train does not fit", "")
+
+
+def test_kimi_k25_int4_weights_within_ten_percent_of_the_released_checkpoint():
+    """configs/targets/kimi-k2.5.json (the released config's sizing fields): routed experts in int4 groups of 32
+    with a bf16 scale each, the rest bf16 by its `ignore` list. The released checkpoint takes ~595 GB (its
+    published size; no network here to list its files): the estimate's weights within 10 % of it."""
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2.5.json")
+    assert abs(shape.weight_bytes / 595e9 - 1) < 0.10, shape.weight_bytes
+    assert 1.0e12 < shape.total_params < 1.06e12  # "1T parameters"

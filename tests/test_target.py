@@ -5,9 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.target import load_target, pick_dtype, resolve_target, target_info
+from draftsmith.target import (language_model_names, load_target, pick_dtype, read_tensor, resolve_target,
+                               target_info)
+from families import WRAPPERS, make_tiny_wrapper
 
 
 def test_tiny_target_info(tiny_target):
@@ -217,3 +220,30 @@ def test_target_placement(monkeypatch, tmp_path, gb, ranks, want):
     else:
         assert target_device_map(info, dev, torch.bfloat16, log=lambda *a: None) == ({"": dev} if want == "one" else "auto")
     assert target_device_map(info, torch.device("cpu"), torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_a_wrapper_loads_its_language_model_alone(kind, tmp_path):
+    """Gemma 3, Qwen3-VL and Llama 4 wrappers (tests/families.py WRAPPERS), as Kimi-K2.5's in the family tests:
+    draftsmith loads the text model alone as a ForCausalLM (Qwen3-VL's decoder under a plain head: transformers
+    has no class for it) with no vision tensor, and its logits on text equal the whole wrapper's; the norm, head
+    and embedding are found under the language model's own prefix."""
+    import transformers as tf
+
+    folder = make_tiny_wrapper(kind, tmp_path / kind)
+    info = target_info(str(folder))
+    t = load_target(str(folder), device="cpu", dtype="float32", log=lambda *a: None)
+    assert type(t.model).__name__.endswith("ForCausalLM")
+    assert not any("vision" in k or "visual" in k for k in t.model.state_dict())
+    names = language_model_names(info)
+    assert names.norm == names.base + "norm.weight" and names.embed == names.base + "embed_tokens.weight"
+    assert names.head == {"gemma3": names.embed, "qwen3_vl": "lm_head.weight",
+                          "llama4": "language_model.lm_head.weight"}[kind]
+    full = getattr(tf, info.architecture).from_pretrained(str(folder), dtype=torch.float32).eval()
+    if kind == "llama4":  # its wrapper's forward fails on text alone (transformers 5.24: no `image_outputs`)
+        full = full.language_model  # its own Llama4ForCausalLM, as the wrapper loaded it
+    ids = torch.randint(10, 40000, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        alone, whole = t.model(input_ids=ids).logits, full(input_ids=ids).logits
+    assert alone.std() > 0.1 and torch.allclose(alone, whole, atol=1e-5), (alone - whole).abs().max()
+    assert torch.equal(t.final_norm_weight(), read_tensor(folder, names, names.norm).float())
