@@ -353,7 +353,7 @@ def run_cmd(
     cfg = stage_config(config, sets)
     torch_threads(cfg)
     rd = RunDir(run)
-    run_pipeline(rd, cfg, from_stage, until_stage)
+    run_pipeline(rd, cfg, from_stage, until_stage, retake_threads=True)
     print(summarize(rd))
 
 

@@ -191,7 +191,7 @@ def run_demo(run: RunDir, overrides: list[str]) -> None:
         if plan is not None and stage != run_stages_last(extra):
             log(remaining_line(plan, done), stage="demo")
 
-    run_pipeline(run, cfg, extra_engines=extra, on_stage_done=stage_done)
+    run_pipeline(run, cfg, extra_engines=extra, on_stage_done=stage_done, retake_threads=True)
 
 
 def run_stages_last(extra: tuple[str, ...]) -> str:

@@ -175,20 +175,22 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def recent_rate(points: list[tuple[float, float]], start_done: float) -> tuple[float | None, bool]:
-    """(units per second, warming up) from (time, done) points of one attempt, oldest first: the
-    one rate rule of both the log lines and `status`, so that the two agree.
+def recent_rate(points: list[tuple], start_done: float) -> tuple[float | None, bool]:
+    """(units per second, warming up) from (time, done[, in work]) points of one attempt, oldest first:
+    the one rate rule of both the log lines and `status`, so that the two agree.
 
     The rate is taken over the last RATE_WINDOW_S seconds of work, or over the last RATE_MIN_UNITS
     units when that minute holds fewer (at most RATE_MAX_WINDOW_S back), never over the start-up
     before the first unit (loading a model, starting a server), which would stretch the ETA for
-    hours. While less than a whole window of work lies behind, the rate is marked as warming up."""
+    hours. A point written inside a work phase (journal `w`: a batch being decoded, whose answers all
+    land at its end) is the units' own time, not start-up: the first batch's rate is its answers over
+    its time. While less than a whole window of work lies behind, the rate is marked as warming up."""
     if not points:
         return None, True
-    last_t, last_done = points[-1]
-    # Work began at the last point that still had nothing done in this attempt.
-    began = max((t for t, d in points if d <= start_done), default=points[0][0])
-    usable = [(t, d) for t, d in points if t >= max(began, last_t - RATE_MAX_WINDOW_S)] or [points[-1]]
+    last_t, last_done = points[-1][0], points[-1][1]
+    # Work began at the last point that still had nothing done in this attempt, outside a work phase.
+    began = max((p[0] for p in points if p[1] <= start_done and not (len(p) > 2 and p[2])), default=points[0][0])
+    usable = [(p[0], p[1]) for p in points if p[0] >= max(began, last_t - RATE_MAX_WINDOW_S)] or [points[-1][:2]]
     first_t, first_done = next(((t, d) for t, d in usable if t >= last_t - RATE_WINDOW_S), usable[-1])
     if last_done - first_done < RATE_MIN_UNITS:
         # the latest point at least RATE_MIN_UNITS units back, else the oldest usable one
@@ -252,7 +254,7 @@ def journal_state(path: Path, now: float, host: str) -> dict[str, Any] | None:
         else:
             row["state"] = "running"
         if row["state"] in ("running", "stalled"):
-            points = [(float(e["t"]), float(e["done"])) for e in events
+            points = [(float(e["t"]), float(e["done"]), bool(e.get("w"))) for e in events
                       if e.get("t") is not None and e.get("done") is not None
                          and float(e["t"]) >= float(start.get("t", 0))]
             r, row["warming_up"] = recent_rate(points, float(start.get("done") or 0))

@@ -25,6 +25,7 @@ from draftsmith.generate import run_generate
 from draftsmith.prepare import run_prepare
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
+from draftsmith.target import thread_policy
 from draftsmith.train import run_train
 from draftsmith.vocab import run_vocab
 
@@ -47,20 +48,23 @@ def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None =
 
 
 def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: str | None = None,
-                 extra_engines: tuple[str, ...] = (), on_stage_done=None) -> dict[str, dict]:
+                 extra_engines: tuple[str, ...] = (), on_stage_done=None, retake_threads: bool = False
+                 ) -> dict[str, dict]:
     """Run the planned stages; then, for each of extra_engines, eval again with that engine into
     RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one). on_stage_done(stage,
-    seconds) is called after each stage (the demo's estimate of what is left).
+    seconds) is called after each stage (the demo's estimate of what is left). retake_threads: the
+    thread rule (target.thread_policy) taken again before each stage after the first (the CLI's
+    `run` and `demo`: what kept the cores busy at the start, setup or a server, may have ended since).
 
     One `run` per run folder, and none while a stage of it runs in another process: refused in
     one line before pipeline.json or any journal of the live one is touched."""
     with run.run_lock():
         run.refuse_if_busy()
-        return _run_stages(run, cfg, from_stage, until_stage, extra_engines, on_stage_done)
+        return _run_stages(run, cfg, from_stage, until_stage, extra_engines, on_stage_done, retake_threads)
 
 
 def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | None, extra_engines: tuple[str, ...],
-                on_stage_done) -> dict[str, dict]:
+                on_stage_done, retake_threads: bool) -> dict[str, dict]:
     stages = planned_stages(cfg, from_stage, until_stage)
     if "eval" in stages:
         stages += [f"eval-{e}" for e in extra_engines]
@@ -79,6 +83,8 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
             atomic_write_json(run.path / "pipeline.json", state)
             ts = time.time()
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
+            if retake_threads and stages.index(stage) > 0:  # the CLI took it for the first
+                log(thread_policy(cfg.threads)[1], stage="run")
             stage_cfg, fn = cfg, STAGE_FUNCTIONS.get(stage)
             if fn is None:  # eval-<engine>
                 stage_cfg = cfg.model_copy(deep=True)

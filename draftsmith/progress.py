@@ -18,7 +18,12 @@ it tolerates a last line cut by a crash.
 
 Log lines reach the console at once (the CLI makes stdout line-buffered) and are appended to
 `RUN/<stage>/stage.log`. On a terminal a progress bar is drawn; otherwise one plain line per
-interval (default 10 s, and at least every 10 % of the work) with done/total, rate and ETA.
+interval (default 10 s, and at least every 10 % of the work) with done/total, rate and ETA. A burst
+of completions (a batch finishing) is one line, written once the burst is over. The log is never
+silent longer than the interval while the stage lives: inside a named phase (`busy`), and before
+the first unit, a line says what it is doing and for how long (`loading target ... 3m00s, 0/400
+samples done`). `busy(phase, work=True)` marks a phase whose time is the units' own (decoding a
+batch): the rate is measured from its start, not from when its units land.
 
 Errors raised outside the `with Progress` block (a bad upstream file found before the work
 starts, a manifest that cannot be written after it) are journaled too: each `run_<stage>`
@@ -45,6 +50,9 @@ from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env
                                journal_name, journal_state, read_journal, recent_rate)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
+
+SETTLE_S = 0.25  # a burst of completions is over once no unit has completed for this long
+TICK_S = 0.25  # how often the heartbeat thread looks at the log lines due
 
 _current_log: list[Path] = []  # stage.log of the innermost active Progress
 _log_lock = threading.Lock()  # the heartbeat thread prints too: one whole line at a time
@@ -105,15 +113,20 @@ class Progress:
         self.log_path = d / "stage.log"
         self._fd: int | None = None
         self._lock = threading.Lock()
+        self._line_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._phase: str | None = None
+        self._phase_t0 = 0.0
+        self._work = False  # inside a busy(work=True) phase: its journal points are the units' own time
         self._last_progress_t = time.time()
         self._last_journal_t = 0.0
-        self._last_line_t = 0.0
-        self._last_line_done = done
         self._t0 = time.time()
-        self._points: collections.deque[tuple[float, float]] = collections.deque()  # (t, done) of journal lines
+        self._last_line_t = 0.0  # the last progress (status) line
+        self._last_any_line_t = self._t0  # the newest line of this stage's log, whatever it said
+        self._last_line_done = done
+        # (t, done, in a work phase) of journal lines
+        self._points: collections.deque[tuple[float, float, bool]] = collections.deque()
         self._bar = None
         self._bar_task = None
         self.closed = False
@@ -129,7 +142,7 @@ class Progress:
                 append_bytes(self._fd, data, self.journal_path)
                 if ev.get("done") is not None:
                     # the points `status` reads back from this journal, for the log's rate
-                    self._points.append((ev["t"], ev["done"]))
+                    self._points.append((ev["t"], ev["done"], bool(ev.get("w"))))
                     while self._points and self._points[0][0] < ev["t"] - 2 * RATE_MAX_WINDOW_S:
                         self._points.popleft()
 
@@ -139,6 +152,8 @@ class Progress:
             ev["total"] = self.total
         if self._phase:
             ev["phase"] = self._phase
+        if self._work:
+            ev["w"] = 1
         ev.update(extra)
         return ev
 
@@ -163,16 +178,41 @@ class Progress:
         return self
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            with contextlib.suppress(OSError, DiskFull):  # the stage reports a full disk itself
-                self._write(self._event("p"))
-            # A line per interval even while no unit completes (a long batch, a slow spell), so the
-            # log's newest rate and ETA are never much older than what `status` computes now. Not
-            # before the first unit, nor inside a named long step (that has its own line).
+        next_beat = time.time() + self.heartbeat_s
+        while not self._stop.wait(min(TICK_S, self.heartbeat_s, self.interval_s / 2)):
             now = time.time()
-            if (self._phase is None and self.done > self.start_done and not self._stop.is_set()
-                    and now - self._last_line_t >= self.interval_s):
-                self._print_line(now)
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                with contextlib.suppress(OSError, DiskFull):  # the stage reports a full disk itself
+                    self._write(self._event("p"))
+            if not self._stop.is_set():
+                self._lines_due(now)
+
+    def _lines_due(self, now: float) -> None:
+        """The log lines the clock asks for: a burst's line once it settled, a progress line per interval once
+        units complete, and a line saying what the stage does whenever its log fell silent for an interval
+        (a named phase, the wait for the first unit). Called from the heartbeat thread."""
+        if not self.console or self._bar is not None:
+            return
+        pending = self.done - self._last_line_done
+        settled = now - self._last_progress_t >= SETTLE_S
+        since = now - (self._last_line_t or self._t0)
+        if pending >= max(1, (self.total or 0) // 10) and settled:
+            self._print_line(now)
+        elif since >= self.interval_s and (pending > 0 or (self._phase is None and self.done > self.start_done)) \
+                and (settled or since >= self.interval_s + 1.0):  # a burst lasting over a second gets a line too
+            self._print_line(now)
+        elif now - self._last_any_line_t >= self.interval_s:
+            self._print_alive(now)
+
+    def _print_alive(self, now: float) -> None:
+        if self._phase is None:
+            self._print_line(now)  # no unit yet: the progress line, 0 done and the time elapsed
+            return
+        of = f"/{self.total}" if self.total is not None else ""
+        log(f"{self._phase} ... {fmt_duration(now - self._phase_t0)}, {self.done}{of} {self.unit} done",
+            stage=self.stage)
+        self._last_any_line_t = now
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
@@ -217,19 +257,23 @@ class Progress:
         self._maybe_print(now)
 
     @contextlib.contextmanager
-    def busy(self, phase: str) -> Iterator[None]:
-        """Mark a long single step; heartbeats carry its name and status counts it as alive."""
-        prev, self._phase = self._phase, phase
+    def busy(self, phase: str, work: bool = False) -> Iterator[None]:
+        """Mark a long single step; heartbeats carry its name and status counts it as alive, and the log
+        says every interval how long it has taken so far. `work`: the step computes the units that
+        complete after it (a batch decoded at once), so the rate counts its time as theirs."""
+        prev, self._phase = (self._phase, self._phase_t0, self._work), phase
+        self._phase_t0, self._work = time.time(), work
         self.log(f"{phase} ...")
         self._write(self._event("p"))
         try:
             yield
         finally:
-            self._phase = prev
+            self._phase, self._phase_t0, self._work = prev
             self._last_progress_t = time.time()
-            self._write(self._event("p"))
+            self._write(self._event("p", **({"w": 1} if work else {})))
 
     def log(self, msg: str) -> None:
+        self._last_any_line_t = time.time()
         if self._bar is not None:
             self._bar.console.print(f"{time.strftime('%H:%M:%S')} [{self.stage}] {scrub(msg)}")
             log(msg, stage=self.stage, console=False)
@@ -252,7 +296,7 @@ class Progress:
     # -- console -----------------------------------------------------------------------------------
     def _rate(self) -> tuple[float | None, bool]:
         with self._lock:
-            points = list(self._points) + [(time.time(), self.done)]
+            points = list(self._points) + [(time.time(), self.done, self._work)]
         return recent_rate(points, self.start_done)
 
     def status_line(self) -> str:
@@ -269,21 +313,18 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._bar_task, completed=self.done)
             return
-        if not self.console:
-            return
-        # A count-based line every 10% keeps a long interval (DRAFTSMITH_LOG_INTERVAL_S=600) from hiding
-        # progress, yet a stage that finishes in a second (prepare, vocab) writes ~10 lines, not one per unit.
-        step = max(1, (self.total or 0) // 10)
-        if now - self._last_line_t >= self.interval_s or (self.total and self.done - self._last_line_done >= step):
-            self._print_line(now)
+        # the lines themselves come from the heartbeat thread (_lines_due), which waits for a burst to be over:
+        # a batch of 64 answers landing in one second is one line, not seven
 
     def _print_line(self, now: float, final: bool = False) -> None:
         if not self.console or self._bar is not None:
             return
-        if final and self.done == self._last_line_done and self._last_line_t:
-            return
-        self._last_line_t, self._last_line_done = now, self.done
-        log(self.status_line(), stage=self.stage)
+        with self._line_lock:  # the heartbeat thread and the stage's own end() both print
+            if final and self.done == self._last_line_done and self._last_line_t:
+                return
+            self._last_line_t, self._last_line_done = now, self.done
+            self._last_any_line_t = now
+            log(self.status_line(), stage=self.stage)
 
     def _start_bar(self) -> None:
         # rich only when a bar is drawn (a terminal): journals and plain log lines do without it

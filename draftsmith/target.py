@@ -76,6 +76,35 @@ def pick_device(spec: str = "auto"):
     return dev
 
 
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - idle, total
+
+
+def busy_cores(window_s: float = 0.25) -> tuple[float, str]:
+    """(cores busy with other work right now, how it was read). The machine's CPU time over `window_s` from
+    /proc/stat while this process sleeps, so it counts everyone else; the 1-minute load average only where
+    /proc/stat is missing. Gotcha: that average lags: right after `scripts/setup.sh` an idle 2-core machine
+    still reads ~1.0 for a minute, and the demo ran on one of two idle cores."""
+    cores = os.cpu_count() or 1
+    a = _cpu_times()
+    if a is not None:
+        time.sleep(window_s)
+        b = _cpu_times()
+        if b is not None and b[1] > a[1]:
+            return cores * (b[0] - a[0]) / (b[1] - a[1]), f"{window_s:.2g}s of /proc/stat"
+    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), "load average"
+
+
 def threads_per_rank(requested: int | None = None, ranks: int | None = None) -> tuple[int, str]:
     """(torch threads for each of `ranks` processes on this node, why); ranks defaults to this
     process's LOCAL_WORLD_SIZE.
@@ -83,21 +112,22 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None) -> 
     Gotcha: torch takes every core by default, and on cores that other work keeps busy two threads
     ran several times slower than one (27 vs 120 training tokens/s here). So, unless `threads` (the
     config key) or OMP_NUM_THREADS (torchrun sets 1 per rank) says otherwise: the cores this process
-    may use, less those the load average says are busy, shared among this node's ranks."""
+    may use, less those busy with other work now (busy_cores), shared among this node's ranks."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = max(1, ranks if ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if requested is not None:
-        n, why = requested, "set by `threads`"
-    elif os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        n, why = int(os.environ["OMP_NUM_THREADS"]), "set by OMP_NUM_THREADS"
-    else:
-        free = max(1, cores - int(load + 0.5))
-        n = max(1, free // ranks)
-        why = f"{cores} cores, load {load:.1f}" + (f", {ranks} ranks on this node" if ranks > 1 else "")
-    busy = load > cores - 0.5
+        return requested, f"{requested} torch thread{'s' if requested > 1 else ''} (set by `threads`)"
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        n = int(os.environ["OMP_NUM_THREADS"])
+        return n, f"{n} torch thread{'s' if n > 1 else ''} (set by OMP_NUM_THREADS)"
+    busy, how = busy_cores()
+    # a core counts as taken when other work keeps it more than half busy
+    free = max(1, cores - int(busy + 0.5))
+    n = max(1, free // ranks)
+    why = f"{cores} cores, {busy:.1f} busy ({how})" + (f", {ranks} ranks on this node" if ranks > 1 else "")
+    crowded = busy > cores - 0.5
     return n, f"{n} torch thread{'s' if n > 1 else ''} ({why})" + (
-        f"; the machine is busy (load {load:.1f} on {cores} cores): speeds will be lower and vary" if busy else "")
+        f"; the machine is busy ({busy:.1f} of {cores} cores): speeds will be lower and vary" if crowded else "")
 
 
 def thread_policy(requested: int | None = None) -> tuple[int, str]:

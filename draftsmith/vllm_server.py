@@ -199,6 +199,16 @@ class _StartupWatch:
             self.noted = now
 
 
+def is_multimodal_wrapper(model_dir: str | os.PathLike) -> bool:
+    """Whether a model folder's config.json wraps a language model beside a vision or audio tower (Kimi-K2.5,
+    Gemma 3, Llama 4, Qwen3-VL)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "text_config" in cfg and any(k in cfg for k in ("vision_config", "audio_config"))
+
+
 class VLLMServer:
     """A vLLM OpenAI server on loopback, as a context manager.
 
@@ -270,6 +280,12 @@ class VLLMServer:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.trust_remote_code and "--trust-remote-code" not in self.extra_args:
             args.append("--trust-remote-code")
+        if is_multimodal_wrapper(self.model_dir) and not {"--language-model-only", "--limit-mm-per-prompt"} & {
+                a.split("=", 1)[0] for a in self.extra_args}:
+            # a text drafter never needs the vision tower: no media per prompt, so vLLM profiles no encoder
+            # input at start-up (Kimi-K2.5's `vision_chunk`, which {"image": 0, "video": 0} does not cover,
+            # cost ~1 minute of start-up on the CPU) and keeps no encoder cache
+            args.append("--language-model-only")
         return args + self.extra_args
 
     # -- life cycle ------------------------------------------------------------------------------

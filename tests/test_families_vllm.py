@@ -49,11 +49,10 @@ def family_params():
             for f in FAMILIES]
 
 
-# Kimi-K2.5: its tokenizer is the folder's own code, and the vision tower is left out of serving (no image
-# per prompt: vLLM then profiles no multimodal input)
+# Kimi-K2.5: its tokenizer is the folder's own code (the vision tower is left out of serving by VLLMServer itself:
+# --language-model-only for every multimodal wrapper)
 REMOTE_CODE = ("kimi_k25",)
-FAMILY_SETTINGS = {"kimi_k25": ["trust_remote_code=true",
-                                'eval.vllm_args=["--limit-mm-per-prompt", "{\\"image\\": 0, \\"video\\": 0}"]']}
+FAMILY_SETTINGS = {"kimi_k25": ["trust_remote_code=true"]}
 # the MLA targets, served with the MLA drafter (model/mla.py) vLLM loads as Eagle3DeepseekV3ForCausalLM
 MLA_FAMILIES = ("deepseek_v3", "kimi_k25")
 
@@ -64,7 +63,7 @@ def exported_run(root: Path, family: str) -> tuple[RunDir, Path, Path]:
     run = RunDir(root / "run").ensure()
     write_drafter_checkpoint(run.path / "train" / "final", str(target), draft_vocab_size=512,
                              trust_remote_code=family in REMOTE_CODE)
-    run_export(run, load_config(None, [f"target={target}", *FAMILY_SETTINGS.get(family, [])[:1]]))
+    run_export(run, load_config(None, [f"target={target}", *FAMILY_SETTINGS.get(family, [])]))
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
                                for i, t in enumerate(PROMPTS)))

@@ -62,6 +62,8 @@ def test_run_skips_current_stages_and_reruns_changed_ones(recipe, tmp_path, cli)
     # unchanged: every stage skipped, nothing rewritten (through the CLI, as a user sees it)
     p = cli("run", str(recipe), "--run", str(run.path), check=True)
     assert p.stdout.count("up to date, skipped") == len(STAGES), p.stdout
+    # the thread rule, read from what runs now, taken by the CLI and again before each later stage
+    assert p.stdout.count("torch thread") == len(STAGES) and "/proc/stat" in p.stdout, p.stdout
     assert finished(run) == first
 
     # a training setting: train and everything after it rerun, the data stages are kept

@@ -60,3 +60,38 @@ def test_stopped_command_exits_nonzero_and_status_says_interrupted(tmp_path, tin
     ids = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
     assert sorted(ids) == sorted(f"p{i}" for i in range(n))
     assert status_json(run)["generate"]["state"] == "done"
+
+
+@pytest.mark.parametrize("path", ["asyncio.timeout", "wait_for"])
+def test_a_cancel_landing_as_the_answer_completes_is_not_lost(path, monkeypatch):
+    """The race behind a Ctrl-C that let generate finish every sample and exit 0 (Python 3.11's wait_for,
+    CPython gh-86296), made deterministic: a fake server answers in the very step the main task is cancelled
+    (asyncio.run cancels it on Ctrl-C). The client's request must end cancelled. Run through the old path
+    (wait_for, taken where asyncio.timeout is missing), the same fake loses the cancel on 3.11: the test
+    shows which path holds."""
+    import asyncio
+
+    import httpx
+
+    from draftsmith.http import OpenAIClient
+
+    if path == "wait_for":
+        monkeypatch.delattr(asyncio, "timeout", raising=False)
+
+    async def main() -> str:
+        me = asyncio.current_task()
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            me.cancel()  # Ctrl-C lands ...
+            return httpx.Response(200, json={"choices": []})  # ... as the answer completes
+
+        client = OpenAIClient(["http://fake:1/v1"], timeout_s=30)
+        client._async = httpx.AsyncClient(transport=httpx.MockTransport(answer))  # the fake server, in-process
+        await client.arequest("POST", "/chat/completions", {})
+        return "went on"
+
+    if path == "asyncio.timeout":
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(main())
+    elif sys.version_info[:2] == (3, 11):
+        assert asyncio.run(main()) == "went on"  # the bug, as 3.11's wait_for has it

@@ -309,3 +309,18 @@ def test_max_model_len_follows_the_stage_and_the_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     assert max_model_len(tmp_path, 1000) == 1024 and max_model_len(tmp_path, 3000) == 3072
     assert max_model_len(tmp_path, 100_000) == 8192  # never beyond what the model was trained for
+
+
+def test_a_multimodal_wrapper_is_served_as_its_language_model_only(tmp_path):
+    """Every server draftsmith starts for a wrapper (Kimi-K2.5, Gemma 3, ...) gets --language-model-only, unless
+    the user's own arguments decide the media limits; a text model does not."""
+    from draftsmith.vllm_server import VLLMServer
+
+    wrapper, text = tmp_path / "wrapper", tmp_path / "text"
+    for folder, cfg in ((wrapper, {"text_config": {}, "vision_config": {}}), (text, {"hidden_size": 8})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+    assert "--language-model-only" in VLLMServer(wrapper, port=1, python="py").command()
+    assert "--language-model-only" not in VLLMServer(text, port=1, python="py").command()
+    mine = ["--limit-mm-per-prompt", '{"vision_chunk": 1}']
+    assert "--language-model-only" not in VLLMServer(wrapper, port=1, python="py", extra_args=mine).command()

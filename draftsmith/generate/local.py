@@ -104,10 +104,11 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
                 input_ids[i, width - len(x):] = torch.tensor(x)
                 attention_mask[i, width - len(x):] = 1
             # no answer of a batch lands before its longest one ends: the phase keeps `status` saying
-            # "running" (not "stalled") through a batch that takes minutes on a busy CPU
+            # "running" (not "stalled") through a batch that takes minutes on a busy CPU, and its time is
+            # its answers' own (work=True: the rate of the burst at its end is over the batch's time)
             turn = f", turn {k + 1}" if k else ""
             with prog.busy(f"decoding batch {j + 1}/{len(batches)} ({len(active)} conversations{turn}, "
-                           f"up to {gen.max_tokens} tokens each)"), torch.inference_mode():
+                           f"up to {gen.max_tokens} tokens each)", work=True), torch.inference_mode():
                 out = model.generate(input_ids=input_ids.to(target.device),
                                      attention_mask=attention_mask.to(target.device), generation_config=config)
             new = out[:, width:].tolist()  # [B, <= max_tokens]; rows that stopped early are padded
