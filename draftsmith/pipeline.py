@@ -25,7 +25,7 @@ from draftsmith.generate import run_generate
 from draftsmith.prepare import run_prepare
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
-from draftsmith.target import thread_policy
+from draftsmith.target import release_device_memory, thread_policy
 from draftsmith.train import run_train
 from draftsmith.vocab import run_vocab
 
@@ -100,6 +100,7 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
                 stage_cfg = cfg.model_copy(deep=True)
                 stage_cfg.extract.overwrite = True
             manifests[stage] = fn(run, stage_cfg)
+            release_device_memory()  # a stage's models are gone with its frame: their cached GPU blocks go too
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
             if on_stage_done is not None:

@@ -15,6 +15,7 @@ leaves no folder that looks finished).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -135,6 +136,14 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
     n, why = threads_per_rank(requested)
     torch.set_num_threads(n)
     return n, why
+
+
+def release_device_memory() -> None:
+    """Give the GPU memory of models no longer referenced back to the device, not only to PyTorch's caching
+    allocator: the next stage's vLLM server (another process) can only use what the device reports free."""
+    gc.collect()  # reference cycles (modules and their hooks) would otherwise keep the weights until later
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def bf16_is_fast(device) -> bool:

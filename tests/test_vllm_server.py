@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -319,6 +320,7 @@ def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
         return real_popen(cmd, **kw)
 
     monkeypatch.setattr(vs.subprocess, "Popen", popen)
+    monkeypatch.setattr(vs, "gpu_memory", lambda: (70 * 10**9, 80 * 10**9))  # CUDA patched in: its memory too
     for cuda in (False, True):
         monkeypatch.setattr(vs, "on_cuda_machine", lambda: cuda)
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -367,3 +369,37 @@ def test_an_mla_target_is_never_served_eager_on_the_cpu(tmp_path, monkeypatch):
     assert "--enforce-eager" in VLLMServer(gqa, port=1, python="py", extra_args=["--enforce-eager"]).command()
     monkeypatch.setattr(vllm_server, "on_cuda_machine", lambda: True)
     assert "--enforce-eager" in VLLMServer(mla, port=1, python="py", extra_args=["--enforce-eager"]).command()
+
+
+def test_on_a_gpu_a_server_takes_what_is_free_and_its_memory_is_waited_for(tmp_path, standin, monkeypatch):
+    """CUDA patched in (the Llama-8B recipe's case: online training left its blocks cached, eval then starts vLLM
+    on the same H100): --gpu-memory-utilization comes from what the device has free (35 of 79 GB: 0.413, not
+    vLLM's 0.9, which it refuses to start with), unless the user set it; stop() waits, bounded and saying so,
+    until the server's GPU memory is back, so that the next server finds it free."""
+    import threading
+
+    import draftsmith.vllm_server as vs
+
+    free = [35 * 10**9]  # what the patched device reports free
+    monkeypatch.setattr(vs, "on_cuda_machine", lambda: True)
+    monkeypatch.setattr(vs, "gpu_memory", lambda: (free[0], 79 * 10**9))
+    monkeypatch.setattr(vs, "GPU_FREE_WAIT_S", 3.0)
+    said: list[str] = []
+    log = tmp_path / "s.log"
+    with VLLMServer("/models/m", env=standin, log_path=log, python=sys.executable, say=said.append) as srv:
+        assert srv.gpu_utilization == 0.413
+        free[0] = 5 * 10**9  # the server holds 30 GB; its engine lets go of them a second after it is stopped
+        threading.Timer(1.5, lambda: free.__setitem__(0, 35 * 10**9)).start()
+        t0 = time.time()
+    assert "--gpu-memory-utilization 0.413" in log.read_text().splitlines()[0]
+    assert any(m.startswith("GPU memory: 35.0 of 79.0 GB free, so --gpu-memory-utilization 0.413") for m in said)
+    assert any(m.startswith("waiting for the stopped vLLM server's GPU memory (28.4 GB still held)") for m in said)
+    assert said[-1].startswith("GPU memory back after") and time.time() - t0 >= 1.4
+    # the user's own value wins; memory that never comes back is waited for GPU_FREE_WAIT_S, then a line
+    said.clear()
+    with VLLMServer("/models/m", env=standin, log_path=tmp_path / "u.log", python=sys.executable, say=said.append,
+                    extra_args=["--gpu-memory-utilization", "0.5"]) as srv:
+        assert srv.gpu_utilization is None and srv.command().count("--gpu-memory-utilization") == 1
+        free[0] = 5 * 10**9
+        t0 = time.time()
+    assert 3.0 <= time.time() - t0 < 10 and "still held after 3s" in said[-1]
