@@ -335,9 +335,9 @@ class Config(_Section):
         900.0, gt=0, description="Seconds a vLLM server draftsmith starts may take to answer /health (loading and "
         "compiling a large model on GPUs takes longer than the default).")
     threads: int | None = Field(
-        None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work (by the load "
-        "average), shared among this node's ranks; OMP_NUM_THREADS wins when set. Said in each stage command's first "
-        "log line.")
+        None, ge=1, description="Torch threads per process. Unset: the cores not busy with other work now (the CPU "
+        "time of the last quarter second, from /proc/stat), shared among this node's ranks; OMP_NUM_THREADS wins when "
+        "set. Said in each stage command's first log line, and taken again before each stage of `run` and `demo`.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)

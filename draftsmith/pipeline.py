@@ -128,16 +128,21 @@ def _refuse_other_format(run: RunDir, wanted: str) -> None:
             "training from it, or extract.overwrite=true to replace it")
 
 
-def summarize(run: RunDir) -> str:
-    """What a finished run got: acceptance length and speedup per evaluation, and where things are."""
+def current_evals(run: RunDir) -> list[str]:
+    """The eval folders (eval, eval-<engine>) whose report is of this run's drafter, not left from an earlier one."""
     export = (run.read_manifest("export") or {}).get("fingerprint")
 
-    def current(folder: str) -> bool:  # a report of this run's drafter, not one left from an earlier one
+    def current(folder: str) -> bool:
         m = run.read_manifest(folder)
         return (m is not None and (m.get("inputs") or {}).get("export") == export
                 and (run.path / folder / "report.json").is_file())
 
-    folders = [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if current(f)]
+    return [f for f in ("eval", *sorted(p.name for p in run.path.glob("eval-*"))) if current(f)]
+
+
+def summarize(run: RunDir) -> str:
+    """What a finished run got: acceptance length and speedup per evaluation, and where things are."""
+    folders = current_evals(run)
     if not folders:
         return f"run finished: {run.path}"
     return "\n".join(_summary_line(run, f) for f in folders) + f"\ndrafter: {run.path / 'export'}"

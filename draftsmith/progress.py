@@ -96,8 +96,9 @@ class Progress:
         self.done = self.start_done = done
         self.stall_after_s = stall_after_s
         # Seconds between plain progress lines; DRAFTSMITH_LOG_INTERVAL_S overrides the default.
-        self.interval_s = (interval_s if interval_s is not None
-                           else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0)))
+        # (at least 0.05 s: 0 would spin the heartbeat thread and print a line on every pass)
+        self.interval_s = max(0.05, interval_s if interval_s is not None
+                              else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0)))
         # Heartbeat often enough that a healthy stage is never near its stall threshold.
         self.heartbeat_s = heartbeat_s or max(0.2, min(5.0, stall_after_s / 10))
         self.rank = env_r if rank is None else rank
@@ -114,6 +115,7 @@ class Progress:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._line_lock = threading.Lock()
+        self._ended = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._phase: str | None = None
@@ -125,6 +127,7 @@ class Progress:
         self._last_line_t = 0.0  # the last progress (status) line
         self._last_any_line_t = self._t0  # the newest line of this stage's log, whatever it said
         self._last_line_done = done
+        self._pending_since = self._t0
         # (t, done, in a work phase) of journal lines
         self._points: collections.deque[tuple[float, float, bool]] = collections.deque()
         self._bar = None
@@ -186,7 +189,9 @@ class Progress:
                 with contextlib.suppress(OSError, DiskFull):  # the stage reports a full disk itself
                     self._write(self._event("p"))
             if not self._stop.is_set():
-                self._lines_due(now)
+                # a log line that cannot be written (a closed pipe) must not end the journal's heartbeats
+                with contextlib.suppress(Exception):
+                    self._lines_due(now)
 
     def _lines_due(self, now: float) -> None:
         """The log lines the clock asks for: a burst's line once it settled, a progress line per interval once
@@ -197,8 +202,8 @@ class Progress:
         pending = self.done - self._last_line_done
         settled = now - self._last_progress_t >= SETTLE_S
         since = now - (self._last_line_t or self._t0)
-        if pending >= max(1, (self.total or 0) // 10) and settled:
-            self._print_line(now)
+        if pending >= max(1, (self.total or 0) // 10) and (settled or now - self._pending_since >= 1.0):
+            self._print_line(now)  # a burst once settled; a steady stream's tenth within a second
         elif since >= self.interval_s and (pending > 0 or (self._phase is None and self.done > self.start_done)) \
                 and (settled or since >= self.interval_s + 1.0):  # a burst lasting over a second gets a line too
             self._print_line(now)
@@ -248,8 +253,10 @@ class Progress:
             self._bar.update(self._bar_task, total=total)
 
     def advance(self, n: int = 1) -> None:
-        self.done += n
         now = time.time()
+        if self.done == self._last_line_done:
+            self._pending_since = now  # the first unit no line has shown yet
+        self.done += n
         self._last_progress_t = now
         if now - self._last_journal_t >= 1.0 or (self.total is not None and self.done >= self.total):
             self._last_journal_t = now
@@ -261,8 +268,9 @@ class Progress:
         """Mark a long single step; heartbeats carry its name and status counts it as alive, and the log
         says every interval how long it has taken so far. `work`: the step computes the units that
         complete after it (a batch decoded at once), so the rate counts its time as theirs."""
-        prev, self._phase = (self._phase, self._phase_t0, self._work), phase
+        prev = (self._phase, self._phase_t0, self._work)
         self._phase_t0, self._work = time.time(), work
+        self._phase = phase  # last: the heartbeat thread reads the phase, then its start
         self.log(f"{phase} ...")
         self._write(self._event("p"))
         try:
@@ -290,6 +298,7 @@ class Progress:
     def end(self, **summary: Any) -> None:
         if self.closed:
             return
+        self._ended = True
         self._print_line(time.time(), final=True)
         self._close(self._event("end", **summary))
 
@@ -322,6 +331,8 @@ class Progress:
         with self._line_lock:  # the heartbeat thread and the stage's own end() both print
             if final and self.done == self._last_line_done and self._last_line_t:
                 return
+            if self._ended and not final:
+                return  # the final line is (being) written: no heartbeat line after it
             self._last_line_t, self._last_line_done = now, self.done
             self._last_any_line_t = now
             log(self.status_line(), stage=self.stage)

@@ -661,6 +661,10 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
         if names is None:
             raise DraftsmithError(f"{info.path}: {info.architecture} wraps a language model, and draftsmith "
                                   "reads a wrapper's language model from safetensors files only; none found")
+        if "tie_word_embeddings" not in text_cfg.to_dict():
+            # some text configs (Qwen3-VL's) have no such field: the wrapper's decides, else an untied head of a tied
+            # checkpoint would load as random weights, its warning hidden below
+            text_cfg.tie_word_embeddings = info.tie_word_embeddings
         kwargs = {"config": text_cfg, "key_mapping": names.key_mapping() or None}
         model_cls = text_causal_lm_class(text_cfg)
         log(f"target {info.name}: {info.architecture}: loading its language model alone "

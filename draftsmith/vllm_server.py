@@ -123,7 +123,8 @@ def vllm_version(python: Path) -> str | None:
 
 def _version_tuple(v: str) -> tuple[int, ...]:
     """'0.32.0+cpu' -> (0, 32, 0); a pre-release's digits as they come ('0.33.0rc1' -> (0, 33, 0))."""
-    return tuple(int(re.match(r"\d*", part).group() or 0) for part in v.split("+")[0].split(".")[:3])
+    parts = [int(re.match(r"\d*", part).group() or 0) for part in v.split("+")[0].split(".")[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # '0.32' is 0.32.0
 
 
 def check_vllm_version(python: Path) -> Path:

@@ -61,7 +61,7 @@ def test_calibration_times_the_real_decoding(tiny_target):
     assert c.batch_tokens_per_s > c.single_tokens_per_s > 0 and c.seconds > 0
 
 
-def test_the_last_lines_say_what_the_numbers_mean(tmp_path):
+def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
     """The demo ends with what tau and speedup mean on this machine: a drafting step's cost in plain steps is
     tau / speedup (measured, not assumed), the break-even tau is that cost, and where the drafter and reports are."""
     import json
@@ -70,7 +70,9 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path):
     from draftsmith.rundir import RunDir
 
     run = RunDir(tmp_path / "run").ensure()
-    for folder, engine, tau, speedup in (("eval", "local", 1.26, 0.70), ("eval-vllm", "vllm", 1.31, 0.95)):
+    monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: ["eval", "eval-vllm"])  # this drafter's reports
+    for folder, engine, tau, speedup in (("eval", "local", 1.26, 0.70), ("eval-vllm", "vllm", 1.31, 0.95),
+                                         ("eval-old", "vllm", 3.0, 9.9)):  # an earlier drafter's: not explained
         (run.path / folder).mkdir()
         (run.path / folder / "report.json").write_text(json.dumps(
             {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup}))
@@ -80,4 +82,6 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path):
     assert "costs 1.80 plain steps here, so drafting pays only above tau 1.80" in text  # 1.26 / 0.70
     assert "costs 1.38 plain steps" in text  # 1.31 / 0.95
     assert str(run.path / "export") in text and str(run.path / "eval-vllm" / "report.md") in text
+    assert "3.00" not in text and "eval-old" not in text
+    monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: [])
     assert explain(RunDir(tmp_path / "empty").ensure()) == ""

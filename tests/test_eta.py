@@ -68,7 +68,7 @@ def test_the_log_is_never_silent_for_an_interval(tmp_path, capsys):
     run = RunDir(tmp_path).ensure()
     with Progress(run, "generate", total=10, unit="samples", interval_s=0.3, heartbeat_s=0.1) as prog:
         with prog.busy("loading target"):
-            time.sleep(1.15)  # a phase of almost four intervals
+            time.sleep(1.6)  # a phase of over five intervals (three lines even with late ticks on a loaded machine)
         phase = [ln for ln in all_lines(run, "generate") if "loading target ... " in ln and "done" in ln]
         assert len(phase) >= 3 and phase[0].endswith("0/10 samples done"), phase
         time.sleep(1.0)  # no phase, no unit yet: the progress line with 0 done
@@ -115,9 +115,10 @@ def test_a_burst_of_completions_is_one_line_with_the_batchs_own_rate(tmp_path):
         lines = log_lines(run, "generate")
         assert len(lines) == 1 and lines[0].split("] ")[1].startswith("64/103 samples"), lines
         rate = float(lines[0].split(" | ")[1].split()[0])
-        assert rate == pytest.approx(64 / 2.5, rel=0.15), lines
+        # 64 over the batch's time (plus the tick that printed it), not `?` nor 64 over the last second
+        assert rate == pytest.approx(64 / 2.5, rel=0.3), lines
         row = journal_state(prog.journal_path, time.time(), socket.gethostname())
-        assert row["rate_per_s"] == pytest.approx(rate, rel=0.15)  # status says the same
+        assert row["rate_per_s"] == pytest.approx(rate, rel=0.3)  # status says the same
 
 
 def test_a_fast_stage_writes_a_line_per_burst_not_per_unit(tmp_path):

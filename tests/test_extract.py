@@ -357,8 +357,11 @@ def test_two_processes_make_the_same_files_as_one(tmp_path, tiny8):
     single = make_run(tmp_path, tiny8, name="single")
     multi = make_run(tmp_path, tiny8, name="multi")
     sets = ["--set", f"target={tiny8}", "--set", "extract.shard_size=3", "--set", "extract.batch_tokens=128"]
-    run_cli("extract", "--run", str(single.path), *sets, check=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the same torch threads in every process: the thread rule follows the load of the moment, and another
+    # thread count sums the matmuls in another order (other bytes)
+    one = {"OMP_NUM_THREADS": "1"}
+    run_cli("extract", "--run", str(single.path), *sets, check=True, env=one)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **one}
     procs = [subprocess.Popen([sys.executable, "-m", "draftsmith", "extract", "--run", str(multi.path), *sets,
                                "--rank", str(r), "--world-size", "2"], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]

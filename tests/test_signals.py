@@ -46,7 +46,7 @@ def test_stopped_command_exits_nonzero_and_status_says_interrupted(tmp_path, tin
         while time.time() < deadline and proc.poll() is None and (not samples.exists() or samples.read_bytes().count(b"\n") < 5):
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
-        os.kill(proc.pid, sig)
+        proc.send_signal(sig)  # (not os.kill: poll() may have reaped it)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == code, err
         lines = err.strip().splitlines()
@@ -62,7 +62,8 @@ def test_stopped_command_exits_nonzero_and_status_says_interrupted(tmp_path, tin
     assert status_json(run)["generate"]["state"] == "done"
 
 
-@pytest.mark.parametrize("path", ["asyncio.timeout", "wait_for"])
+@pytest.mark.parametrize("path", ["asyncio.timeout", pytest.param("wait_for", marks=pytest.mark.skipif(
+    sys.version_info[:2] != (3, 11), reason="the race is 3.11's wait_for"))])
 def test_a_cancel_landing_as_the_answer_completes_is_not_lost(path, monkeypatch):
     """The race behind a Ctrl-C that let generate finish every sample and exit 0 (Python 3.11's wait_for,
     CPython gh-86296), made deterministic: a fake server answers in the very step the main task is cancelled
@@ -93,8 +94,8 @@ def test_a_cancel_landing_as_the_answer_completes_is_not_lost(path, monkeypatch)
     if path == "asyncio.timeout":
         with pytest.raises(asyncio.CancelledError):
             asyncio.run(main())
-    elif sys.version_info[:2] == (3, 11):
-        assert asyncio.run(main()) == "went on"  # the bug, as 3.11's wait_for has it
+    else:
+        assert asyncio.run(main()) == "went on"  # the bug, as 3.11's wait_for has it: the fake reproduces it
 
 
 STAGE_SIGNALS = [(stage, sig, code) for stage in ("prepare", "vocab", "extract", "export", "eval")
@@ -138,7 +139,7 @@ def test_every_stage_stopped_by_a_signal_exits_130_or_143_and_resumes(finished_r
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and not _started_by(journal, proc.pid):
             time.sleep(0.002)
-        os.kill(proc.pid, sig)
+        proc.send_signal(sig)  # (not os.kill: poll() may have reaped it)
         out, err = proc.communicate(timeout=120)
         if proc.returncode == 0:
             continue  # it finished before the signal landed: again

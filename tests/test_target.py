@@ -262,7 +262,10 @@ def test_busy_cores_reads_what_runs_now_not_the_load_average(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     idle, how = busy_cores(0.5)
-    assert "/proc/stat" in how and idle < 5.0
+    cores = os.cpu_count()
+    assert "/proc/stat" in how and 0 <= idle <= cores + 0.1  # read off /proc/stat, not the stale 5.0
+    if idle > cores - 1:
+        pytest.skip(f"{idle:.1f} of {cores} cores busy already: no core left to see a spinner on")
     spin = multiprocessing.get_context("spawn").Process(target=_spin, args=(_time.time() + 3.0,))
     spin.start()
     try:

@@ -3,7 +3,7 @@ torchrun (DDP, gloo on the CPU) and hands back the manifest rank 0 writes.
 
 Why on a CPU: two single-threaded ranks keep both cores busy through the whole step, where one
 process with two threads leaves one idle in every small or sequential op (measured here: ~930
-against ~700 tokens/s). Each rank gets its share of the cores the load average leaves free
+against ~700 tokens/s). Each rank gets its share of the cores other work leaves free now
 (target.threads_per_rank), or `threads`, unless OMP_NUM_THREADS is set.
 """
 

@@ -24,6 +24,7 @@ Load it with PYTHONPATH=<this folder> and
 """
 
 import fcntl
+import inspect
 import json
 import os
 from functools import partial
@@ -50,8 +51,6 @@ PARENT_ATTRIBUTES = ("_kv_cache", "_is_tp_rank_zero", "_block_size", "_req_futur
 
 def check() -> str | None:
     """What vLLM's ExampleHiddenStatesConnector lacks of what this subclass uses (None: nothing)."""
-    import inspect
-
     missing = []
     for name, params in PARENT_METHODS.items():
         method = getattr(ExampleHiddenStatesConnector, name, None)
@@ -63,8 +62,11 @@ def check() -> str | None:
             names = names[1:]  # self (vLLM 0.32's _write_tensors is a staticmethod; the override takes self)
         if names[:len(params)] != params:
             missing.append(f"{name}({', '.join(params)})")
-    source = "".join(inspect.getsource(c) for c in ExampleHiddenStatesConnector.__mro__
-                     if c.__module__.startswith("vllm.") and c is not object)
+    try:
+        source = "".join(inspect.getsource(c) for c in ExampleHiddenStatesConnector.__mro__
+                         if c.__module__.startswith("vllm.") and c is not object)
+    except (OSError, TypeError):  # a vLLM installed without its sources: the attributes cannot be read off
+        return ", ".join(missing) or None
     missing += [a for a in PARENT_ATTRIBUTES if f"self.{a}" not in source]
     return ", ".join(missing) or None
 
