@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import sys
@@ -458,6 +459,13 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
+def _quiet_leftovers() -> None:
+    """A signal that landed inside an event loop's task (generate's requests) leaves that task holding the
+    exception; when it is collected at exit, asyncio logs "Task exception was never retrieved" and a traceback
+    to stderr, after the one line a stop prints. The stop is already said: asyncio's logger says nothing more."""
+    logging.getLogger("asyncio").disabled = True
+
+
 def main(argv: list[str] | None = None) -> None:
     # Logs must reach a file at once under `nohup cmd > log 2>&1 &`: line-buffer both streams
     # before anything is printed (Python block-buffers them when they are not a terminal).
@@ -497,9 +505,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"draftsmith: error{where}: {msg} (see --help)", file=sys.stderr)
         sys.exit(2)
     except Terminated:
+        _quiet_leftovers()
         print("draftsmith: terminated (SIGTERM); the same command resumes from the finished work", file=sys.stderr)
         sys.exit(143)
     except KeyboardInterrupt:
+        _quiet_leftovers()
         print("draftsmith: interrupted (Ctrl-C); the same command resumes from the finished work", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:
