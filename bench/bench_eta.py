@@ -36,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) \[(\w+)\] (\d+)/(\d+) \S+ \([\d.]+%\) \| (.*?) \| ETA (\S+) \|")
+# train's own line: "12:01:02 [train] step 12/40 | loss ... | 2,462 tok/s | lr ... | gnorm ... | ETA 3m00s"
+TRAIN_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) \[(\w+)\] step (\d+)/(\d+) \| .*? \| ([\d,.]+ tok/s) \| .* ETA (\S+)$")
 
 
 def parse_duration(s: str) -> float | None:
@@ -54,7 +56,7 @@ def last_log_line(log: Path, now: float) -> dict | None:
     except OSError:
         return None
     for line in reversed(lines):
-        m = LINE.match(line)
+        m = LINE.match(line) or TRAIN_LINE.match(line)
         if not m:
             continue
         hh, mm, ss = (int(x) for x in m.group(1, 2, 3))
