@@ -81,9 +81,7 @@ def vllm_venv() -> Path:
 
 def context_limit(model_dir: str | os.PathLike) -> int | None:
     """What the model was trained for: its config's max_position_embeddings (None when it has none)."""
-    limit = None
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    limit = _model_config(model_dir).get("max_position_embeddings")
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 

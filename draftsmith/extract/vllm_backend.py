@@ -84,6 +84,11 @@ def server_dtype(cfg) -> str:
     return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
 
 
+def plugin_pythonpath() -> str:
+    """PYTHONPATH that lets the vLLM interpreter import draftsmith's connector (before the user's own)."""
+    return os.pathsep.join([str(plugin_dir())] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+
+
 _connector_ok: set[str] = set()  # interpreters whose vLLM the connector was checked against
 
 
@@ -96,9 +101,8 @@ def check_connector(python: Path) -> None:
     probe = (f"import sys\ntry:\n    import {CONNECTOR_MODULE} as c\n"
              "except Exception as e:\n    print(f'cannot import it ({type(e).__name__}: {e})'); sys.exit(1)\n"
              "m = c.check()\nprint(f'vLLM lacks {m}' if m else ''); sys.exit(1 if m else 0)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir())] + (
-        [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-    p = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env)
+    p = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": plugin_pythonpath()})
     if p.returncode != 0:
         why = (p.stdout.strip().splitlines() or p.stderr.strip().splitlines() or ["no output"])[-1][:300]
         raise DraftsmithError(f"extract.connector=draftsmith: its hidden-states connector does not fit the vLLM of "
@@ -117,8 +121,7 @@ def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str,
     env = {}
     if connector == "draftsmith":
         kv.update(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE)
-        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir())]
-                                            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = plugin_pythonpath()
     args = ["--dtype", dtype, *extra, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
     return args, env
 
