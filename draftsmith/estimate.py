@@ -57,6 +57,9 @@ class Hardware:
     # CPUs: train tokens/s of train.processes one-thread ranks over one process using every core
     # (None: a GPU profile, where ranks are the devices)
     cpu_ranks_gain: float | None = None
+    # host CPU cores per device for draftsmith's host work (extraction's per-request work); GPU nodes
+    # commonly have 24 vCPUs (12 cores) per GPU, e.g. 192 vCPUs for 8 H100 or H200
+    host_cores: int = 12
 
 
 # cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
@@ -67,7 +70,7 @@ class Hardware:
 # (`train.processes: 2`) ~950 tokens/s against ~730 for one two-thread process.
 HARDWARE = {
     "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02,
-                    0.19, 1.3),
+                    0.19, 1.3, host_cores=2),
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
     "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
@@ -84,6 +87,24 @@ HARDWARE = {
 # by the medians of the quiet runs (0.9 CPU second per GB, sha256 most of it).
 WRITER_DISK_SHARE = 0.8
 CPU_FP8_VALUES_PER_S = 3.5e8
+
+
+# One rank's training data thread (train/data.py: read the fp8 store's rows, pack them into a reused host
+# arena, pinned on CUDA; the GPU dequantises), measured by bench/bench_data_thread.py at Kimi-K2's widths
+# on one torch thread, in bytes of store per second (docs/benchmarks.md, "The host's share at Kimi-K2's
+# widths"). Offline training runs no faster than its ranks' data threads deliver.
+DATA_THREAD_BYTES_PER_S = DATA_THREAD_MEASURED
+# Extraction through vLLM: the host work per request (read the connector's bf16 file, check it, norm the
+# last state in float32, quantise and encode the store's file), bytes of connector file per second on one
+# thread, by the same bench. It runs on extract.concurrency threads, at most the host's cores.
+EXTRACT_HOST_BYTES_PER_S = EXTRACT_HOST_MEASURED
+
+
+def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, concurrency: int) -> float:
+    """Tokens/s extraction's host work sustains (extract.backend=vllm): the connector's file holds the
+    three aux states and the last, bf16."""
+    threads = min(concurrency, hw.host_cores * devices)
+    return EXTRACT_HOST_BYTES_PER_S * threads / ((3 + 1) * hidden_size * 2)
 
 
 def writer_tokens_per_s(hw: "Hardware", bytes_per_token: float, store_format: str, hidden_size: int) -> float:
@@ -389,6 +410,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     completion = samples * answer
     weights_per_dev = t.weight_bytes / gpus
     stages: dict[str, dict[str, float]] = {}
+    extract_host = data_thread = None  # bounds that apply to some backends and modes only
 
     served = g.backend in ("openai", "vllm")
     decode = _decode_tokens_per_s(t, hw, gpus, g.concurrency if served else g.batch_size, "vllm" if served else "hf")
@@ -409,8 +431,12 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     if tr.mode == "offline":
         # the writer overlaps the forward: the slower of the two sets the pace (writer_tokens_per_s)
         writer = writer_tokens_per_s(hw, bytes_per_token, cfg.extract.store_format, t.hidden_size)
+        bounds = [prefill, writer]
+        if cfg.extract.backend == "vllm":  # the states reach the host as files: their host work is the third bound
+            extract_host = extract_host_tokens_per_s(hw, gpus, t.hidden_size, cfg.extract.concurrency)
+            bounds.append(extract_host)
         stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
-                             "seconds": tokens / min(prefill, writer)}
+                             "seconds": tokens / min(bounds)}
 
     trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers)
     flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)
@@ -421,8 +447,10 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     if hw.cpu_ranks_gain is not None and tr.processes > 1:
         ranks = tr.processes
         train_tps *= hw.cpu_ranks_gain
-    if tr.mode == "offline":
-        train_tps = min(train_tps, hw.disk_bw / bytes_per_token)
+    train_compute = train_tps
+    if tr.mode == "offline":  # the slowest of the drafter's compute, the disk and the ranks' data threads
+        data_thread = ranks * DATA_THREAD_BYTES_PER_S / bytes_per_token
+        train_tps = min(train_tps, hw.disk_bw / bytes_per_token, data_thread)
     else:  # the target's forward runs beside the drafter on every batch
         train_tps = 1 / (1 / train_tps + 1 / prefill)
     epochs = (tr.epochs if tr.max_steps is None
@@ -442,7 +470,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         "target": t.name, "hardware": hw.name, "devices": gpus,
         "target_params": t.total_params, "target_active_params": t.active_params, "target_weight_bytes": t.weight_bytes,
         "drafter_params": trainable, "samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_token,
-        "tokens_per_s": {"generate": decode, "extract_prefill": prefill, "train": train_tps},
+        "tokens_per_s": {"generate": decode, "extract_prefill": prefill, "extract_host": extract_host,
+                         "train": train_tps, "train_compute": train_compute, "train_data_thread": data_thread},
         "stages": stages,
         "train_memory": {**train_mem, "device": hw.mem,
                          "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)},
@@ -508,8 +537,12 @@ def render(e: dict) -> str:
         f"(~{e['assumptions']['prompt_tokens']} prompt + {e['assumptions']['answer_tokens']} answer each)",
         "assumed rates: generate " + (f"{tps['generate']:,.0f} tok/s" if tps["generate"] else
                                       f"none (backend dataset: {DATASET_SAMPLES_PER_S} samples/s of tokenizing)")
-        + f", target prefill {tps['extract_prefill']:,.0f} tok/s, "
-        f"train {tps['train']:,.0f} tok/s; extract store {e['bytes_per_token']:,} B/token",
+        + f", target prefill {tps['extract_prefill']:,.0f} tok/s"
+        + (f" (host work per request {tps['extract_host']:,.0f} tok/s)" if tps.get("extract_host") else "")
+        + f", train {tps['train']:,.0f} tok/s"
+        + (f" (drafter compute {tps['train_compute']:,.0f}, data threads {tps['train_data_thread']:,.0f})"
+           if tps.get("train_data_thread") else "")
+        + f"; extract store {e['bytes_per_token']:,} B/token",
         "",
         f"{'stage':<9} {'tokens':>8} {'disk':>10} {'memory/dev':>11} {'time':>8}",
     ]

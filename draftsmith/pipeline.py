@@ -84,7 +84,7 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
             ts = time.time()
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
             if retake_threads and stages.index(stage) > 0:  # the CLI took it for the first
-                log(thread_policy(cfg.threads)[1], stage="run")
+                log(thread_policy(cfg.threads, cfg.device)[1], stage="run")
             stage_cfg, fn = cfg, STAGE_FUNCTIONS.get(stage)
             if fn is None:  # eval-<engine>
                 stage_cfg = cfg.model_copy(deep=True)

@@ -106,9 +106,14 @@ def busy_cores(window_s: float = 0.25) -> tuple[float, str]:
     return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), "load average"
 
 
-def threads_per_rank(requested: int | None = None, ranks: int | None = None) -> tuple[int, str]:
+def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu: bool = False) -> tuple[int, str]:
     """(torch threads for each of `ranks` processes on this node, why); ranks defaults to this
-    process's LOCAL_WORLD_SIZE.
+    process's LOCAL_WORLD_SIZE; gpu: the ranks compute on GPUs.
+
+    On a GPU rank the host threads do host work only (the training data thread reads and packs a
+    micro-batch of up to hundreds of MB per step), so torchrun's own OMP_NUM_THREADS=1 (it sets it for
+    every launch with several ranks per node, when unset) is not taken as the user's choice there: the
+    rank gets its share of the cores; set `threads` for another number.
 
     Gotcha: torch takes every core by default, and on cores that other work keeps busy two threads
     ran several times slower than one (27 vs 120 training tokens/s here). So, unless `threads` (the
@@ -118,22 +123,28 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None) -> 
     ranks = max(1, ranks if ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if requested is not None:
         return requested, f"{requested} torch thread{'s' if requested > 1 else ''} (set by `threads`)"
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        n = int(os.environ["OMP_NUM_THREADS"])
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    torchruns_default = omp == "1" and gpu and ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+    if omp.isdigit() and int(omp) > 0 and not torchruns_default:
+        n = int(omp)
         return n, f"{n} torch thread{'s' if n > 1 else ''} (set by OMP_NUM_THREADS)"
     busy, how = busy_cores()
     # a core counts as taken when other work keeps it more than half busy
     free = max(1, cores - int(busy + 0.5))
     n = max(1, free // ranks)
     why = f"{cores} cores, {busy:.1f} busy ({how})" + (f", {ranks} ranks on this node" if ranks > 1 else "")
+    if torchruns_default:
+        why += "; torchrun's OMP_NUM_THREADS=1 not taken on a GPU rank, whose host threads feed its data thread"
     crowded = busy > cores - 0.5
     return n, f"{n} torch thread{'s' if n > 1 else ''} ({why})" + (
         f"; the machine is busy ({busy:.1f} of {cores} cores): speeds will be lower and vary" if crowded else "")
 
 
-def thread_policy(requested: int | None = None) -> tuple[int, str]:
-    """(torch threads for this process, why) by threads_per_rank, applied with torch.set_num_threads."""
-    n, why = threads_per_rank(requested)
+def thread_policy(requested: int | None = None, device: str | None = None) -> tuple[int, str]:
+    """(torch threads for this process, why) by threads_per_rank, applied with torch.set_num_threads;
+    device: the config's (`auto` and the like: a GPU rank when it resolves to CUDA)."""
+    gpu = device is not None and pick_device(device).type == "cuda"
+    n, why = threads_per_rank(requested, gpu=gpu)
     torch.set_num_threads(n)
     return n, why
 

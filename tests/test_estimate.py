@@ -273,3 +273,29 @@ def test_kimi_k25_int4_weights_within_ten_percent_of_the_released_checkpoint():
     shape = target_shape(REPO / "configs" / "targets" / "kimi-k2.5.json")
     assert abs(shape.weight_bytes / 595e9 - 1) < 0.10, shape.weight_bytes
     assert 1.0e12 < shape.total_params < 1.06e12  # "1T parameters"
+
+
+def test_offline_training_and_vllm_extraction_are_bounded_by_their_host_work(monkeypatch):
+    """Offline, a step runs no faster than its ranks' data threads pack the store's bytes
+    (bench/bench_data_thread.py's rate); through vLLM, extraction no faster than its requests'
+    host work (read, check, norm, quantise) on extract.concurrency threads, at most the host's cores."""
+    import draftsmith.estimate as est
+    from draftsmith.extract import bytes_per_token
+
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["extract.backend=vllm", "extract.concurrency=4"])
+    e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    tps, stored = e["tokens_per_s"], bytes_per_token(3, 7168, "fp8")
+    assert tps["train_data_thread"] == pytest.approx(8 * est.DATA_THREAD_BYTES_PER_S / stored)
+    assert tps["train"] == min(tps["train_compute"], tps["train_data_thread"], HARDWARE["h200"].disk_bw / stored)
+    assert tps["extract_host"] == pytest.approx(4 * est.EXTRACT_HOST_BYTES_PER_S / (4 * 7168 * 2))
+    monkeypatch.setattr(est, "DATA_THREAD_BYTES_PER_S", 1e6)
+    monkeypatch.setattr(est, "EXTRACT_HOST_BYTES_PER_S", 1e6)
+    slow = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    assert slow["tokens_per_s"]["train"] == pytest.approx(8e6 / stored)  # the data threads bind
+    assert slow["stages"]["extract"]["seconds"] == pytest.approx(e["tokens"] / (4e6 / (4 * 7168 * 2)))
+    rendered = est.render(slow)
+    assert "host work per request" in rendered and "data threads" in rendered
+    cfg.extract.backend = "hf"  # states computed in-process: no connector files to read
+    assert estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)[
+        "tokens_per_s"]["extract_host"] is None

@@ -16,7 +16,8 @@ import draftsmith.train as train_mod
 from draftsmith.model.ttt import FlexTTTMask, TTTMask, first_positions, key_floors
 from draftsmith.train import run_train
 from draftsmith.target import target_info
-from draftsmith.train.data import Batch, DeviceFeeder, Prefetcher
+from draftsmith.extract.store import dequantize_fp8, quantize_fp8
+from draftsmith.train.data import Batch, DeviceFeeder, HostArena, HostArenas, Prefetcher, pack_rows, packed_bytes
 from draftsmith.train.objective import TTTObjective, fixed_positions, ttt_layout
 from test_train import cfg_for, copy_run, cycle_samples, make_run, micro_batch, synthesize_states, tiny_drafter
 
@@ -282,3 +283,93 @@ def test_on_the_cpu_batches_are_moved_as_before_without_pinning_or_streams():
         p.close()
     assert pos == (0, 1) and b.aux_hidden.dtype == torch.float32 and b.samples == [1]
     assert feeder.stream is None and p._slots is None
+
+
+def _stored_rows(fp8: bool, lengths=((5, 3), (7,)), A=3, H=8, seed=0):
+    """Rows of samples as OfflineSource.sample gives them: from an fp8 store (float8 states and
+    their scales) or dequantised on the host to bf16 (what the loop got before), same values."""
+    g = torch.Generator().manual_seed(seed)
+    rows, index = [], 0
+    for row in lengths:
+        rows.append([])
+        for n in row:
+            qa, sa = quantize_fp8(torch.randn(n, A, H, generator=g) * 5)
+            ql, sl = quantize_fp8(torch.randn(n, H, generator=g))
+            s = {"input_ids": torch.randint(0, 50, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3,
+                 "index": index}
+            if fp8:
+                s.update(aux_hidden=qa.reshape(n, -1), aux_scale=sa, last_hidden=ql, last_scale=sl)
+            else:
+                s.update(aux_hidden=dequantize_fp8(qa, sa).reshape(n, -1), last_hidden=dequantize_fp8(ql, sl))
+            rows[-1].append(s)
+            index += 1
+    return rows
+
+
+def test_fp8_states_travel_as_stored_and_are_dequantised_on_the_device_to_what_the_host_gave():
+    fp8 = pack_rows(_stored_rows(True))
+    assert fp8.aux_hidden.dtype == torch.float8_e4m3fn and fp8.aux_hidden.shape == (2, 8, 24)
+    assert fp8.aux_scale.shape == (2, 8, 3) and fp8.last_scale.shape == (2, 8)
+    # a quarter of bf16's bytes... plus a float32 scale per token and layer: 1 + 4/8 bytes per value here
+    assert fp8.aux_hidden.element_size() == 1
+    host = pack_rows(_stored_rows(False))
+    on_device, before = fp8.to(torch.device("cpu"), torch.bfloat16), host.to(torch.device("cpu"), torch.bfloat16)
+    for k in ("input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden"):
+        assert torch.equal(getattr(on_device, k), getattr(before, k)), k
+    assert on_device.aux_scale is None and on_device.aux_hidden.dtype == torch.bfloat16
+    assert on_device.aux_hidden[1, 7:].abs().sum() == 0  # padding: zero states
+    f32 = fp8.to(torch.device("cpu"), torch.float32)  # no bf16 rounding on the way: within bf16's step of it
+    assert torch.allclose(f32.aux_hidden, before.aux_hidden.float(), rtol=2 ** -8, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_a_micro_batch_packed_into_a_reused_arena_equals_a_freshly_allocated_one(fp8):
+    rows = _stored_rows(fp8)
+    fresh = pack_rows(rows)
+    arena = HostArena(packed_bytes(2, 8, rows[0][0]), pin=False)
+    arena.block.fill_(0xFF)  # what an earlier micro-batch left there: NaN states, garbage ids
+    packed = pack_rows(rows, arena.reset())
+    assert packed.host is arena
+    lo, hi = arena.block.data_ptr(), arena.block.data_ptr() + arena.block.numel()
+    for name, a, b in zip(("ids", "mask", "doc", "pos", "aux", "last", "aux_scale", "last_scale"),
+                          packed.tensors(), fresh.tensors()):
+        assert lo <= a.data_ptr() < hi and a.is_contiguous(), name  # a view of the block, copied in one piece
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert (packed.samples, packed.tokens) == (fresh.samples, fresh.tokens)
+
+
+def test_host_arenas_are_reused_round_robin_only_after_their_copy_has_ended():
+    waited = []
+
+    class Done:
+        def __init__(self, n):
+            self.n = n
+
+        def synchronize(self):
+            waited.append(self.n)
+
+    arenas = HostArenas(2, pin=False)
+    a, b = arenas.take(1000), arenas.take(1000)
+    assert a is not b and waited == []
+    a.done, b.done = Done(1), Done(2)
+    assert arenas.take(800) is a and waited == [1] and a.done is None  # the oldest, after its copy
+    assert arenas.take(1000) is b and waited == [1, 2]
+    bigger = arenas.take(5000)  # a larger micro-batch than the arena was sized for: a new block in its place
+    assert bigger is not a and bigger.block.numel() == 5000 and arenas.arenas == [bigger, b]
+    with pytest.raises(ValueError, match="cannot hold"):
+        b.reset().alloc((2000,), torch.float32)
+
+
+def test_on_cuda_an_arena_is_marked_with_the_event_its_copy_ends_with():
+    log = _Log()
+    with contextlib.ExitStack() as stack:
+        for p in _fake_cuda(log):
+            stack.enter_context(p)
+        feeder = DeviceFeeder(torch.device("cuda", 0), torch.bfloat16, accum=3)
+        assert feeder.arenas.count == 6 and feeder.arenas.pin
+        arena = HostArena(packed_bytes(2, 8, _stored_rows(True)[0][0]), pin=False)
+        p = Prefetcher(iter([((0, 1), [pack_rows(_stored_rows(True), arena)])]), feeder=feeder)
+        next(p)
+        p.close()
+    recorded = [e for e in log if e[1] == "record_event"]
+    assert len(recorded) == 1 and arena.done.n == recorded[0][3]

@@ -146,6 +146,30 @@ def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("gpu, elastic, omp, want", [
+    (True, True, "1", 12),    # torchrun's own 1 on a GPU rank: its share of the cores (host work only)
+    (False, True, "1", 1),    # on the CPU the ranks compute: torchrun's 1 stands
+    (True, False, "1", 1),    # not under torchrun: someone set 1 on purpose
+    (True, True, "4", 4),     # any other number is the user's
+])
+def test_a_gpu_rank_under_torchrun_gets_its_share_of_the_cores(monkeypatch, gpu, elastic, omp, want):
+    """Kimi-K2's offline training: each rank's data thread reads and packs ~0.5 GB of fp8 states a
+    micro-batch; with torchrun's OMP_NUM_THREADS=1 its copies ran on one core of the node's 96."""
+    from draftsmith.target import threads_per_rank
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)))
+    monkeypatch.setattr("draftsmith.target.busy_cores", lambda: (0.0, "test"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    if elastic:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    n, line = threads_per_rank(gpu=gpu)
+    assert n == want
+    assert ("torchrun's OMP_NUM_THREADS=1 not taken" in line) == (want == 12)
+
+
 def test_launched_ranks_share_the_free_cores(monkeypatch):
     """train.processes=N: the launcher hands each rank its share of the cores the load leaves free
     (torchrun alone would give every rank one thread)."""

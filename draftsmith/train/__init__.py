@@ -313,7 +313,7 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
 
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
-                       prepare=add_loss_layout, feeder=DeviceFeeder(device, act_dtype))
+                       prepare=add_loss_layout, feeder=DeviceFeeder(device, act_dtype, tc.grad_accum))
     window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
     ts.budget.start()
     try:

@@ -19,7 +19,7 @@ import bisect
 import contextlib
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,7 +27,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
-from draftsmith.extract.store import ExtractStore
+from draftsmith.extract.store import ExtractStore, dequantize_fp8
 from draftsmith.extract.vllm_backend import open_client
 from draftsmith.http import SampleFailed
 from draftsmith.prepare import iter_prepared
@@ -114,7 +114,14 @@ def count_steps(tc, packing: Packing, per_step: int) -> int:
 
 @dataclass
 class Batch:
-    """A packed micro-batch. R rows of T tokens; padding has doc id -1 and no loss mask."""
+    """A packed micro-batch. R rows of T tokens; padding has doc id -1 and no loss mask.
+
+    From an fp8 store the states stay as stored until they reach the device: aux_hidden and
+    last_hidden hold float8 e4m3 rows and aux_scale / last_scale their float32 scales, and `to`
+    dequantises there (x = q * scale). Why: on a GPU that halves the host-to-device bytes against
+    bf16 and takes the multiply off the host, whose one data thread per rank is what bounds offline
+    training at Kimi-K2's widths (bench/bench_data_thread.py).
+    """
 
     input_ids: Any  # [R, T] int64
     loss_mask: Any  # [R, T] bool
@@ -125,41 +132,130 @@ class Batch:
     samples: list[int]  # sample indices (source.name(i) gives the id)
     tokens: int  # real (non-padding) tokens
     layout: Any = None  # objective.TTTLayout: the loss's sizes, read on the host (None: the objective reads them)
+    aux_scale: Any = None  # [R, T, 3] float32 when aux_hidden is float8: one scale per token and aux layer
+    last_scale: Any = None  # [R, T] float32 when last_hidden is float8
+    host: Any = None  # the HostArena its host tensors were packed into (None: their own allocations)
 
     def tensors(self) -> list:
-        return [self.input_ids, self.loss_mask, self.doc_ids, self.position_ids, self.aux_hidden, self.last_hidden]
+        scales = [t for t in (self.aux_scale, self.last_scale) if t is not None]
+        return [self.input_ids, self.loss_mask, self.doc_ids, self.position_ids, self.aux_hidden, self.last_hidden,
+                *scales]
 
     def to(self, device, dtype, non_blocking: bool | None = None) -> "Batch":
-        """The batch on `device`, its states in `dtype`. non_blocking (default: on CUDA) is only
-        asynchronous from pinned memory (pin); from pageable memory the copy waits."""
+        """The batch on `device`, its states in `dtype` (dequantised there when stored as fp8).
+        non_blocking (default: on CUDA) is only asynchronous from pinned memory (pin); from pageable
+        memory the copy waits."""
         nb = device.type == "cuda" if non_blocking is None else non_blocking
+        if self.aux_scale is None:
+            aux = self.aux_hidden.to(device, dtype, non_blocking=nb)
+            last = self.last_hidden.to(device, dtype, non_blocking=nb)
+        else:
+            R, T, A = self.aux_scale.shape
+            aux = dequantize_fp8(self.aux_hidden.to(device, non_blocking=nb).view(R, T, A, -1),
+                                 self.aux_scale.to(device, non_blocking=nb), dtype).view(R, T, -1)
+            last = dequantize_fp8(self.last_hidden.to(device, non_blocking=nb),
+                                  self.last_scale.to(device, non_blocking=nb), dtype)
         return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
                      self.doc_ids.to(device, non_blocking=nb), self.position_ids.to(device, non_blocking=nb),
-                     self.aux_hidden.to(device, dtype, non_blocking=nb),
-                     self.last_hidden.to(device, dtype, non_blocking=nb),
-                     self.samples, self.tokens, self.layout)
+                     aux, last, self.samples, self.tokens, self.layout)
 
     def pin(self) -> "Batch":
         """The batch with its host tensors in pinned (page-locked) memory, which a non_blocking copy
-        to the GPU reads asynchronously; tensors already on a device are left as they are."""
-        return Batch(*(t.pin_memory() if t.device.type == "cpu" else t for t in self.tensors()),
-                     self.samples, self.tokens, self.layout)
+        to the GPU reads asynchronously; tensors already pinned or on a device are left as they are."""
+        def pinned(t):
+            return t if t is None or t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+        return replace(self, **{k: pinned(getattr(self, k)) for k in (
+            "input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden", "aux_scale", "last_scale")})
 
 
-def pack_rows(rows: list[list[dict]]) -> Batch:
+class HostArena:
+    """One preallocated block of host memory that a micro-batch is packed into (pinned on CUDA, so
+    that its copy to the GPU is asynchronous and no pageable-to-pinned copy of the states is made).
+    `done` is the CUDA event its last copy to the device ends with: the block is reused only after it."""
+
+    ALIGN = 64  # bytes: every tensor carved from the block starts on a cache line
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.pin = pin
+        self.block = torch.empty(nbytes, dtype=torch.uint8)
+        if pin:
+            self.block = self.block.pin_memory()
+        self.used = 0
+        self.done = None
+
+    def reset(self) -> "HostArena":
+        if self.done is not None:
+            self.done.synchronize()  # its previous batch's copy must have left this memory
+            self.done = None
+        self.used = 0
+        return self
+
+    def alloc(self, shape: tuple, dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor carved from the block."""
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self.block.numel():
+            raise ValueError(f"host arena of {self.block.numel()} bytes cannot hold {shape} {dtype}")
+        self.used = start + nbytes
+        return self.block[start:start + nbytes].view(dtype).view(shape)
+
+
+class HostArenas:
+    """Round-robin host arenas for the data thread, each sized on first use for the largest
+    micro-batch this run packs (train.batch_tokens rows at the widest dtype), never grown after.
+    `count` arenas: a step's micro-batches use `accum` of them, and the next step's are packed
+    while this one's copy runs, so 2 x accum never waits on a copy in flight."""
+
+    def __init__(self, count: int, pin: bool):
+        self.count, self.pin = count, pin
+        self.arenas: list[HostArena] = []
+        self.next = 0
+
+    def take(self, nbytes: int) -> HostArena:
+        if len(self.arenas) < self.count:
+            self.arenas.append(HostArena(nbytes, self.pin))
+            return self.arenas[-1]
+        i, self.next = self.next, (self.next + 1) % self.count  # the oldest: its copy is the likeliest done
+        arena = self.arenas[i].reset()
+        if arena.block.numel() < nbytes:  # a larger micro-batch than the one it was sized for
+            arena = self.arenas[i] = HostArena(nbytes, self.pin)
+        return arena
+
+
+def packed_bytes(R: int, T: int, sample: dict) -> int:
+    """Host bytes of a micro-batch of R rows of T tokens shaped like `sample` (aligned per tensor)."""
+    per_token = 8 * 3 + 1  # input_ids, doc_ids, position_ids int64; loss_mask bool
+    for k in ("aux_hidden", "last_hidden", "aux_scale", "last_scale"):
+        t = sample.get(k)
+        if t is not None:
+            per_token += (t[0].numel() if t.dim() > 1 else 1) * t.element_size()
+    return R * T * per_token + 8 * HostArena.ALIGN
+
+
+def pack_rows(rows: list[list[dict]], arena: HostArena | None = None) -> Batch:
     """Samples (dicts with input_ids [L], loss_mask [L], aux_hidden [L, 3H], last_hidden [L, H],
-    index), already cut to the row length, laid out row by row. T = the longest row."""
+    index; from an fp8 store also aux_scale [L, 3] and last_scale [L]), already cut to the row
+    length, laid out row by row. T = the longest row. Into `arena` when given (its tensors are
+    views of it), else into fresh tensors; only the padding is zeroed, not the whole batch."""
     first = rows[0][0]
     device, dtype = first["aux_hidden"].device, first["aux_hidden"].dtype
     R = len(rows)
     T = max(sum(len(s["input_ids"]) for s in row) for row in rows)
     A, H = first["aux_hidden"].shape[-1], first["last_hidden"].shape[-1]
-    input_ids = torch.zeros(R, T, dtype=torch.long, device=device)
-    loss_mask = torch.zeros(R, T, dtype=torch.bool, device=device)
-    doc_ids = torch.full((R, T), -1, dtype=torch.long, device=device)
-    position_ids = torch.zeros(R, T, dtype=torch.long, device=device)
-    aux = torch.zeros(R, T, A, dtype=dtype, device=device)
-    last = torch.zeros(R, T, H, dtype=dtype, device=device)
+    scaled = first.get("aux_scale") is not None
+
+    def new(shape, dt):
+        return arena.alloc(shape, dt) if arena is not None else torch.empty(shape, dtype=dt, device=device)
+
+    input_ids, loss_mask = new((R, T), torch.long).zero_(), new((R, T), torch.bool).zero_()
+    doc_ids, position_ids = new((R, T), torch.long).fill_(-1), new((R, T), torch.long).zero_()
+    aux, last = new((R, T, A), dtype), new((R, T, H), dtype)
+    if scaled:
+        aux_scale = new((R, T, first["aux_scale"].shape[-1]), torch.float32)
+        last_scale = new((R, T), torch.float32)
     ids, tokens = [], 0
     for r, row in enumerate(rows):
         off = 0
@@ -171,10 +267,19 @@ def pack_rows(rows: list[list[dict]]) -> Batch:
             position_ids[r, off:off + n] = torch.arange(n, device=device)
             aux[r, off:off + n] = s["aux_hidden"]
             last[r, off:off + n] = s["last_hidden"]
+            if scaled:
+                aux_scale[r, off:off + n] = s["aux_scale"]
+                last_scale[r, off:off + n] = s["last_scale"]
             ids.append(s["index"])
             off += n
+        aux[r, off:].zero_()  # padding: zero states (and zero scales: 0 x 0 on the device)
+        last[r, off:].zero_()
+        if scaled:
+            aux_scale[r, off:].zero_()
+            last_scale[r, off:].zero_()
         tokens += off
-    return Batch(input_ids, loss_mask, doc_ids, position_ids, aux, last, ids, tokens)
+    b = Batch(input_ids, loss_mask, doc_ids, position_ids, aux, last, ids, tokens, host=arena)
+    return replace(b, aux_scale=aux_scale, last_scale=last_scale) if scaled else b
 
 
 # -------------------------------------------------------------------------------------------------
@@ -238,16 +343,22 @@ class OfflineSource:
         self.lengths = [int(n) for n in store.lengths]
 
     def sample(self, i: int, row_len: int) -> dict:
-        rec = self.store[i]
+        """Sample i cut to row_len; an fp8 store's states as stored (float8 and scales), dequantised
+        on the training device by Batch.to."""
         n = min(self.lengths[i], row_len)
+        fp8 = self.store.store_format == "fp8"
+        rec = self.store.raw(i) if fp8 else self.store[i]
         aux = torch.as_tensor(rec["aux_hidden"])[:n]
-        return {
+        out = {
             "input_ids": torch.as_tensor(rec["input_ids"])[:n].long(),
             "loss_mask": torch.as_tensor(rec["loss_mask"])[:n].bool(),
             "aux_hidden": aux.reshape(n, -1),  # [L, 3, H] -> [L, 3H], layer-major like fc expects
             "last_hidden": torch.as_tensor(rec["last_hidden"])[:n],
             "index": i,
         }
+        if fp8:
+            out.update(aux_scale=rec["aux_scale"][:n], last_scale=rec["last_scale"][:n])
+        return out
 
     def name(self, i: int) -> str:
         return str(self.store.metadata(i).get("id", i))
@@ -260,8 +371,11 @@ class OfflineSource:
             return None
         return f"{self.store.path(i)}: the stored hidden states of sample {self.name(i)!r} hold non-finite values"
 
-    def batch(self, rows: list[list[int]], row_len: int) -> Batch:
-        return pack_rows([[self.sample(i, row_len) for i in row] for row in rows])
+    def batch(self, rows: list[list[int]], row_len: int, arenas: "HostArenas | None" = None) -> Batch:
+        samples = [[self.sample(i, row_len) for i in row] for row in rows]
+        # the arena is sized for full rows of row_len, so that one block fits every micro-batch of the run
+        arena = arenas.take(packed_bytes(len(rows), row_len, samples[0][0])) if arenas is not None else None
+        return pack_rows(samples, arena)
 
     def close(self) -> None:
         """Nothing to release: the store's files are opened per read."""
@@ -292,7 +406,7 @@ class PreparedSource:
         """{i: {aux_hidden [n, 3, H], last_hidden [n, H]}} (bf16) for samples cut to row_len."""
         raise NotImplementedError
 
-    def batch(self, rows: list[list[int]], row_len: int) -> Batch:
+    def batch(self, rows: list[list[int]], row_len: int, arenas: "HostArenas | None" = None) -> Batch:
         dev = self.device
         states = self.states(sorted({i for row in rows for i in row}), row_len)
         samples = []
@@ -307,7 +421,8 @@ class PreparedSource:
                     "last_hidden": states[i]["last_hidden"].to(dev),
                     "index": i,
                 })
-        return pack_rows(samples)
+        on_host = arenas is not None and dev.type == "cpu"
+        return pack_rows(samples, arenas.take(packed_bytes(len(rows), row_len, samples[0][0])) if on_host else None)
 
 
 class OnlineSource(PreparedSource):
@@ -405,15 +520,17 @@ def micro_batch_stream(plan_of, epoch: int, index: int) -> Iterator[tuple[int, i
 
 
 def step_batches(stream, source, rank: int, world: int, accum: int, row_len: int,
-                 prepare: Callable[[Batch], Batch] | None = None) -> Iterator[tuple[tuple[int, int], list[Batch]]]:
+                 prepare: Callable[[Batch], Batch] | None = None,
+                 arenas: HostArenas | None = None) -> Iterator[tuple[tuple[int, int], list[Batch]]]:
     """Per optimizer step: the data position after it and this rank's micro-batches (each passed
-    through `prepare`, while still on the host, when given).
+    through `prepare`, while still on the host, when given), packed into `arenas` when given and
+    the source packs on the host.
 
     A step consumes world*accum consecutive micro-batches of the stream; rank r takes r, r+world, ...
     """
     while True:
         group = [next(stream) for _ in range(world * accum)]
-        mine = [source.batch(rows, row_len) for _, _, rows in group[rank::world]]
+        mine = [source.batch(rows, row_len, arenas) for _, _, rows in group[rank::world]]
         if prepare is not None:
             mine = [prepare(b) for b in mine]
         epoch, index, _ = group[-1]
@@ -423,23 +540,25 @@ def step_batches(stream, source, rank: int, world: int, accum: int, row_len: int
 class DeviceFeeder:
     """Moves a step's micro-batches, (position, [Batch]), to the training device.
 
-    On CUDA, `send` runs in the data thread: each batch's host tensors are copied into pinned memory
-    and from there to the GPU on a side stream with non_blocking=True (from pageable memory such a
-    copy would wait, and on the training stream it would queue behind the step), then an event is
-    recorded on the side stream after the step's copies. `receive` runs in the training thread: the
-    current stream waits for that event (on the GPU; the host does not wait) and every tensor is
-    record_stream'ed on it, because its memory was allocated on the side stream, whose next
-    allocations could otherwise reuse it while the training stream still reads it.
+    On CUDA, `send` runs in the data thread: the source has packed each batch into a pinned host
+    arena (`arenas`, reused round-robin), copied from there to the GPU on a side stream with
+    non_blocking=True (from pageable memory such a copy would wait, and on the training stream it
+    would queue behind the step), fp8 states dequantised there, then an event is recorded on the
+    side stream after the step's copies; the arenas are reused only after it. `receive` runs in the
+    training thread: the current stream waits for that event (on the GPU; the host does not wait)
+    and every tensor is record_stream'ed on it, because its memory was allocated on the side
+    stream, whose next allocations could otherwise reuse it while the training stream still reads it.
     Elsewhere (the CPU): `send` is the plain .to(device, dtype) of before, `receive` nothing.
     """
 
-    def __init__(self, device, dtype):
-        self.device, self.dtype, self.stream = torch.device(device), dtype, None
+    def __init__(self, device, dtype, accum: int = 1):
+        self.device, self.dtype, self.stream, self.arenas = torch.device(device), dtype, None, None
         if self.device.type == "cuda":
             # the index now, from the training thread: the data thread's current device is GPU 0
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self.stream = torch.cuda.Stream(self.device)
+            self.arenas = HostArenas(2 * accum, pin=True)
 
     def send(self, item: tuple) -> tuple:
         """(position, [Batch] on the host) -> (position, [Batch] on the device, the event their copies end with
@@ -451,6 +570,9 @@ class DeviceFeeder:
             moved = [b.pin().to(self.device, self.dtype, non_blocking=True) for b in micro_batches]
             copied = torch.cuda.Event()
             copied.record(self.stream)
+        for b in micro_batches:
+            if b.host is not None:
+                b.host.done = copied
         return position, moved, copied
 
     def receive(self, sent: tuple) -> tuple:
@@ -463,7 +585,6 @@ class DeviceFeeder:
                 for t in b.tensors():
                     t.record_stream(current)
         return position, micro_batches
-
 
 class Prefetcher:
     """Runs an iterator in a background thread, `depth` items ahead (file reads and packing
@@ -538,7 +659,8 @@ def step_stream(packing: Packing, source, position: tuple[int, int], rank: int, 
     read ahead in a thread when the source gains from it. Whichever it is, close it with .close()
     when done (a Prefetcher's joins its thread; a generator's just ends it)."""
     stream = micro_batch_stream(packing.plan, *position)
-    steps = step_batches(stream, source, rank, world, accum, packing.row_len, prepare)
+    arenas = feeder.arenas if feeder is not None and source.prefetch else None
+    steps = step_batches(stream, source, rank, world, accum, packing.row_len, prepare, arenas)
     if source.prefetch:
         return Prefetcher(steps, feeder=feeder)
     if feeder is None:
