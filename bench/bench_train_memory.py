@@ -24,7 +24,7 @@ kernels' memory rules (the fused kernel: q, k, v, the mask bias, output and log-
 backward, as CUDA's memory-efficient kernel keeps them).
 
 Not counted: the CUDA context and cuBLAS workspaces (~0.5-1 GB), the caching allocator's
-fragmentation (bench/gpu_smoke_flex.py compares with torch.cuda.max_memory_allocated on a GPU),
+fragmentation (bench/device_check.sh compares with torch.cuda.max_memory_allocated on a GPU),
 NCCL buffers. DDP's gradient buckets are the gradients themselves (gradient_as_bucket_view); the
 step as it was before (`before`) kept them as a second copy (4 bytes per trainable parameter), which
 the table adds to that column for the recipes that run DDP. Worst-case data: every position is trained (loss on every token, each in the draft

@@ -6,7 +6,7 @@ DeepSeek-V3 of tests/families.py (MLA, dense first layer, noaux_tc router) goes 
 `draftsmith run --until export` on CUDA at toy sizes, then `draftsmith eval` with eval.engine=vllm
 serves it with the exported drafter and reads acceptance from /metrics. One line at the end.
 
-    python bench/gpu_smoke_mla.py [RUN_DIR]      (bench/gpu_smoke.sh runs it when vLLM is installed)
+    python bench/gpu_smoke_mla.py [RUN_DIR]      (a GPU machine with vLLM; bench/device_check.sh is the check without it)
 """
 
 import json

@@ -9,10 +9,11 @@ and eval questions that fit DEMO_BUDGET_S by the cost model below, never more th
 own. The chosen sizes go to RUN/demo.json: a rerun (a resume after a kill) keeps them, so that
 no stage restarts because a second calibration came out a little different.
 
-Cost model, per unit, fitted to the stage times of a full demo (360 prompts, 80 questions; docs/
-benchmarks.md, "The demo drafter on MT-bench"): there generate decoded 127.5 tokens/s at batch 64
-and plain batch-1 decoding ran at 21.3 tokens/s, and the stages took generate 319 s, extract
-102 s, train 298 s, eval 435 s.
+Cost model, fitted to the stage times of the demo at the recipe's size on a quiet 2-core AMD EPYC
+(README.md, "Quick start"; RUN/demo.json keeps each run's calibration): generate and extract scale
+with the prompts over the target's batched decoding rate; training is the recipe's clock
+(train.max_minutes: it trains as many steps as those minutes hold, on any machine) plus its start
+and the export; eval scales with the questions over batch-1 decoding.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ DEMO_BUDGET_S = 15 * 60.0
 SIZES_FILE = "demo.json"
 CALIBRATION_TOKENS = 8  # new tokens per calibration decode (a few seconds on a quiet machine)
 CALIBRATION_BATCH = 64  # the recipe's generate.batch_size
-# seconds per unit x the rate they scale with (from the reference run in the docstring):
-# generate: 319 s x 127.5 tok/s / 360 prompts; extract + train: (102 + 298) s x 127.5 / 360
-GENERATE_TOKEN_S_PER_PROMPT = 319 * 127.5 / 360
-EXTRACT_TRAIN_TOKEN_S_PER_PROMPT = (102 + 298) * 127.5 / 360
-# eval: 435 s x 21.3 tok/s / 80 questions (drafting and plain decoding of each)
-EVAL_TOKEN_S_PER_QUESTION = 435 * 21.3 / 80
+# seconds per unit x the rate they scale with, from the reference run (calibrated at REF_BATCH and
+# REF_SINGLE tokens/s): generate REF_GENERATE_S and extract REF_EXTRACT_S for REF_PROMPTS prompts, eval
+# REF_EVAL_S for REF_QUESTIONS questions; training the clock + TRAIN_OVERHEAD_S (ranks' start, export)
+REF_BATCH, REF_SINGLE, REF_PROMPTS, REF_QUESTIONS = 97.7, 14.5, 192, 16
+REF_GENERATE_S, REF_EXTRACT_S, REF_EVAL_S, TRAIN_OVERHEAD_S = 250.0, 95.0, 135.0, 15.0
+GENERATE_TOKEN_S_PER_PROMPT = REF_GENERATE_S * REF_BATCH / REF_PROMPTS
+EXTRACT_TOKEN_S_PER_PROMPT = REF_EXTRACT_S * REF_BATCH / REF_PROMPTS
+EVAL_TOKEN_S_PER_QUESTION = REF_EVAL_S * REF_SINGLE / REF_QUESTIONS
 VLLM_EVAL_S = 600.0  # the demo's second evaluation, by vLLM, when installed: two server start-ups dominate
-MIN_PROMPTS, MIN_QUESTIONS = 48, 16
+MIN_PROMPTS, MIN_QUESTIONS = 48, 8
 
 
 @dataclass
@@ -89,11 +92,12 @@ def calibrate(cfg) -> Calibration:
     return Calibration(batch_tokens_per_s=rate(ids), single_tokens_per_s=rate(ids[:1]), seconds=time.time() - t0)
 
 
-def expected_seconds(prompts: int, questions: int, c: Calibration, with_vllm: bool) -> dict:
-    """Each stage's expected seconds on a machine with calibration `c` (the cost model above)."""
+def expected_seconds(prompts: int, questions: int, c: Calibration, with_vllm: bool, train_minutes: float) -> dict:
+    """Each stage group's expected seconds on a machine with calibration `c` (the cost model above)."""
     return {
         "generate": prompts * GENERATE_TOKEN_S_PER_PROMPT / c.batch_tokens_per_s,
-        "extract+train": prompts * EXTRACT_TRAIN_TOKEN_S_PER_PROMPT / c.batch_tokens_per_s,
+        "extract": prompts * EXTRACT_TOKEN_S_PER_PROMPT / c.batch_tokens_per_s,
+        "train": 60 * train_minutes + TRAIN_OVERHEAD_S,
         "eval": questions * EVAL_TOKEN_S_PER_QUESTION / c.single_tokens_per_s,
         **({"eval-vllm": VLLM_EVAL_S} if with_vllm else {}),
     }
@@ -101,12 +105,16 @@ def expected_seconds(prompts: int, questions: int, c: Calibration, with_vllm: bo
 
 def size_demo(cfg, c: Calibration, with_vllm: bool) -> DemoPlan:
     """The recipe's prompts and eval questions, scaled down together (never up) so that the local
-    stages fit DEMO_BUDGET_S by the cost model; at least MIN_PROMPTS / MIN_QUESTIONS."""
+    stages fit DEMO_BUDGET_S by the cost model; at least MIN_PROMPTS / MIN_QUESTIONS. Training's
+    minutes are the recipe's on any machine: a slower machine gets fewer prompts, not less training."""
     n, q = cfg.generate.limit, cfg.eval.limit or 80
-    local = sum(v for k, v in expected_seconds(n, q, c, False).items())
-    share = min(1.0, DEMO_BUDGET_S / local) if local > 0 else 1.0
+    minutes = cfg.train.max_minutes or 0.0
+    full = expected_seconds(n, q, c, False, minutes)
+    fixed = full["train"]
+    scaled = sum(v for k, v in full.items() if k != "train")
+    share = min(1.0, max(0.0, DEMO_BUDGET_S - fixed) / scaled) if scaled > 0 else 1.0
     n, q = max(MIN_PROMPTS, round(n * share)), max(MIN_QUESTIONS, round(q * share))
-    return DemoPlan(prompts=n, questions=q, expected_s=expected_seconds(n, q, c, with_vllm), calibration=c)
+    return DemoPlan(prompts=n, questions=q, expected_s=expected_seconds(n, q, c, with_vllm, minutes), calibration=c)
 
 
 def plan_demo(run: RunDir, cfg, with_vllm: bool, user_sized: bool) -> DemoPlan | None:
@@ -141,18 +149,21 @@ def describe(plan: DemoPlan) -> str:
             f"{fmt_minutes(plan.total_s)} ({stages})")
 
 
+CLOCKED = ("train",)  # train.max_minutes: the same minutes at any pace, and no evidence of it
+
+
 def remaining_line(plan: DemoPlan, done: dict[str, float]) -> str:
     """After a stage: what is left by the plan, scaled by how the finished stages compared with it."""
-    groups = {"generate": ("generate",), "extract+train": ("prepare", "vocab", "extract", "train", "export"),
+    groups = {"generate": ("generate",), "extract": ("prepare", "vocab", "extract"), "train": ("train", "export"),
               "eval": ("eval",), "eval-vllm": ("eval-vllm",)}
     finished = [k for k, members in groups.items() if k in plan.expected_s and all(m in done for m in members)]
     # stages skipped as up to date (seconds None) say nothing of this machine's pace
-    timed = [k for k in finished if all(done[m] is not None for m in groups[k])]
+    timed = [k for k in finished if k not in CLOCKED and all(done[m] is not None for m in groups[k])]
     planned = sum(plan.expected_s[k] for k in timed)
     took = sum(done[m] for k in timed for m in groups[k])
     pace = took / planned if planned > 0 and took > 0 else 1.0
     # a group half done (extract finished, train not) counts what its finished stages already took
-    left = sum(max(0.0, v * pace - sum(done.get(m) or 0.0 for m in groups.get(k, ())))
+    left = sum(max(0.0, v * (1.0 if k in CLOCKED else pace) - sum(done.get(m) or 0.0 for m in groups.get(k, ())))
                for k, v in plan.expected_s.items() if k not in finished)
     return f"demo: about {fmt_minutes(left)} left (the finished stages took {pace:.1f}x what the calibration expected)"
 

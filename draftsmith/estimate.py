@@ -91,13 +91,16 @@ CPU_FP8_VALUES_PER_S = 3.5e8
 
 # One rank's training data thread (train/data.py: read the fp8 store's rows, pack them into a reused host
 # arena, pinned on CUDA; the GPU dequantises), measured by bench/bench_data_thread.py at Kimi-K2's widths
-# on one torch thread, in bytes of store per second (docs/benchmarks.md, "The host's share at Kimi-K2's
-# widths"). Offline training runs no faster than its ranks' data threads deliver.
-DATA_THREAD_BYTES_PER_S = 1.0e9
+# on one torch thread from the page cache: 7.8 GB/s of store (270k tokens/s; the median of three passes,
+# 2-core AMD EPYC, 2026-12-03; docs/benchmarks.md, "The host's share at Kimi-K2's widths"). Dequantised
+# on the host as before, the same thread managed 0.07 GB/s (2,600 tokens/s, a tenth of what one H200
+# rank's step consumes). Offline training runs no faster than its ranks' data threads deliver.
+DATA_THREAD_BYTES_PER_S = 7.5e9
 # Extraction through vLLM: the host work per request (read the connector's bf16 file, check it, norm the
 # last state in float32, quantise and encode the store's file), bytes of connector file per second on one
-# thread, by the same bench. It runs on extract.concurrency threads, at most the host's cores.
-EXTRACT_HOST_BYTES_PER_S = 1.0e9
+# thread, by the same bench: 0.22 GB/s (3,760 tokens/s at hidden 7168). It runs on extract.concurrency
+# threads, at most the host's cores.
+EXTRACT_HOST_BYTES_PER_S = 2.2e8
 
 
 def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, concurrency: int) -> float:
@@ -455,6 +458,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         train_tps = 1 / (1 / train_tps + 1 / prefill)
     epochs = (tr.epochs if tr.max_steps is None
               else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1))
+    if tr.max_minutes is not None:  # the clock stops training first when its minutes hold fewer passes
+        epochs = min(epochs, 60 * tr.max_minutes * train_tps / max(tokens, 1))
     train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)
     ckpt = 16 * trainable
     stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1),

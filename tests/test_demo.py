@@ -5,23 +5,29 @@ import json
 
 import pytest
 
-from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, Calibration, calibrate, demo_config, plan_demo, remaining_line,
+from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calibration, calibrate, demo_config, plan_demo, remaining_line,
                              size_demo, user_sized)
 from draftsmith.rundir import RunDir
 
-REFERENCE = Calibration(batch_tokens_per_s=127.5, single_tokens_per_s=21.3, seconds=5.0)  # the docs' demo machine
+REFERENCE = Calibration(batch_tokens_per_s=97.7, single_tokens_per_s=14.5, seconds=7.4)  # the README's demo machine
 
 
 def test_the_cost_model_reproduces_the_reference_run_and_scales_down_to_the_budget():
     cfg = demo_config([])
     plan = size_demo(cfg, REFERENCE, with_vllm=False)
-    # on the machine the model was fitted on, the recipe's 360 prompts and 80 questions took 1,154 s
-    # (generate 319 + extract 102 + train 298 + eval 435): over the budget, so both shrink together
-    assert plan.prompts < 360 and plan.questions < 80
-    assert plan.total_s == pytest.approx(DEMO_BUDGET_S, rel=0.02)
-    assert plan.prompts / 360 == pytest.approx(plan.questions / 80, rel=0.05)
+    # on the machine the model was fitted on, the recipe's sizes fit the budget as they are
+    assert (plan.prompts, plan.questions) == (cfg.generate.limit, cfg.eval.limit)
+    assert plan.total_s <= DEMO_BUDGET_S and plan.expected_s["train"] == 60 * cfg.train.max_minutes + TRAIN_OVERHEAD_S
+    half = Calibration(batch_tokens_per_s=REFERENCE.batch_tokens_per_s / 2,
+                       single_tokens_per_s=REFERENCE.single_tokens_per_s / 2, seconds=10.0)
+    slower = size_demo(cfg, half, with_vllm=False)
+    # a machine at half the pace: fewer prompts and questions, together; the same minutes of training
+    assert slower.prompts < cfg.generate.limit and slower.questions < cfg.eval.limit
+    assert slower.total_s == pytest.approx(DEMO_BUDGET_S, rel=0.03)
+    assert slower.prompts / cfg.generate.limit == pytest.approx(slower.questions / cfg.eval.limit, rel=0.1)
+    assert slower.expected_s["train"] == plan.expected_s["train"]
     fast = Calibration(batch_tokens_per_s=1000.0, single_tokens_per_s=200.0, seconds=1.0)
-    assert (size_demo(cfg, fast, False).prompts, size_demo(cfg, fast, False).questions) == (360, 80)  # never upsized
+    assert (size_demo(cfg, fast, False).prompts, size_demo(cfg, fast, False).questions) == (192, 16)  # never upsized
     slow = Calibration(batch_tokens_per_s=5.0, single_tokens_per_s=1.0, seconds=60.0)
     assert size_demo(cfg, slow, True).prompts == MIN_PROMPTS and "eval-vllm" in size_demo(cfg, slow, True).expected_s
 
@@ -44,15 +50,19 @@ def test_what_is_left_follows_the_pace_of_the_finished_stages():
     plan = size_demo(demo_config([]), REFERENCE, with_vllm=True)
     e = plan.expected_s
     line = remaining_line(plan, {"generate": 2 * e["generate"]})  # generate took twice the estimate
-    left = 2 * (e["extract+train"] + e["eval"] + e["eval-vllm"])
+    left = 2 * (e["extract"] + e["eval"] + e["eval-vllm"]) + e["train"]  # training is the clock's, at any pace
     assert f"about {left / 60:.0f} min left" in line and "2.0x" in line
     skipped = remaining_line(plan, {"generate": None})  # up to date: no evidence of pace
     assert "1.0x" in skipped
     # half a group done: what its finished stages took comes off the group's share
     g = e["generate"]
-    half = remaining_line(plan, {"generate": g, "prepare": 1.0, "vocab": 1.0, "extract": 0.5 * e["extract+train"]})
-    left = 0.5 * e["extract+train"] - 2.0 + e["eval"] + e["eval-vllm"]
+    half = remaining_line(plan, {"generate": g, "prepare": 1.0, "vocab": 1.0})
+    left = e["extract"] - 2.0 + e["train"] + e["eval"] + e["eval-vllm"]
     assert f"about {left / 60:.0f} min left" in half and "1.0x" in half
+    # training taking its clock says nothing of the machine's pace
+    trained = remaining_line(plan, {"generate": g, "prepare": 1.0, "vocab": 1.0, "extract": e["extract"] - 2.0,
+                                    "train": 3 * e["train"], "export": 1.0})
+    assert "1.0x" in trained and f"about {(e['eval'] + e['eval-vllm']) / 60:.0f} min left" in trained
 
 
 @pytest.mark.integration

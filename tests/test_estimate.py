@@ -299,3 +299,19 @@ def test_offline_training_and_vllm_extraction_are_bounded_by_their_host_work(mon
     cfg.extract.backend = "hf"  # states computed in-process: no connector files to read
     assert estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)[
         "tokens_per_s"]["extract_host"] is None
+
+
+def test_train_max_minutes_caps_the_estimated_training():
+    """The demo trains by the clock (train.max_minutes) over at most train.epochs passes: the estimate's
+    training is the clock's minutes when they hold fewer passes, the passes' time otherwise."""
+    from draftsmith.target import resolve_target
+
+    folder, name = resolve_target("smollm2-135m", log=lambda *a, **k: None)
+    shape = target_shape(folder / "config.json", name)
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert cfg.train.max_minutes == 6
+    e = estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=110)
+    assert e["stages"]["train"]["seconds"] == pytest.approx(360)
+    cfg.train.max_minutes = 1e6
+    assert estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=110)["stages"]["train"][
+        "tokens"] == pytest.approx(cfg.train.epochs * e["tokens"])

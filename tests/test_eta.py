@@ -146,3 +146,26 @@ def test_the_log_line_and_status_give_the_same_eta(tmp_path):
         row = journal_state(prog.journal_path, time.time(), socket.gethostname())
     log_rate = float(line.split(" | ")[1].split()[0])
     assert row["rate_per_s"] == pytest.approx(log_rate, rel=0.1), (row, line)
+
+
+def test_the_eta_counts_down_between_bursts_and_holds_still_across_them():
+    """Units landing 40 at a time every 16 s (2.5 units/s, the demo's extract): read every 2 s, the ETA
+    falls by the seconds that passed, never climbs between bursts, and each burst's new estimate starts
+    where the count-down was; a burst later than the pace said takes the rate up to now."""
+    from draftsmith.journal import rate_and_eta
+
+    total, points, etas = 480, [(0.0, 0.0, False)], []
+    for k in range(1, 11):  # bursts at 16, 32, ..., 160 s; heartbeats every 2 s between them
+        for t in range(16 * (k - 1) + 2, 16 * k, 2):
+            points.append((float(t), 40.0 * (k - 1), False))
+            etas.append((t, rate_and_eta(points, 0.0, total, float(t))))
+        points.append((16.0 * k, 40.0 * k, False))
+        etas.append((16 * k, rate_and_eta(points, 0.0, total, 16.0 * k)))
+    steady = [(t, e) for t, (r, w, e) in etas if t >= 80]  # once the rate's window has left the start
+    for (t0, e0), (t1, e1) in zip(steady, steady[1:]):
+        assert e1 == pytest.approx(e0 - (t1 - t0), abs=0.5), (t0, e0, t1, e1)  # a count-down, bursts included
+    assert len(steady) > 30 and steady[-1][1] == pytest.approx((total - 400) / 2.5, abs=0.5)
+    # overdue: no unit for 100 s after the last burst; the count-down is spent, the rate sinks, the ETA grows
+    late = points + [(260.0, 400.0, False)]
+    r, _, e = rate_and_eta(late, 0.0, total, 260.0)
+    assert r < 2.5 and e > (total - 400) / 2.5

@@ -373,3 +373,15 @@ def test_on_cuda_an_arena_is_marked_with_the_event_its_copy_ends_with():
         p.close()
     recorded = [e for e in log if e[1] == "record_event"]
     assert len(recorded) == 1 and arena.done.n == recorded[0][3]
+
+
+def test_the_fc_input_scale_of_an_fp8_first_batch_is_taken_from_its_dequantised_states():
+    """train.fc_input_norm reads the first micro-batch on the host: from an fp8 store that batch holds float8
+    codes until it is moved, so training moves it to the CPU in float32 first (train/__init__.py)."""
+    from draftsmith.train.objective import fc_input_scale
+
+    fp8 = pack_rows(_stored_rows(True)).to(torch.device("cpu"), torch.float32)
+    host = pack_rows(_stored_rows(False)).to(torch.device("cpu"), torch.float32)
+    assert torch.allclose(fc_input_scale(fp8), fc_input_scale(host), rtol=1e-2)
+    raw = pack_rows(_stored_rows(True))
+    assert not torch.allclose(fc_input_scale(raw), fc_input_scale(host), rtol=1e-2)  # the codes alone are not it

@@ -222,7 +222,9 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
             "and are cut to it")
 
     drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
-                                                lambda: source.batch(packing.plan(0)[0], packing.row_len),
+                                                # on the host in float32: an fp8 store's states dequantised
+                                                lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
+                                                    torch.device("cpu"), torch.float32),
                                                 init_layers, layers, say, ranks)
     mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,

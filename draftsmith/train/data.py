@@ -177,9 +177,7 @@ class HostArena:
 
     def __init__(self, nbytes: int, pin: bool):
         self.pin = pin
-        self.block = torch.empty(nbytes, dtype=torch.uint8)
-        if pin:
-            self.block = self.block.pin_memory()
+        self.block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.used = 0
         self.done = None
 

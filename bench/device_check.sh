@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check (issue 39), one command on the GPU machine as it is (Python 3.12, torch with CUDA,
+# transformers; no vLLM, pydantic or gguf; no network):
+#     bash bench/device_check.sh "$OUT"            (the device tool: carry bench/device/wheels)
+# 1. an import probe; what is missing is installed from bench/device/wheels (--no-index), never the network;
+# 2. the parts of bench/device_check.py, each in its own process under its own timeout: every stage on the
+#    device (a tiny random target built there), flex against SDPA for the recipes' drafters, a real
+#    training step's peak memory beside the fake-tensor one, training tokens/s at Llama-8B widths;
+# 3. one summary line, and OUT/device_check.json with every figure. Under 8 minutes on an H200.
+# Without CUDA it runs the same parts at CPU sizes (the rehearsal, tests/test_device_check.py).
+# Exit status: 0 when every part passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-/tmp/draftsmith-device-check}}
+PY=${PYTHON:-python3}
+WHEELS=${DEVICE_WHEELS:-bench/device/wheels}
+mkdir -p "$OUT"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/draftsmith-device-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONUNBUFFERED=1
+
+missing=$("$PY" bench/device_check.py probe) || exit 1
+if [ -n "$missing" ]; then
+    echo "device check: installing $missing from $WHEELS (no index)"
+    if ! "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$WORK/site" $missing; then
+        echo "device check: the carried wheels do not provide $missing for $("$PY" -V) (bash bench/device/fetch_wheels.sh)" >&2
+        exit 1
+    fi
+fi
+export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+status=0
+for part in pipeline:180 flex:90 memory:120 speed:60; do   # 7.5 minutes at most
+    name=${part%%:*}
+    limit=${part##*:}
+    echo "== $name (at most ${limit}s)"
+    timeout --kill-after=10 "$limit" "$PY" bench/device_check.py "$name" --out "$OUT" --work "$WORK" || status=1
+done
+"$PY" bench/device_check.py summary --out "$OUT" || status=1
+exit $status

@@ -1,0 +1,90 @@
+"""The GPU check rehearsed on the CPU (issue 39): bench/device_check.sh as the GPU machine runs it, in a fresh
+venv that sees only what that machine has (torch, transformers and the rest of ../shared/FACTS.md's list, not
+pydantic), so that the one thing it lacks must come from the carried wheels with --no-index: a wheel missing
+there fails here, not on the GPU. Without CUDA every part runs its CPU fallback."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / "bench" / "device" / "wheels"
+# what the GPU machine lacks (FACTS.md), hidden from the fresh venv although draftsmith's .venv has them
+HIDDEN = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "vllm", "gguf")
+
+HIDER = '''
+import importlib.abc, sys
+SITE = {site!r}
+HIDDEN = {hidden!r}
+sys.path.append(SITE)
+
+
+class Hide(importlib.abc.MetaPathFinder):
+    """The GPU machine's environment: draftsmith's .venv less what that machine lacks."""
+
+    def find_spec(self, name, path=None, target=None):
+        if path is None and name in HIDDEN:
+            from importlib.machinery import PathFinder
+            spec = PathFinder.find_spec(name, [p for p in sys.path if p != SITE])
+            if spec is None:
+                raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+            return spec
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+'''
+
+
+@pytest.fixture(scope="module")
+def gpu_like_python(tmp_path_factory) -> Path:
+    """A fresh venv (its own pip) whose imports reach draftsmith's .venv except the HIDDEN packages."""
+    d = tmp_path_factory.mktemp("gpu-like") / "venv"
+    venv.EnvBuilder(with_pip=True).create(d)
+    py = d / "bin" / "python"
+    site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())
+    (site / "_gpu_machine.py").write_text(HIDER.format(site=sysconfig.get_paths()["purelib"], hidden=HIDDEN))
+    (site / "_gpu_machine.pth").write_text("import _gpu_machine\n")
+    probe = subprocess.run([str(py), "-c", "import torch, transformers, typer; import pydantic"], capture_output=True,
+                           text=True)
+    assert probe.returncode != 0 and "No module named 'pydantic'" in probe.stderr  # like the GPU machine
+    return py
+
+
+def check(python: Path, out: Path, **env):
+    return subprocess.run(["bash", "bench/device_check.sh", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHON": str(python), "PYTHONPATH": "", **env})
+
+
+@pytest.mark.skipif(not WHEELS.is_dir(), reason="bench/device/wheels: run bash bench/device/fetch_wheels.sh "
+                    "(scripts/setup.sh does)")
+def test_the_device_check_runs_from_the_carried_wheels_in_a_gpu_like_env(gpu_like_python, tmp_path):
+    p = check(gpu_like_python, tmp_path / "out")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "installing pydantic pydantic-core annotated-types typing-inspection from bench/device/wheels" in p.stdout
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("device check on cpu fallback (no CUDA)") and "PASSED" in last
+    result = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert result["ok"] and set(result["parts"]) == {"pipeline", "flex", "memory", "speed"}
+    pipe = result["parts"]["pipeline"]
+    assert set(pipe["stage_seconds"]) == {"generate", "prepare", "vocab", "extract", "train", "export", "eval"}
+    assert pipe["tau"] >= 1.0 and pipe["train_tokens"] > 0
+    names = [c["name"] for c in result["parts"]["flex"]["checks"]]
+    assert any("llama-8b" in n for n in names) and any("mla" in n for n in names)  # the recipes' two drafters
+    assert result["parts"]["speed"]["sdpa_tokens_per_s"] > 0
+
+
+def test_a_wheel_missing_from_the_carried_folder_fails_here_in_one_line(gpu_like_python, tmp_path):
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    p = check(gpu_like_python, tmp_path / "out", DEVICE_WHEELS=str(empty))
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1].startswith("device check: the carried wheels do not provide pydantic")
+    assert not (tmp_path / "out" / "device_check.json").exists()  # no part ran
