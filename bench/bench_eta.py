@@ -201,7 +201,8 @@ def main() -> None:
     end = time.time()
     if proc.returncode != 0:
         sys.exit(f"{stage} exited {proc.returncode}; its output: {out_path}\n" + out_path.read_text()[-3000:])
-    last = json.loads((run / stage / "progress.jsonl").read_text().splitlines()[-1])
+    journal = next(p for p in (run / stage / "progress.jsonl", run / stage / "progress.rank0.jsonl") if p.is_file())
+    last = json.loads(journal.read_text().splitlines()[-1])  # ranks under torchrun: rank 0's journal
     finished = float(last["t"]) if last.get("ev") == "end" else end
 
     what = (f"max_tokens {args.max_tokens}, backend {args.backend}" if stage == "generate"

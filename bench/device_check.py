@@ -15,7 +15,7 @@ and the carried wheels work, not the GPU's figures.
 What it needs is what the GPU machine has (../shared/FACTS.md): torch with CUDA, transformers, safetensors,
 pyyaml, typer, rich, httpx, numpy, matplotlib; pydantic comes from the wheels carried in bench/device/wheels
 (bench/device/fetch_wheels.sh). The target is built on the device: random weights from the committed
-bench/device/target/config.json (a 6-layer Llama with SmolLM2's tokenizer, committed as text), prompts from
+bench/device/target/config.json (an 8-layer Llama with SmolLM2's tokenizer, committed as text), prompts from
 bench/device/prompts.jsonl (64 ShareGPT first turns) and questions.jsonl (8 MT-bench questions).
 """
 
@@ -35,7 +35,7 @@ DEVICE_DIR = REPO / "bench" / "device"
 # module -> the distributions that provide it; CARRIED: what bench/device/wheels holds
 NEEDED = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors", "yaml": "pyyaml",
           "typer": "typer", "rich": "rich", "httpx": "httpx", "numpy": "numpy", "matplotlib": "matplotlib",
-          "pydantic": "pydantic pydantic-core annotated-types typing-inspection"}
+          "pydantic": "pydantic pydantic-core annotated-types typing-inspection typing-extensions"}
 CARRIED = {"pydantic"}
 
 

@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 missing=$("$PY" bench/device_check.py probe) || exit 1
 if [ -n "$missing" ]; then
     echo "device check: installing $missing from $WHEELS (no index)"
-    if ! "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$WORK/site" $missing; then
+    if ! "$PY" -m pip install --quiet --no-warn-conflicts --no-index --find-links "$WHEELS" --target "$WORK/site" $missing; then
         echo "device check: the carried wheels do not provide $missing for $("$PY" -V) (bash bench/device/fetch_wheels.sh)" >&2
         exit 1
     fi

@@ -68,7 +68,8 @@ def check(python: Path, out: Path, **env):
 def test_the_device_check_runs_from_the_carried_wheels_in_a_gpu_like_env(gpu_like_python, tmp_path):
     p = check(gpu_like_python, tmp_path / "out")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "installing pydantic pydantic-core annotated-types typing-inspection from bench/device/wheels" in p.stdout
+    assert ("installing pydantic pydantic-core annotated-types typing-inspection typing-extensions "
+            "from bench/device/wheels") in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("device check on cpu fallback (no CUDA)") and "PASSED" in last
     result = json.loads((tmp_path / "out" / "device_check.json").read_text())

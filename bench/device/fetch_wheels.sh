@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The wheels bench/device_check.sh carries to the GPU machine, which has no network and no pydantic
-# (../shared/FACTS.md): pydantic and what it needs, for CPython 3.12 (the GPU machine) and for this
-# machine's Python (the CPU rehearsal in tests/test_device_check.py installs from the same folder with
+# (../shared/FACTS.md): pydantic and what it needs, typing-extensions included (pip --target resolves
+# from the carried folder alone, and pydantic may want a newer one than the machine has), for CPython 3.12
+# (the GPU machine) and for this machine's Python (the CPU rehearsal in tests/test_device_check.py installs from the same folder with
 # --no-index, so a wheel missing here fails here, not on the GPU). About 5 MB in bench/device/wheels/
 # (ignored by git; the `run` tool's `carry` takes it along).
 #     bash bench/device/fetch_wheels.sh [PYTHON]
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${1:-../../.venv/bin/python}
-PKGS="pydantic pydantic-core annotated-types typing-inspection"
+PKGS="pydantic pydantic-core annotated-types typing-inspection typing-extensions"
 mkdir -p wheels
 "$PY" -m pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d wheels $PKGS
