@@ -41,16 +41,20 @@ DEMO_BUDGET_S = 15 * 60.0
 SIZES_FILE = "demo.json"
 CALIBRATION_TOKENS = 8  # new tokens per calibration decode (a few seconds on a quiet machine)
 CALIBRATION_BATCH = 64  # the recipe's generate.batch_size
-# seconds per unit x the rate they scale with, from the reference run (calibrated at REF_BATCH and
-# REF_SINGLE tokens/s): generate REF_GENERATE_S and extract REF_EXTRACT_S for REF_PROMPTS prompts, eval
-# REF_EVAL_S for REF_QUESTIONS questions; training the clock + TRAIN_OVERHEAD_S (ranks' start, export)
-REF_BATCH, REF_SINGLE, REF_PROMPTS, REF_QUESTIONS = 97.7, 14.5, 192, 16
-REF_GENERATE_S, REF_EXTRACT_S, REF_EVAL_S, TRAIN_OVERHEAD_S = 250.0, 95.0, 135.0, 15.0
+# seconds per unit x the rate they scale with, from the reference run (README.md, 2026-12-03; calibrated
+# at REF_BATCH and REF_SINGLE tokens/s): generate REF_GENERATE_S and extract REF_EXTRACT_S (with prepare and
+# vocab) for REF_PROMPTS prompts, eval REF_EVAL_S for REF_QUESTIONS questions; training the clock +
+# TRAIN_OVERHEAD_S (the ranks' start, export)
+REF_BATCH, REF_SINGLE, REF_PROMPTS, REF_QUESTIONS = 96.0, 15.1, 192, 16
+REF_GENERATE_S, REF_EXTRACT_S, REF_EVAL_S, TRAIN_OVERHEAD_S = 273.0, 91.0, 118.0, 10.0
 GENERATE_TOKEN_S_PER_PROMPT = REF_GENERATE_S * REF_BATCH / REF_PROMPTS
 EXTRACT_TOKEN_S_PER_PROMPT = REF_EXTRACT_S * REF_BATCH / REF_PROMPTS
 EVAL_TOKEN_S_PER_QUESTION = REF_EVAL_S * REF_SINGLE / REF_QUESTIONS
 VLLM_EVAL_S = 600.0  # the demo's second evaluation, by vLLM, when installed: two server start-ups dominate
 MIN_PROMPTS, MIN_QUESTIONS = 48, 8
+# the cost model's groups of stages (expected_seconds' keys)
+GROUPS = {"generate": ("generate",), "extract": ("prepare", "vocab", "extract"), "train": ("train", "export"),
+          "eval": ("eval",), "eval-vllm": ("eval-vllm",)}
 
 
 @dataclass
@@ -126,6 +130,8 @@ def plan_demo(run: RunDir, cfg, with_vllm: bool, user_sized: bool) -> DemoPlan |
     if path.is_file():
         try:
             d = json.loads(path.read_text())
+            if set(d["expected_s"]) - {"eval-vllm"} != set(GROUPS) - {"eval-vllm"}:
+                raise KeyError("expected_s")  # planned by another cost model (its groups): calibrate again
             return DemoPlan(prompts=d["prompts"], questions=d["questions"], expected_s=d["expected_s"],
                             calibration=Calibration(**d["calibration"]))
         except (ValueError, KeyError, TypeError):
@@ -154,8 +160,7 @@ CLOCKED = ("train",)  # train.max_minutes: the same minutes at any pace, and no 
 
 def remaining_line(plan: DemoPlan, done: dict[str, float]) -> str:
     """After a stage: what is left by the plan, scaled by how the finished stages compared with it."""
-    groups = {"generate": ("generate",), "extract": ("prepare", "vocab", "extract"), "train": ("train", "export"),
-              "eval": ("eval",), "eval-vllm": ("eval-vllm",)}
+    groups = GROUPS
     finished = [k for k, members in groups.items() if k in plan.expected_s and all(m in done for m in members)]
     # stages skipped as up to date (seconds None) say nothing of this machine's pace
     timed = [k for k in finished if k not in CLOCKED and all(done[m] is not None for m in groups[k])]

@@ -143,7 +143,9 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu
 def thread_policy(requested: int | None = None, device: str | None = None) -> tuple[int, str]:
     """(torch threads for this process, why) by threads_per_rank, applied with torch.set_num_threads;
     device: the config's (`auto` and the like: a GPU rank when it resolves to CUDA)."""
-    gpu = device is not None and pick_device(device).type == "cuda"
+    # only where it decides anything (torchrun's OMP_NUM_THREADS=1), and without initialising CUDA
+    gpu = (requested is None and os.environ.get("OMP_NUM_THREADS") == "1" and device is not None
+           and (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())))
     n, why = threads_per_rank(requested, gpu=gpu)
     torch.set_num_threads(n)
     return n, why

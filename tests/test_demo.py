@@ -9,7 +9,7 @@ from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calib
                              size_demo, user_sized)
 from draftsmith.rundir import RunDir
 
-REFERENCE = Calibration(batch_tokens_per_s=97.7, single_tokens_per_s=14.5, seconds=7.4)  # the README's demo machine
+REFERENCE = Calibration(batch_tokens_per_s=96.0, single_tokens_per_s=15.1, seconds=7.0)  # the README's demo machine
 
 
 def test_the_cost_model_reproduces_the_reference_run_and_scales_down_to_the_budget():
@@ -95,3 +95,19 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
     assert "3.00" not in text and "eval-old" not in text
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: [])
     assert explain(RunDir(tmp_path / "empty").ensure()) == ""
+
+
+def test_a_plan_made_by_another_cost_model_is_made_again(tmp_path, monkeypatch):
+    """A demo.json written before the cost model's groups changed (extract+train as one) would leave a group
+    no stage ever finishes: the plan is calibrated again."""
+    import draftsmith.demo as demo
+
+    run = RunDir(tmp_path / "run")
+    run.ensure()
+    (run.path / "demo.json").write_text(json.dumps({
+        "prompts": 165, "questions": 37, "calibration": {"batch_tokens_per_s": 90, "single_tokens_per_s": 14, "seconds": 5},
+        "expected_s": {"generate": 300, "extract+train": 400, "eval": 300}}))
+    calls = []
+    monkeypatch.setattr(demo, "calibrate", lambda cfg: calls.append(1) or REFERENCE)
+    plan = plan_demo(run, demo_config([]), with_vllm=False, user_sized=False)
+    assert calls == [1] and set(plan.expected_s) == {"generate", "extract", "train", "eval"}

@@ -9,9 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${1:-../../.venv/bin/python}
-PKGS="pydantic pydantic-core annotated-types typing-inspection typing-extensions"
 mkdir -p wheels
-"$PY" -m pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d wheels $PKGS
-"$PY" -m pip download --quiet --only-binary=:all: --no-deps -d wheels $PKGS   # this machine's own Python
+# pydantic with its dependencies as pip resolves them (its exact pydantic-core pin included)
+"$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d wheels pydantic
+"$PY" -m pip download --quiet --only-binary=:all: -d wheels pydantic   # this machine's own Python
 ls -l wheels
