@@ -164,8 +164,9 @@ class Batch:
         to the GPU reads asynchronously; tensors already pinned or on a device are left as they are."""
         def pinned(t):
             return t if t is None or t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
-        return replace(self, **{k: pinned(getattr(self, k)) for k in (
-            "input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden", "aux_scale", "last_scale")})
+        fields = ("input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden", "aux_scale",
+                  "last_scale")
+        return replace(self, **{k: pinned(getattr(self, k)) for k in fields})
 
 
 class HostArena:
