@@ -564,10 +564,18 @@ def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
             assert token_rel_err(y[k], x[k]) < 0.08, (i, k, token_rel_err(y[k], x[k]))  # e4m3: 3 mantissa bits
         raw = b.raw(i)
         assert raw["aux_hidden"].dtype == torch.float8_e4m3fn and tuple(raw["aux_scale"].shape) == (LENGTHS[i], 3)
-    # the training reader takes both the same way
-    for st in (a, b):
-        got = OfflineSource(st).sample(2, 1000)
-        assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["last_hidden"].dtype == torch.bfloat16
+    # the training reader: bf16 as stored; fp8 as stored too (codes and scales), dequantised where the batch
+    # lands (Batch.to) to what the store's reader gives
+    from draftsmith.train.data import pack_rows
+
+    got = OfflineSource(a).sample(2, 1000)
+    assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["last_hidden"].dtype == torch.bfloat16
+    got = OfflineSource(b).sample(2, 1000)
+    assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["aux_hidden"].dtype == torch.float8_e4m3fn
+    assert tuple(got["aux_scale"].shape) == (LENGTHS[2], 3) and tuple(got["last_scale"].shape) == (LENGTHS[2],)
+    moved = pack_rows([[got]]).to(torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(moved.aux_hidden[0], b[2]["aux_hidden"].reshape(LENGTHS[2], -1))
+    assert torch.equal(moved.last_hidden[0], b[2]["last_hidden"])
 
     # --verify of an fp8 store: a good one passes untouched, a bad scale is found and redone
     cfg = cfg_for(tiny8, "extract.shard_size=4", "extract.store_format=fp8")
