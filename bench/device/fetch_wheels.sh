@@ -7,8 +7,10 @@
 # (ignored by git; the `run` tool's `carry` takes it along).
 #     bash bench/device/fetch_wheels.sh [PYTHON]
 set -euo pipefail
+# the interpreter is resolved before the cd below: a caller's relative path (setup.sh passes .venv/bin/python) is
+# relative to the caller's directory
+PY=$(realpath "${1:-$(dirname "$0")/../../.venv/bin/python}")
 cd "$(dirname "$0")"
-PY=${1:-../../.venv/bin/python}
 mkdir -p wheels
 # pydantic with its dependencies as pip resolves them (its exact pydantic-core pin included)
 "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 \
