@@ -24,6 +24,12 @@ def _kinds(annotation: Any) -> set[type]:
             else {annotation})
 
 
+# generate.concurrency `auto`: the most requests in flight for backend vllm (vLLM's own server default on a GPU,
+# max_num_seqs 256; its CPU server runs 128 at a time and queues the rest), and the number for backend openai
+AUTO_MAX_IN_FLIGHT = 256
+AUTO_OPENAI_IN_FLIGHT = 32
+
+
 class _Section(BaseModel):
     # No infinities or NaN anywhere: `train.lr=inf` would train to non-finite weights.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -81,7 +87,11 @@ class GenerateConfig(_Section):
         "dataset (one reply per turn).")
     resample_temperature: float = Field(
         0.7, gt=0.0, description="Sampling temperature of the answers after a prompt's first (answers_per_prompt > 1).")
-    concurrency: int = Field(32, ge=1, description="Requests in flight at once (backends openai and vllm).")
+    concurrency: int | Literal["auto"] = Field(
+        "auto", description="Requests in flight at once (backends openai and vllm). `auto`: for backend vllm, as many "
+        "as its server's KV cache holds when each reaches the prompts' mean length plus max_tokens (so that vLLM "
+        f"never preempts a request and computes it again), at most {AUTO_MAX_IN_FLIGHT}; for backend openai "
+        f"{AUTO_OPENAI_IN_FLIGHT} (the cache of another's server is unknown).")
     vllm_args: list[str] = Field(
         default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. "
         "[--enforce-eager]: a faster start-up, slower batched decoding).")
@@ -92,6 +102,18 @@ class GenerateConfig(_Section):
         0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a "
         "429's Retry-After wins).")
     retry_failed: bool = Field(False, description="Retry the samples recorded in generate/failures.jsonl.")
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _count_or_auto(cls, v):
+        if isinstance(v, str) and v != "auto":
+            try:
+                v = int(v)
+            except ValueError:
+                raise ValueError("expects a whole number or auto") from None
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError("must be at least 1, or auto")
+        return v
 
     @model_validator(mode="after")
     def _one_reply_per_turn(self):

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.config import AUTO_MAX_IN_FLIGHT, AUTO_OPENAI_IN_FLIGHT
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -416,7 +417,10 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     extract_host = data_thread = None  # bounds that apply to some backends and modes only
 
     served = g.backend in ("openai", "vllm")
-    decode = _decode_tokens_per_s(t, hw, gpus, g.concurrency if served else g.batch_size, "vllm" if served else "hf")
+    # concurrency auto: the most it can be (a server's KV cache is not modelled here)
+    in_flight = {"auto": AUTO_MAX_IN_FLIGHT if g.backend == "vllm" else AUTO_OPENAI_IN_FLIGHT}.get(g.concurrency,
+                                                                                                 g.concurrency)
+    decode = _decode_tokens_per_s(t, hw, gpus, in_flight if served else g.batch_size, "vllm" if served else "hf")
     stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
                           "memory": weights_per_dev, "seconds": completion / decode}
     if g.backend == "dataset":  # the file's own replies: tokenizing only, no weights, nothing decoded

@@ -74,23 +74,35 @@ def prefix_exceeds(tokenizer, text: str, limit: int | None) -> bool:
     return n > limit + 1  # the cut can split one token in two: the whole has at least n - 1
 
 
-def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int, limit: int | None = None) -> int:
-    """Tokens the longest conversation of `prompts` can reach when each user turn is answered with up
-    to `max_tokens` tokens: its user text (and system prompt) through the chat template, plus
-    max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused).
-    A conversation already longer than `limit` (the model's context) counts as limit + 1 untokenised."""
-    longest = 0
+def conversation_tokens(prompts: list[Prompt], tokenizer, limit: int | None = None) -> list[int | None]:
+    """Per prompt, the tokens of its user text (and system prompt) through the chat template, as a server
+    receives them; None for a conversation already longer than `limit` (the model's context), found from a
+    prefix without tokenising it whole."""
+    out: list[int | None] = []
     for p in prompts:
         messages = p.system_messages() + [{"role": "user", "content": t} for t in p.turns]
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:  # no template: the turns as plain text, as the local engine sends them
             text = "\n".join(m["content"] for m in messages)
-        if prefix_exceeds(tokenizer, text, limit):
+        out.append(None if prefix_exceeds(tokenizer, text, limit)
+                   else len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def context_tokens_needed(prompts: list[Prompt], tokenizer, max_tokens: int, limit: int | None = None,
+                          counts: list[int | None] | None = None) -> int:
+    """Tokens the longest conversation of `prompts` can reach when each user turn is answered with up
+    to `max_tokens` tokens: its user text (and system prompt) through the chat template, plus
+    max_tokens per turn (a server's max_model_len must hold it, or its last requests are refused).
+    A conversation already longer than `limit` (the model's context) counts as limit + 1 untokenised.
+    `counts`: conversation_tokens(prompts, ...) when the caller has them already."""
+    longest = 0
+    for p, n in zip(prompts, counts if counts is not None else conversation_tokens(prompts, tokenizer, limit)):
+        if n is None:
             return limit + 1
         # per turn: the answer, and the template's few tokens around it
-        longest = max(longest,
-                      len(tokenizer(text, add_special_tokens=False)["input_ids"]) + len(p.turns) * (max_tokens + 16))
+        longest = max(longest, n + len(p.turns) * (max_tokens + 16))
     return longest
 
 

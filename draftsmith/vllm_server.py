@@ -45,6 +45,7 @@ PACKAGE = Path(__file__).resolve().parent
 SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed draftsmith can run it too
 # Settings that only vLLM's CPU backend reads: never given to a server on a GPU machine.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
+KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # vLLM's start-up line (v1 kv_cache_utils)
 
 
 def on_cuda_machine() -> bool:
@@ -489,6 +490,25 @@ class VLLMServer:
         r = httpx.get(self.url + "/metrics", timeout=30.0)
         r.raise_for_status()
         return r.text
+
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the server's KV cache holds: vLLM logs `<device> KV cache size: N tokens` at start-up on every
+        platform (its /metrics has no such figure on vllm-cpu 0.32). None when the line is missing."""
+        try:  # the last: a log appended to by an earlier run's server too
+            found = KV_CACHE_LINE.findall(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        return int(found[-1].replace(",", "")) if found else None
+
+    def preemptions(self) -> int | None:
+        """How often the server has preempted a request so far (vllm:num_preemptions_total), or None when its
+        /metrics does not answer."""
+        try:
+            counts = parse_metrics(self.metrics_text())
+        except httpx.HTTPError:
+            return None
+        found = [v for k, v in counts.items() if k.split("{")[0] == "vllm:num_preemptions_total"]
+        return int(sum(found)) if found else None
 
     def models(self) -> list[str]:
         """Model names the server serves (the first is what requests should name)."""

@@ -344,7 +344,7 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
     pending = expand_answers(load_prompts(cfg.generate.prompts), cfg.generate, seeded=own_server_seeds(cfg))
     recs = []
     with FakeOpenAIServer() as srv, Progress(RunDir(tmp_path / "run"), "generate", total=4, unit="samples") as prog:
-        asyncio.run(ask_servers(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None))
+        asyncio.run(ask_servers(pending, cfg.generate, [srv.base_url], None, prog, recs.append, None, in_flight=4))
         bodies = [r["body"] for r in srv.chat_requests()]
     assert len(bodies) == 4 and not any("seed" in b for b in bodies)
     assert sorted(b["temperature"] for b in bodies) == [0.0, 0.0, 0.7, 0.7]
@@ -368,7 +368,7 @@ def test_own_server_gone_stops_the_stage_instead_of_failing_every_sample(tmp_pat
             Progress(RunDir(tmp_path / "run"), "generate", total=6, unit="samples") as prog:
         with pytest.raises(DraftsmithError, match="^generate: vLLM server exited with code 1"):
             asyncio.run(ask_servers(load_prompts(cfg.generate.prompts), cfg.generate, [px.base_url], None, prog,
-                                    done.append, lambda p, e: failed.append(p.id),
+                                    done.append, lambda p, e: failed.append(p.id), in_flight=2,
                                     server_gone=lambda: "vLLM server exited with code 1; log x: boom"))
     assert failed == [] and done == []
 

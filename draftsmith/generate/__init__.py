@@ -258,6 +258,8 @@ def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[d
             line += f", {reasoning_answers}/{answers_n} answers"
     if extra.get("retried_requests"):
         line += f" | {extra['retried_requests']} requests retried"
+    if extra.get("preemptions"):  # each one a request whose tokens the server computed again
+        line += f" | the server preempted {extra['preemptions']} times"
     if len(extra.get("requests_per_server") or {}) > 1:
         line += " | requests per server: " + ", ".join(f"{s} {n}" for s, n in extra["requests_per_server"].items())
     prog.log(line)
@@ -268,6 +270,8 @@ def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[d
         "truncated": truncated_n, "reasoning": reasoning_n,
         "answers": answers_n, "reasoning_answers": reasoning_answers,
         "reasoning_rate": round(reasoning_n / len(sel_done), 4) if sel_done else None,
+        # requests in flight (generate.concurrency resolved) and, for backend vllm, how often its server preempted
+        "in_flight": extra.get("in_flight"), "preemptions": extra.get("preemptions"),
     }
 
 

@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 from draftsmith import DraftsmithError
+from draftsmith.config import AUTO_OPENAI_IN_FLIGHT
 from draftsmith.generate.reasoning import split_harmony, split_reasoning
 from draftsmith.generate.samples import SAMPLING, TurnResult, build_record
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, normalize_server, served_models
@@ -29,7 +30,9 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     """The backend: every pending sample from generate.servers."""
     gen = cfg.generate
     api_key = os.environ.get(gen.api_key_env) or None
-    return asyncio.run(ask_servers(pending, gen, configured_servers(gen), api_key, prog, on_done, on_fail))
+    in_flight = AUTO_OPENAI_IN_FLIGHT if gen.concurrency == "auto" else gen.concurrency
+    return asyncio.run(ask_servers(pending, gen, configured_servers(gen), api_key, prog, on_done, on_fail,
+                                   in_flight=in_flight))
 
 
 def chat_body(gen, model: str, messages: list[dict], sampling: dict | None = None) -> dict:
@@ -83,15 +86,17 @@ async def _sample(client: OpenAIClient, gen, model: str, prompt) -> list[TurnRes
     return results
 
 
-async def ask_servers(pending, gen, servers, api_key, prog, on_done, on_fail,
+async def ask_servers(pending, gen, servers, api_key, prog, on_done, on_fail, *, in_flight: int,
                       server_gone: Callable[[], str | None] | None = None) -> dict:
-    """Ask the servers for every pending sample. server_gone (backend vllm): why draftsmith's own
-    server is gone, or None; a sample that fails after it has gone stops the stage with that reason
-    instead of failing every sample in turn. Returns the model, retries and requests per server."""
+    """Ask the servers for every pending sample, `in_flight` requests at a time (generate.concurrency as the
+    backend resolved it). server_gone (backend vllm): why draftsmith's own server is gone, or None; a sample
+    that fails after it has gone stops the stage with that reason instead of failing every sample in turn.
+    Returns the model, retries, requests per server and in_flight."""
     client = OpenAIClient(servers, timeout_s=gen.timeout_s, retries=gen.retries, backoff_s=gen.backoff_s,
-                          concurrency=gen.concurrency, api_key=api_key, api_key_env=gen.api_key_env)
+                          concurrency=in_flight, api_key=api_key, api_key_env=gen.api_key_env)
     try:
         model = await _served_model(client, gen, prog)
+        prog.log(f"model {model} on {len(servers)} server(s): {', '.join(servers)}; {in_flight} requests in flight")
 
         todo = iter(pending)  # shared by the workers (one event loop: no locking needed)
 
@@ -107,7 +112,7 @@ async def ask_servers(pending, gen, servers, api_key, prog, on_done, on_fail,
                     continue
                 on_done(build_record(p, turns, gen.backend, model))
 
-        tasks = [asyncio.ensure_future(worker()) for _ in range(min(gen.concurrency, len(pending)))]
+        tasks = [asyncio.ensure_future(worker()) for _ in range(min(in_flight, len(pending)))]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -115,7 +120,8 @@ async def ask_servers(pending, gen, servers, api_key, prog, on_done, on_fail,
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return {"model": model, "retried_requests": client.retried, "requests_per_server": dict(client.balancer.sent)}
+        return {"model": model, "retried_requests": client.retried, "requests_per_server": dict(client.balancer.sent),
+                "in_flight": in_flight}
     finally:
         await client.aclose()
 
@@ -139,5 +145,4 @@ async def _served_model(client: OpenAIClient, gen, prog) -> str:
         if model not in served:
             raise DraftsmithError(f"generate.model: {s} does not serve {model!r} "
                                   f"(it serves {', '.join(served) or 'nothing'})")
-    prog.log(f"model {model} on {len(servers)} server(s): {', '.join(servers)}; concurrency {gen.concurrency}")
     return model

@@ -3,10 +3,12 @@ starts itself (from the vLLM environment, with generate.vllm_args; dtype `auto` 
 and stops at the end; its output goes to generate/vllm.log."""
 
 import asyncio
+import statistics
 
+from draftsmith.config import AUTO_MAX_IN_FLIGHT
 from draftsmith.generate.openai import ask_servers
 from draftsmith.generate.samples import STAGE
-from draftsmith.prompts import context_tokens_needed
+from draftsmith.prompts import context_tokens_needed, conversation_tokens
 from draftsmith.target import load_tokenizer, pick_device, pick_dtype
 from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, serving, vllm_python
 
@@ -29,17 +31,39 @@ def own_server_seeds(cfg) -> bool:
     return pick_device(cfg.device).type == "cuda"
 
 
+def auto_in_flight(kv_tokens: int | None, request_tokens: float) -> int:
+    """generate.concurrency `auto` for a server of our own: as many requests as its KV cache holds when each has
+    grown to `request_tokens` (the conversations' mean need: prompt plus answer), so that vLLM never runs out of
+    blocks and preempts a request, whose tokens it then computes again; at most AUTO_MAX_IN_FLIGHT. Without the
+    cache's size (its start-up line missing), that maximum."""
+    if not kv_tokens:
+        return AUTO_MAX_IN_FLIGHT
+    return max(1, min(AUTO_MAX_IN_FLIGHT, int(kv_tokens // max(1.0, request_tokens))))
+
+
 def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     """The backend: a server of our own for the pending samples, then backend openai's requests.
-    `startup_s` in the result: the server's start-up, which the stage's rate leaves out."""
+    `startup_s` in the result: the server's start-up, which the stage's rate leaves out; `preemptions`: how
+    often the server preempted a request (from its /metrics)."""
     gen, dtype = cfg.generate, served_dtype(cfg)
-    needed = context_tokens_needed(pending, load_tokenizer(info, cfg.trust_remote_code), gen.max_tokens,
-                                   limit=context_limit(info.path))
+    tok, limit = load_tokenizer(info, cfg.trust_remote_code), context_limit(info.path)
+    counts = conversation_tokens(pending, tok, limit)
+    needed = context_tokens_needed(pending, tok, gen.max_tokens, limit=limit, counts=counts)
+    # a conversation's need as context_tokens_needed counts it (each turn answered in full), averaged
+    request_tokens = statistics.fmean((n or limit or 0) + len(p.turns) * (gen.max_tokens + 16)
+                                      for p, n in zip(pending, counts))
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *gen.vllm_args],
                      log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(cfg.vllm_python, log=prog.log),
                      max_model_len=max_model_len(info.path, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
                      say=prog.log, trust_remote_code=cfg.trust_remote_code)
     with serving(srv, f"target, {dtype}", prog.busy):
+        in_flight = gen.concurrency
+        if in_flight == "auto":
+            kv = srv.kv_cache_tokens()
+            in_flight = auto_in_flight(kv, request_tokens)
+            prog.log(f"concurrency auto: {in_flight} requests in flight (the server's KV cache holds "
+                     f"{f'{kv:,}' if kv else 'an unknown number of'} tokens; a conversation needs ~{request_tokens:.0f})")
         extra = asyncio.run(ask_servers(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
-                                        server_gone=srv.exited))
-    return {**extra, "startup_s": srv.startup_s}
+                                        in_flight=in_flight, server_gone=srv.exited))
+        preempted = srv.preemptions()
+    return {**extra, "startup_s": srv.startup_s, "preemptions": preempted}
