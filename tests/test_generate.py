@@ -165,6 +165,35 @@ def test_requests_spread_over_servers(tmp_path, tiny_target):
     assert na >= 6 and nb >= 6, (na, nb)
 
 
+def test_concurrency_auto_is_32_against_servers_of_others(tmp_path, tiny_target):
+    """Backend openai cannot see another's KV cache: `auto` keeps 32 requests in flight; a number is kept."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 40, multi_every=0)
+    with FakeOpenAIServer(delay_s=0.05) as srv:
+        m = run_generate(RunDir(tmp_path / "run"), cfg_for(tiny_target, prompts, *openai_sets(srv.base_url)))
+        m5 = run_generate(RunDir(tmp_path / "run5"), cfg_for(tiny_target, prompts, *openai_sets(srv.base_url,
+                                                                                                concurrency=5)))
+    assert m["summary"]["in_flight"] == 32 and m5["summary"]["in_flight"] == 5
+    assert m["summary"]["preemptions"] is None  # a server of our own reports them (backend vllm)
+
+
+def test_auto_in_flight_fills_the_kv_cache_without_preemption(tmp_path):
+    """As many requests as the cache holds at their mean need, 1 at least, AUTO_MAX_IN_FLIGHT at most; the
+    cache's size is read from the server's last start-up line."""
+    from draftsmith.generate.vllm import auto_in_flight
+    from draftsmith.vllm_server import VLLMServer
+
+    assert auto_in_flight(46_592, 347) == 134  # SmolLM2 in float32 in 2 GiB, a 91-token prompt + 256
+    assert auto_in_flight(46_592, 100_000) == 1
+    assert auto_in_flight(10**7, 300) == auto_in_flight(None, 300) == 256
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO [kv_cache_utils.py:2327] CPU KV cache size: 46,592 tokens, Maximum concurrency ...\n"
+                   "$ a second start in the same log\nINFO GPU KV cache size: 1,234,567 tokens, Maximum ...\n")
+    srv = VLLMServer(tmp_path, log_path=log)
+    assert srv.kv_cache_tokens() == 1_234_567
+    log.write_text("no such line\n")
+    assert srv.kv_cache_tokens() is None
+
+
 def test_unreachable_server_and_wrong_model(tmp_path, tiny_target):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     with pytest.raises(DraftsmithError, match=r"127.0.0.1:9/v1 does not answer /models"):

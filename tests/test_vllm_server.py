@@ -8,6 +8,7 @@ about a minute (eager mode), so one server is shared by the module.
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -220,9 +221,20 @@ def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
     run = tmp_path / "run"
     d = run / "generate"
     args = ["generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--backend", "vllm",
-            "--max-tokens", "24", "--concurrency", "4", "--set", "generate.vllm_args=[--enforce-eager]"]
+            "--max-tokens", "24", "--set", "generate.vllm_args=[--enforce-eager]"]
     p = cli(*args)
     assert p.returncode == 0, p.stderr
+    # concurrency auto: what the server's KV cache holds (its start-up line) over a conversation's mean need
+    from draftsmith.generate.vllm import auto_in_flight
+
+    said = re.search(r"concurrency auto: (\d+) requests in flight \(the server's KV cache holds ([\d,]+) tokens; "
+                     r"a conversation needs ~(\d+)\)", p.stderr + p.stdout)
+    assert said, p.stderr
+    kv = int(said[2].replace(",", ""))
+    assert f"KV cache size: {said[2]} tokens" in (d / "vllm.log").read_text()
+    assert int(said[1]) == auto_in_flight(kv, int(said[3])) == min(256, kv // int(said[3])) >= 1
+    summary = json.loads((d / "manifest.json").read_text())["summary"]
+    assert summary["in_flight"] == int(said[1]) and summary["preemptions"] == 0
     recs = {r["id"]: r for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())}
     assert set(recs) == {"capital", "poem", "two-turns", "sys"}
     assert "Paris" in recs["capital"]["messages"][-1]["content"] and len(recs["two-turns"]["finish_reasons"]) == 2

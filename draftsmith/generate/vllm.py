@@ -3,6 +3,7 @@ starts itself (from the vLLM environment, with generate.vllm_args; dtype `auto` 
 and stops at the end; its output goes to generate/vllm.log."""
 
 import asyncio
+import math
 import statistics
 
 from draftsmith.config import AUTO_MAX_IN_FLIGHT
@@ -31,14 +32,14 @@ def own_server_seeds(cfg) -> bool:
     return pick_device(cfg.device).type == "cuda"
 
 
-def auto_in_flight(kv_tokens: int | None, request_tokens: float) -> int:
+def auto_in_flight(kv_tokens: int | None, request_tokens: int) -> int:
     """generate.concurrency `auto` for a server of our own: as many requests as its KV cache holds when each has
     grown to `request_tokens` (the conversations' mean need: prompt plus answer), so that vLLM never runs out of
     blocks and preempts a request, whose tokens it then computes again; at most AUTO_MAX_IN_FLIGHT. Without the
     cache's size (its start-up line missing), that maximum."""
     if not kv_tokens:
         return AUTO_MAX_IN_FLIGHT
-    return max(1, min(AUTO_MAX_IN_FLIGHT, int(kv_tokens // max(1.0, request_tokens))))
+    return max(1, min(AUTO_MAX_IN_FLIGHT, kv_tokens // max(1, request_tokens)))
 
 
 def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
@@ -50,8 +51,8 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
     counts = conversation_tokens(pending, tok, limit)
     needed = context_tokens_needed(pending, tok, gen.max_tokens, limit=limit, counts=counts)
     # a conversation's need as context_tokens_needed counts it (each turn answered in full), averaged
-    request_tokens = statistics.fmean((n or limit or 0) + len(p.turns) * (gen.max_tokens + 16)
-                                      for p, n in zip(pending, counts))
+    request_tokens = math.ceil(statistics.fmean((n or limit or 0) + len(p.turns) * (gen.max_tokens + 16)
+                                                for p, n in zip(pending, counts)))
     srv = VLLMServer(info.path, extra_args=["--dtype", dtype, *gen.vllm_args],
                      log_path=run.stage_dir(STAGE) / VLLM_LOG, python=vllm_python(cfg.vllm_python, log=prog.log),
                      max_model_len=max_model_len(info.path, needed), startup_timeout_s=cfg.vllm_startup_timeout_s,
@@ -62,7 +63,7 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
             kv = srv.kv_cache_tokens()
             in_flight = auto_in_flight(kv, request_tokens)
             prog.log(f"concurrency auto: {in_flight} requests in flight (the server's KV cache holds "
-                     f"{f'{kv:,}' if kv else 'an unknown number of'} tokens; a conversation needs ~{request_tokens:.0f})")
+                     f"{f'{kv:,}' if kv else 'an unknown number of'} tokens; a conversation needs ~{request_tokens})")
         extra = asyncio.run(ask_servers(pending, gen, [srv.base_url], None, prog, on_done, on_fail,
                                         in_flight=in_flight, server_gone=srv.exited))
         preempted = srv.preemptions()
