@@ -11,7 +11,7 @@ every pass; the ceiling is the same engine on the same requests). --set adds con
 generate, --repeats passes, the three sides in a rotating order so that a drift in the machine's load hits each
 alike; tokens/s of output tokens over each side's request loop, server start-up and model load left out of all:
   draftsmith  `run_generate` with the recipe's backend vllm (its own server, its settings): the stage's generation
-              seconds (wall less the server's start-up). The server's preemptions are read from its /metrics.
+              seconds (wall less the server's start-up); its requests in flight and its server's preemptions.
   peer        speculators' `regenerate-responses` against its own server, as bench/peer/peer_pipeline.py runs it
               (32 in flight), over the request loop it times itself (needs bench/peer/setup_peer.sh); its server
               in draftsmith's dtype unless --peer-dtype (the peer's default is bfloat16, which a CPU without
@@ -20,17 +20,19 @@ alike; tokens/s of output tokens over each side's request loop, server start-up 
               (bench/limits_vllm_offline.py in the vLLM environment): the engine scheduling every request itself.
 extract, on the answers of draftsmith's first generate pass (prepared by `run_prepare`), --repeats passes:
   vllm        `run_extract` (backend vllm, the recipe's settings: its own server with the hidden-states connector)
-              over the stage's seconds less its server's start-up, against a bare prefill of the same token ids in
-              offline vLLM (same dtype and eager mode, one output token, prefix cache off).
-  hf          `run_extract` (backend hf) against the bare `model.model(...)` forward (no LM head, no hooks) over the
-              batches extract plans, in this process, alternating.
+              over its extraction loop's seconds as the stage logs them (its server's start-up and the connector
+              check apart), against a bare prefill of the same token ids in offline vLLM (same dtype and eager
+              mode, one output token, prefix cache off; its load apart).
+  hf          `run_extract` (backend hf, the target loaded once outside both) over its extraction loop against
+              the bare `model.model(...)` forward (no LM head, no hooks) over the batches extract plans, alternating.
 train     one training step of the recipe's drafter (bench_train_flops.step_profile: one rank, one thread, a
           1,024-token row) against its matrix products' FLOPs at the best rate this machine's bare float32
           products reach (bench_train_flops.bare_matmul): the share of the step a perfect kernel would need.
 store     the store's writer (bf16, at Llama-3.1-8B's width) against a raw sequential write of the same bytes with
           an fsync (bench_store.raw_write / writer_write), alternating.
 status    `draftsmith status --json` on a run of 10,000 sample files (bench_status.build_run) against
-          `ls rows_*/ | wc -l` over the same shards, each a fresh process.
+          `ls rows_*/ | wc -l` over the same shards, each a fresh process; beside them the floor of any Python
+          command, `python -c 'import draftsmith.status'`.
 
 Printed: a line per measurement as it ends, then the table of ratios; OUT/limits.json keeps every figure.
 """
@@ -47,7 +49,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -64,12 +65,11 @@ from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.prompts import context_tokens_needed, load_prompts  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target, load_tokenizer, target_info  # noqa: E402
-from draftsmith.vllm_server import CPU_ENV, VLLMServer, context_limit, max_model_len, on_cuda_machine  # noqa: E402
+from draftsmith.vllm_server import CPU_ENV, context_limit, max_model_len, on_cuda_machine  # noqa: E402
 from draftsmith.vllm_server import vllm_python  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-cpu-e2e.yaml"
 OFFLINE = HERE / "limits_vllm_offline.py"
-METRICS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total")
 
 
 def say(msg: str) -> None:
@@ -87,34 +87,6 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3g} (min {min(xs):.3g}, max {max(xs):.3g}, n {len(xs)})"
 
 
-# -------------------------------------------------------------------------------------------------
-# What a server draftsmith starts saw: /metrics read just before it stops (preemptions above all)
-
-SERVER_METRICS: list[dict] = []
-SERVER_STARTS: list[float] = []
-_start, _stop = VLLMServer.start, VLLMServer.stop
-
-
-def _metered_start(self):
-    out = _start(self)
-    SERVER_STARTS.append(self.startup_s or 0.0)
-    return out
-
-
-def _metered_stop(self, *a, **kw):
-    if self.proc is not None and self.proc.poll() is None:
-        try:
-            text = httpx.get(self.url + "/metrics", timeout=10).text
-            SERVER_METRICS.append({k: sum(float(v) for v in re.findall(rf"^vllm:{k}(?:{{[^}}]*}})? ([0-9.e+]+)$",
-                                                                      text, re.M)) for k in METRICS})
-        except httpx.HTTPError:
-            SERVER_METRICS.append({})
-    return _stop(self, *a, **kw)
-
-
-VLLMServer.start, VLLMServer.stop = _metered_start, _metered_stop
-
-
 def offline(job: dict, work: Path) -> dict:
     """limits_vllm_offline.py's JSON for `job`, run in the vLLM environment with the servers' KV cache."""
     path = work / "offline-job.json"
@@ -124,7 +96,8 @@ def offline(job: dict, work: Path) -> dict:
     (work / "offline.log").open("a").write(p.stdout + p.stderr)
     if p.returncode != 0:
         sys.exit(f"bench_limits: offline vLLM failed ({p.returncode}); see {work / 'offline.log'}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    # vLLM prints to stdout too (at shutdown): the answer is the line limits_vllm_offline.py wrote
+    return json.loads(next(ln for ln in reversed(p.stdout.splitlines()) if ln.startswith('{"requests"')))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -157,7 +130,8 @@ def generate_part(args, work: Path, res: dict) -> Path:
         run = RunDir(work / f"generate-{i}")
         m = run_generate(run, cfg)
         first_run = first_run or run
-        return m["counts"]["completion_tokens"], m["summary"]["seconds"], SERVER_METRICS[-1] if SERVER_METRICS else {}
+        return m["counts"]["completion_tokens"], m["summary"]["seconds"], {
+            k: m["summary"][k] for k in ("in_flight", "preemptions")}
 
     def peer(i: int) -> tuple[int, float, dict]:
         from peer_pipeline import Pipeline, parse_args, write_prompts  # only with the peer installed
@@ -209,17 +183,27 @@ def extract_part(args, work: Path, run_path: Path, res: dict) -> None:
            "enforce_eager": "--enforce-eager" in cfg.extract.vllm_args, "mode": "prefill", "repeats": 1,
            "token_ids": [s["input_ids"] for s in samples]}
     out: dict[str, list] = {}
-    for i in range(args.repeats):
+    fixed: list[float] = []
+
+    def extract(overrides: list[str], target=None) -> tuple[float, float]:
+        """(seconds of the stage's extraction loop, as its log states them, seconds of the whole stage)"""
         shutil.rmtree(run.stage_dir("extract"), ignore_errors=True)
-        n = len(SERVER_STARTS)
         t = time.perf_counter()
-        run_extract(run, load_config(str(RECIPE), ["extract.backend=vllm"]))
-        secs = time.perf_counter() - t - sum(SERVER_STARTS[n:])
+        run_extract(run, load_config(str(RECIPE), overrides), target=target)
+        whole = time.perf_counter() - t
+        said = re.findall(r"extracted \d+ samples, [\d,]+ tokens in ([0-9.]+)s",
+                          (run.stage_dir("extract") / "stage.log").read_text())
+        return float(said[-1]), whole
+
+    for i in range(args.repeats):
+        secs, whole = extract(["extract.backend=vllm"])
+        fixed.append(whole - secs)
         pre = offline(job, work)
         out.setdefault("vllm", []).append(tokens / secs)
         out.setdefault("vllm bare prefill", []).append(pre["prompt_tokens"] / pre["seconds"][0])
-        say(f"extract pass {i + 1}: vllm backend {tokens / secs:,.0f} tokens/s (start-up {sum(SERVER_STARTS[n:]):.0f} s "
-            f"left out); bare prefill in offline vLLM {out['vllm bare prefill'][-1]:,.0f} tokens/s")
+        say(f"extract pass {i + 1}: vllm backend {tokens / secs:,.0f} tokens/s over its extraction loop (the stage "
+            f"{whole:.0f} s, {whole - secs:.0f} s of it the server's start-up and the connector check); bare prefill "
+            f"in offline vLLM {out['vllm bare prefill'][-1]:,.0f} tokens/s (load {pre['load_s']:.0f} s)")
 
     hf_cfg = load_config(str(RECIPE), ["extract.backend=hf"])
     target = load_target(cfg.target, dtype=hf_cfg.dtype, log=lambda m: None)
@@ -234,15 +218,12 @@ def extract_part(args, work: Path, run_path: Path, res: dict) -> None:
                 ids, pos = make_batch([samples[j] for j in b])
                 target.model.model(input_ids=ids, position_ids=pos, use_cache=False)
         bare = time.perf_counter() - t
-        shutil.rmtree(run.stage_dir("extract"), ignore_errors=True)
-        t = time.perf_counter()
-        run_extract(run, hf_cfg, target=target)
-        secs = time.perf_counter() - t
+        secs, _ = extract(["extract.backend=hf"], target=target)
         out.setdefault("hf", []).append(tokens / secs)
         out.setdefault("hf bare forward", []).append(tokens / bare)
         say(f"extract pass {i + 1}: hf backend {tokens / secs:,.0f} tokens/s; bare model.model forward "
             f"{tokens / bare:,.0f} tokens/s")
-    res["extract"] = {"samples": len(samples), "tokens": tokens, "tokens_per_s": out,
+    res["extract"] = {"samples": len(samples), "tokens": tokens, "tokens_per_s": out, "vllm_fixed_s": fixed,
                       "ratio vllm": [a / b for a, b in zip(out["vllm"], out["vllm bare prefill"])],
                       "ratio hf": [a / b for a, b in zip(out["hf"], out["hf bare forward"])]}
     say(f"extract: vllm / bare prefill = {spread(res['extract']['ratio vllm'])}; hf / bare forward = "
@@ -298,8 +279,11 @@ def status_part(args, work: Path, res: dict) -> None:
     import bench_status as bst
 
     run = bst.build_run(work / "status", 10_000)
-    cli, ls = [], []
+    cli, ls, floor = [], [], []
     for _ in range(max(5, args.repeats)):
+        t = time.perf_counter()  # the floor of any Python command: the interpreter and draftsmith's imports
+        subprocess.run([sys.executable, "-c", "import draftsmith.status"], check=True)
+        floor.append(time.perf_counter() - t)
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "draftsmith", "status", str(run.path), "--json"],
                            capture_output=True, text=True)
@@ -309,8 +293,9 @@ def status_part(args, work: Path, res: dict) -> None:
         q = subprocess.run(f"ls {run.path}/extract/rows_*/ | wc -l", shell=True, capture_output=True, text=True)
         ls.append(time.perf_counter() - t)
         assert int(q.stdout) >= 10_000, q.stdout
-    res["status"] = {"status_s": cli, "ls_s": ls, "ratio": [b / a for a, b in zip(cli, ls)]}
-    say(f"status: draftsmith status --json {spread(cli)} s; ls | wc -l {spread(ls)} s")
+    res["status"] = {"status_s": cli, "ls_s": ls, "import_s": floor, "ratio": [b / a for a, b in zip(cli, ls)]}
+    say(f"status: draftsmith status --json {spread(cli)} s; ls | wc -l {spread(ls)} s; python -c 'import "
+        f"draftsmith.status' {spread(floor)} s")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -346,6 +331,7 @@ def table(res: dict) -> None:
         s = res["status"]
         print(f"| status, 10k files | {med(s['status_s']):.3f} s | ls \\| wc -l {med(s['ls_s']):.3f} s | "
               f"{med(s['ratio']):.2f}x ({min(s['ratio']):.2f}-{max(s['ratio']):.2f}) |")
+        print(f"| (status's floor) | python -c 'import draftsmith.status' {med(s['import_s']):.3f} s | | |")
 
 
 def main() -> None:
