@@ -301,6 +301,11 @@ def status_part(args, work: Path, res: dict) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+def cell(r: list[float]) -> str:
+    """A ratio's median and range over the passes."""
+    return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+
+
 def table(res: dict) -> None:
     med = statistics.median
     print("\n| stage | draftsmith | ceiling | ratio (median, min-max) |")
@@ -312,13 +317,12 @@ def table(res: dict) -> None:
             if f"ratio to {other}" in g:
                 r = g[f"ratio to {other}"]
                 print(f"| generate | {med(rate['draftsmith']):.0f} tokens/s | {other} {med(rate[other]):.0f} tokens/s "
-                      f"| {med(r):.2f}x ({min(r):.2f}-{max(r):.2f}) |")
+                      f"| {cell(r)} |")
     if "extract" in res:
         e = res["extract"]
         for k, ceil in (("vllm", "vllm bare prefill"), ("hf", "hf bare forward")):
-            r = e[f"ratio {k}"]
             print(f"| extract ({k}) | {med(e['tokens_per_s'][k]):,.0f} tokens/s | {ceil} "
-                  f"{med(e['tokens_per_s'][ceil]):,.0f} tokens/s | {med(r):.2f}x ({min(r):.2f}-{max(r):.2f}) |")
+                  f"{med(e['tokens_per_s'][ceil]):,.0f} tokens/s | {cell(e[f'ratio {k}'])} |")
     if "train" in res:
         t = res["train"]
         print(f"| train (one rank, one thread) | {t['step_s']:.2f} s a step | its products at {t['peak_gflops']:.0f} "
@@ -326,11 +330,11 @@ def table(res: dict) -> None:
     if "store" in res:
         s = res["store"]
         print(f"| store writes | {med(s['writer_gbs']):.2f} GB/s | raw disk {med(s['raw_gbs']):.2f} GB/s | "
-              f"{med(s['ratio']):.2f}x ({min(s['ratio']):.2f}-{max(s['ratio']):.2f}) |")
+              f"{cell(s['ratio'])} |")
     if "status" in res:
         s = res["status"]
         print(f"| status, 10k files | {med(s['status_s']):.3f} s | ls \\| wc -l {med(s['ls_s']):.3f} s | "
-              f"{med(s['ratio']):.2f}x ({min(s['ratio']):.2f}-{max(s['ratio']):.2f}) |")
+              f"{cell(s['ratio'])} |")
         print(f"| (status's floor) | python -c 'import draftsmith.status' {med(s['import_s']):.3f} s | | |")
 
 

@@ -36,7 +36,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.config import AUTO_MAX_IN_FLIGHT, AUTO_OPENAI_IN_FLIGHT
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -417,6 +416,9 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     extract_host = data_thread = None  # bounds that apply to some backends and modes only
 
     served = g.backend in ("openai", "vllm")
+    # (here, not at the top: `import draftsmith.cli` stays free of pydantic; cfg has loaded the module already)
+    from draftsmith.config import AUTO_MAX_IN_FLIGHT, AUTO_OPENAI_IN_FLIGHT
+
     # concurrency auto: the most it can be (a server's KV cache is not modelled here)
     in_flight = {"auto": AUTO_MAX_IN_FLIGHT if g.backend == "vllm" else AUTO_OPENAI_IN_FLIGHT}.get(g.concurrency,
                                                                                                  g.concurrency)
