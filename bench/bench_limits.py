@@ -22,7 +22,10 @@ extract, on the answers of draftsmith's first generate pass (prepared by `run_pr
   vllm        `run_extract` (backend vllm, the recipe's settings: its own server with the hidden-states connector)
               over its extraction loop's seconds as the stage logs them (its server's start-up and the connector
               check apart), against a bare prefill of the same token ids in offline vLLM (same dtype and eager
-              mode, one output token, prefix cache off; its load apart).
+              mode, one output token, prefix cache off; its load apart), and against the same through a plain
+              server (the extract server's dtype and flags without the hidden-states method and connector, prefix
+              cache off, extract.concurrency requests in flight, /v1/completions on the token ids, after one
+              untimed pass).
   hf          `run_extract` (backend hf, the target loaded once outside both) over its extraction loop against
               the bare `model.model(...)` forward (no LM head, no hooks) over the batches extract plans, alternating.
 train     one training step of the recipe's drafter (bench_train_flops.step_profile: one rank, one thread, a
@@ -38,6 +41,7 @@ Printed: a line per measurement as it ends, then the table of ratios; OUT/limits
 """
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -49,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -65,7 +70,7 @@ from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.prompts import context_tokens_needed, load_prompts  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target, load_tokenizer, target_info  # noqa: E402
-from draftsmith.vllm_server import CPU_ENV, context_limit, max_model_len, on_cuda_machine  # noqa: E402
+from draftsmith.vllm_server import CPU_ENV, VLLMServer, context_limit, max_model_len, on_cuda_machine  # noqa: E402
 from draftsmith.vllm_server import vllm_python  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-cpu-e2e.yaml"
@@ -170,6 +175,34 @@ def generate_part(args, work: Path, res: dict) -> Path:
 # extract
 
 
+def server_prefill(cfg, token_ids: list[list[int]], work: Path) -> tuple[int, float]:
+    """(prompt tokens, seconds): a plain vLLM server in the extract server's dtype and flags (no hidden-states
+    method, no connector, prefix cache off) asked for one token after each prompt, extract.concurrency at a time:
+    the same engine's bare prefill, served."""
+    info = target_info(cfg.target)
+    srv = VLLMServer(info.path, extra_args=["--dtype", server_dtype(cfg), *cfg.extract.vllm_args,
+                                            "--no-enable-prefix-caching"],
+                     max_model_len=max(map(len, token_ids)) + 1, log_path=work / "prefill-server.log", say=say)
+    with srv:
+        model = srv.models()[0]
+
+        async def ask() -> int:
+            sem = asyncio.Semaphore(cfg.extract.concurrency)
+            async with httpx.AsyncClient(timeout=600) as client:
+                async def one(ids: list[int]) -> int:
+                    async with sem:
+                        r = await client.post(srv.base_url + "/completions",
+                                              json={"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0})
+                        r.raise_for_status()
+                        return r.json()["usage"]["prompt_tokens"]
+                return sum(await asyncio.gather(*(one(ids) for ids in token_ids)))
+
+        asyncio.run(ask())  # warm-up: the same requests once (no prefix cache, so the timed pass computes them all)
+        t = time.perf_counter()
+        tokens = asyncio.run(ask())
+        return tokens, time.perf_counter() - t
+
+
 def extract_part(args, work: Path, run_path: Path, res: dict) -> None:
     run = RunDir(run_path)
     cfg = load_config(str(RECIPE), [])
@@ -201,9 +234,12 @@ def extract_part(args, work: Path, run_path: Path, res: dict) -> None:
         pre = offline(job, work)
         out.setdefault("vllm", []).append(tokens / secs)
         out.setdefault("vllm bare prefill", []).append(pre["prompt_tokens"] / pre["seconds"][0])
+        n, secs_served = server_prefill(cfg, job["token_ids"], work)
+        out.setdefault("vllm bare prefill, served", []).append(n / secs_served)
         say(f"extract pass {i + 1}: vllm backend {tokens / secs:,.0f} tokens/s over its extraction loop (the stage "
             f"{whole:.0f} s, {whole - secs:.0f} s of it the server's start-up and the connector check); bare prefill "
-            f"in offline vLLM {out['vllm bare prefill'][-1]:,.0f} tokens/s (load {pre['load_s']:.0f} s)")
+            f"in offline vLLM {out['vllm bare prefill'][-1]:,.0f} tokens/s (load {pre['load_s']:.0f} s), through a "
+            f"plain server {out['vllm bare prefill, served'][-1]:,.0f} tokens/s")
 
     hf_cfg = load_config(str(RECIPE), ["extract.backend=hf"])
     target = load_target(cfg.target, dtype=hf_cfg.dtype, log=lambda m: None)
@@ -225,6 +261,7 @@ def extract_part(args, work: Path, run_path: Path, res: dict) -> None:
             f"{tokens / bare:,.0f} tokens/s")
     res["extract"] = {"samples": len(samples), "tokens": tokens, "tokens_per_s": out, "vllm_fixed_s": fixed,
                       "ratio vllm": [a / b for a, b in zip(out["vllm"], out["vllm bare prefill"])],
+                      "ratio vllm served": [a / b for a, b in zip(out["vllm"], out["vllm bare prefill, served"])],
                       "ratio hf": [a / b for a, b in zip(out["hf"], out["hf bare forward"])]}
     say(f"extract: vllm / bare prefill = {spread(res['extract']['ratio vllm'])}; hf / bare forward = "
         f"{spread(res['extract']['ratio hf'])}")
@@ -320,9 +357,11 @@ def table(res: dict) -> None:
                       f"| {cell(r)} |")
     if "extract" in res:
         e = res["extract"]
-        for k, ceil in (("vllm", "vllm bare prefill"), ("hf", "hf bare forward")):
-            print(f"| extract ({k}) | {med(e['tokens_per_s'][k]):,.0f} tokens/s | {ceil} "
-                  f"{med(e['tokens_per_s'][ceil]):,.0f} tokens/s | {cell(e[f'ratio {k}'])} |")
+        for k, ceil, r in (("vllm", "vllm bare prefill", "vllm"), ("vllm", "vllm bare prefill, served", "vllm served"),
+                           ("hf", "hf bare forward", "hf")):
+            if ceil in e["tokens_per_s"]:
+                print(f"| extract ({k}) | {med(e['tokens_per_s'][k]):,.0f} tokens/s | {ceil} "
+                      f"{med(e['tokens_per_s'][ceil]):,.0f} tokens/s | {cell(e[f'ratio {r}'])} |")
     if "train" in res:
         t = res["train"]
         print(f"| train (one rank, one thread) | {t['step_s']:.2f} s a step | its products at {t['peak_gflops']:.0f} "
