@@ -1,4 +1,5 @@
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -510,3 +511,76 @@ def test_from_target_config_picks_mla_for_mla_targets():
     assert (mla.kv_lora_rank + mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.q_lora_rank) == (576, 128, None)
     with pytest.raises(ValueError, match="attention must be one of"):
         make_config(attention="mha")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}],
+                         ids=["plain", "norm_before_fc+norm_output", "fc_norm"])
+def test_ttt_forward_equals_drafting_as_served_for_each_kind_and_eagle31_norms(kind, norms):
+    """Training's unrolled forward computes the drafts serving computes: EAGLE-3 (with EAGLE-3.1's norms) chain
+    drafting step by step from a cache, P-EAGLE's drafts 1..K-1 in one forward over mask slots after the
+    forward over the accepted tokens (as vLLM's parallel drafting runs them)."""
+    from draftsmith.model.drafters import drafter_class
+
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=50, mask_token_id=7 if kind == "peagle" else None, **norms)
+    d = drafter_class(cfg)(cfg).eval()
+    assert type(d).__name__ == ("PEagleDrafter" if kind == "peagle" else "Eagle3Drafter")
+    L, K, i = 12, 4, 6  # drafting after the prefix t_0..t_{i+1}
+    ids, aux = torch.randint(0, 50, (1, L)), torch.randn(1, L, 96)
+    with torch.no_grad():
+        out = d.ttt_forward(ids, aux, K, attn_block=None)
+        cache = DrafterCache()
+        logits, h = d(ids[:, 1:i + 2], aux[:, :i + 1], torch.arange(i + 1)[None], cache)
+        got = [logits[0, -1]]
+        if kind == "peagle":
+            got += list(d.mask_slots(K - 1, i + 1, cache)[0])
+        else:
+            last = h[:, -1:]
+            for k in range(1, K):
+                lg, last = d(ids[:, i + 1 + k:i + 2 + k], last, torch.tensor([[i + k]]), cache)
+                got.append(lg[0, -1])
+    for k in range(K):
+        torch.testing.assert_close(out[k][0, i], got[k], atol=1e-5, rtol=1e-5)
+    if norms:  # the norms change the function (they are not identity at their initial ones)
+        plain = drafter_class(replace(cfg, norm_before_fc=False, fc_norm=False, norm_output=False))(
+            replace(cfg, norm_before_fc=False, fc_norm=False, norm_output=False))
+        plain.load_state_dict(d.state_dict(), strict=False)
+        with torch.no_grad():
+            assert not torch.allclose(plain.ttt_forward(ids, aux, K, attn_block=None)[1], out[1])
+
+
+def test_dflash_block_forward_equals_drafting_as_served():
+    """DFlash's training forward (many anchors per row, documents packed) computes what serving computes: one
+    block after the context keys of the verified positions before its anchor (vLLM's DFlash proposer)."""
+    from draftsmith.model.dflash import DFlashDrafter
+
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=50, mask_token_id=7, block_size=4, num_hidden_layers=2)
+    d = DFlashDrafter(cfg).eval()
+    L = 14
+    ids, aux = torch.randint(0, 50, (1, L)), torch.randn(1, L, 96)
+    doc = torch.tensor([[0] * 6 + [1] * 8])
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    anchors = torch.tensor([[3, 5, 6, 9, 10]])  # 6: a document's first token, no context
+    with torch.no_grad():
+        logits = d.lm_head(d.norm(d.block_forward(ids, aux, anchors, pos, doc)))  # [1, M, S, Dv]
+        for m, a in enumerate(anchors[0].tolist()):
+            start = 0 if a < 6 else 6
+            cache = DrafterCache()
+            if a > start:
+                d.add_context(aux[:, start:a], pos[:, start:a], cache)
+            torch.testing.assert_close(logits[0, m, 1:], d.draft(ids[:, a:a + 1], int(pos[0, a]), cache)[0],
+                                       atol=1e-5, rtol=1e-5)
+        # the block sees itself both ways: slot 1 of a 4-token block differs from slot 1 of a 2-token one (causal
+        # attention would give the same); the same weights in a drafter of block size 2
+        short = DFlashDrafter(replace(cfg, block_size=2)).eval()
+        short.load_state_dict(d.state_dict())
+        s4, s2 = d.block_forward(ids, aux, anchors, pos, doc), short.block_forward(ids, aux, anchors, pos, doc)
+        assert torch.equal(s4[0, :, 0], s2[0, :, 0]) is False and not torch.allclose(s4[0, :, 1], s2[0, :, 1])
+        moved = aux.clone()
+        moved[0, 4] += 1.0  # context of anchors 5 (position 4 < 5), not of anchor 3
+        after, before = d.block_forward(ids, moved, anchors, pos, doc), d.block_forward(ids, aux, anchors, pos, doc)
+        assert not torch.equal(after[0, 1], before[0, 1]) and torch.equal(after[0, 0], before[0, 0])

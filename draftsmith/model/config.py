@@ -64,6 +64,19 @@ class Eagle3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # EAGLE-3.1 (vLLM's llama_eagle3: norm_before_fc, fc_norm, norm_output), against the "attention drift" of deep
+    # drafts: one RMSNorm over the concatenated aux states before fc (`input_norm`, [num_aux*H])...
+    norm_before_fc: bool = False
+    # ... or one RMSNorm per aux state (`fc_norm.{j}`, [H] each), so that no layer's state dominates fc's input ...
+    fc_norm: bool = False
+    # ... and the state a draft step hands to the next is the final norm's output, not the raw residual sum
+    norm_output: bool = False
+    # P-EAGLE (model/peagle.py): the token id every parallel slot reads (its embedding row, frozen and shared with
+    # the target, as vLLM embeds it); None for a chain drafter
+    mask_token_id: int | None = None
+    # DFlash (model/dflash.py): tokens per drafted block, the anchor and block_size - 1 mask slots (= the drafts a
+    # forward proposes); None for the EAGLE kinds
+    block_size: int | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -107,6 +120,15 @@ class Eagle3Config:
             raise ValueError(f"num_hidden_layers must be an int >= 1, got {self.num_hidden_layers!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over the concatenation, or one "
+                             "per aux state)")
+        if self.mask_token_id is not None and not (isinstance(self.mask_token_id, int)
+                                                   and 0 <= self.mask_token_id < self.vocab_size):
+            raise ValueError(f"mask_token_id must be a token id in [0, {self.vocab_size}), got {self.mask_token_id!r}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 2
+                                            or self.mask_token_id is None):
+            raise ValueError(f"block_size must be an int >= 2 beside a mask_token_id, got {self.block_size!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.attention == "mla":
@@ -121,8 +143,9 @@ class Eagle3Config:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1,
-                           attention: str = "auto") -> Eagle3Config:
-        """Size a drafter for a target's transformers (text) config; the rules per family below.
+                           attention: str = "auto", **options: Any) -> Eagle3Config:
+        """Size a drafter for a target's transformers (text) config; the rules per family below. `options`: the
+        fields that are not sizes (EAGLE-3.1's norms, P-EAGLE's mask_token_id).
 
         Only the target's shapes are copied. The drafter always uses SiLU and
         default (unscaled) RoPE with the target's rope_theta: it is its own model,
@@ -182,6 +205,7 @@ class Eagle3Config:
             vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
             num_hidden_layers=num_hidden_layers,
+            **options,
         )
 
 

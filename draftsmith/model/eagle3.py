@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from draftsmith.model.config import ATTN_BLOCK, Eagle3Config
 from draftsmith.model.mla import MLAAttention
-from draftsmith.model.parts import RMSNorm, apply_rope, rope_cos_sin
+from draftsmith.model.parts import RMSNorm, apply_rope, register_vocab_maps, rope_cos_sin
 from draftsmith.model.ttt import FlexTTTMask, TTTMask, ttt_step_masks
 
 __all__ = ["DrafterCache", "Eagle3Drafter", "RMSNorm", "rope_cos_sin"]
@@ -205,16 +205,17 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         # the drafter reads the target's embeddings and never updates them
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(config.num_aux_layers * H, H, bias=False)
+        A = config.num_aux_layers
+        if config.norm_before_fc:  # EAGLE-3.1: one norm over the concatenated aux states
+            self.input_norm = RMSNorm(A * H, config.rms_norm_eps)
+        if config.fc_norm:  # EAGLE-3.1: one norm per aux state
+            self.fc_norm = nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(A)])
+        self.fc = nn.Linear(A * H, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config, first=i == 0)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        # default mapping until init.init_from_target: draft id i is target id i
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        register_vocab_maps(self, config.draft_vocab_size, config.vocab_size)
 
     def draft_ids(self) -> torch.Tensor:
         """The target token id of every draft id, [Dv] int64."""
@@ -226,7 +227,28 @@ class Eagle3Drafter(nn.Module):
         expected = self.config.num_aux_layers * self.config.hidden_size
         if aux_hidden.shape[-1] != expected:
             raise ValueError(f"aux_hidden must have last dim {expected}, got {aux_hidden.shape[-1]}")
-        return self.fc(aux_hidden)
+        return self.fc(self.fc_input(aux_hidden))
+
+    def fc_input(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """What fc reads: the concatenated aux states [..., num_aux*H], normed as EAGLE-3.1 asks (vLLM's
+        combine_hidden_states: input_norm over the whole, or fc_norm per state; neither by default)."""
+        if self.config.norm_before_fc:
+            return self.input_norm(aux_hidden)
+        if self.config.fc_norm:
+            parts = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)
+            return torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts)], dim=-1)
+        return aux_hidden
+
+    def carry(self, state: torch.Tensor) -> torch.Tensor:
+        """The state a draft step hands to the next, from its pre-norm output [..., H]: the output itself, or with
+        EAGLE-3.1's norm_output the final norm of it (what the logits read too)."""
+        return self.norm(state) if self.config.norm_output else state
+
+    def step_inputs(self, k: int, ids: torch.Tensor, carried: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings [B, L, H], incoming state [B, L, H]) of TTT step k: the tokens it reads (ids: t_{i+1+k} at
+        index i) and what step k-1 handed on (step 0: fc of the target's states). A parallel drafter
+        (model/peagle.py) feeds its later steps something else."""
+        return self.embed_tokens(ids), carried
 
     def ttt_forward(
         self,
@@ -286,13 +308,14 @@ class Eagle3Drafter(nn.Module):
                 ids[:, : L - k - 1] = input_ids[:, k + 1:]
             cos, sin = rope_cos_sin(position_ids + k, self.config.rope_dim, self.config.rope_theta)
             mask = mask_of(k)
-            embeds = self.embed_tokens(ids)
+            embeds, hidden = self.step_inputs(k, ids, hidden)
             for n, layer in enumerate(self.layers):
                 past = pasts[n]
                 hidden, (k_new, v_new) = layer(embeds, hidden, cos, sin, mask, past)
                 pasts[n] = (k_new, v_new) if past is None else (
                     torch.cat([past[0], k_new], dim=2), torch.cat([past[1], v_new], dim=2))
             logits.append(hidden if return_hidden else self.lm_head(self.norm(hidden)))
+            hidden = self.carry(hidden)
         return logits
 
     def forward(
@@ -306,16 +329,17 @@ class Eagle3Drafter(nn.Module):
 
         input_ids [B, T]: the token after each hidden state's position;
         hidden [B, T, num_aux*H] (target states, fused here by `fc`) or
-        [B, T, H] (the drafter's own pre-norm output fed back);
+        [B, T, H] (the state the drafter handed on: the second output of a call before);
         position_ids [B, T]: the position of each hidden state (+k at draft
         step k). New tokens attend to everything in `cache` and causally among
         themselves; their keys/values are appended to it.
 
-        Returns logits [B, T, Dv] and the pre-norm state [B, T, H] to feed back.
+        Returns logits [B, T, Dv] and the state [B, T, H] to feed back (carry: the pre-norm output, or its
+        final norm with norm_output).
         """
         H = self.config.hidden_size
         if hidden.shape[-1] == self.config.num_aux_layers * H:
-            hidden = self.fc(hidden)
+            hidden = self.fuse(hidden)
         elif hidden.shape[-1] != H:
             raise ValueError(f"hidden must have last dim {H} or "
                              f"{self.config.num_aux_layers * H}, got {hidden.shape[-1]}")
@@ -332,7 +356,7 @@ class Eagle3Drafter(nn.Module):
             kv.append(new)
         if cache is not None:
             cache.append(kv)
-        return self.lm_head(self.norm(out)), out
+        return self.lm_head(self.norm(out)), self.carry(out)
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

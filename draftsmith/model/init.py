@@ -115,6 +115,10 @@ def init_layer_from_target(drafter: Eagle3Drafter, layer: dict[str, torch.Tensor
         raise ValueError(f"got {len(layers)} target layers for a drafter of {cfg.num_hidden_layers}")
     for one in layers:
         check_target_layer(cfg, one)
+    _fc_pass_through(drafter, aux_index, input_scale)
+    if cfg.block_size:
+        _init_dflash_layers(drafter, layers)
+        return
     layer = layers[0]
     d = drafter.layers[0]
     for proj in ("q_proj", "k_proj", "v_proj"):
@@ -124,6 +128,16 @@ def init_layer_from_target(drafter: Eagle3Drafter, layer: dict[str, torch.Tensor
         getattr(d.mlp, proj).weight.copy_(layer[f"mlp.{proj}.weight"])
     d.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
     d.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+    for d, src in zip(drafter.layers[1:], layers[1:]):
+        for name, p in d.named_parameters():
+            p.copy_(src[name])
+
+
+def _fc_pass_through(drafter, aux_index: int, input_scale: torch.Tensor | None) -> None:
+    """fc = [0 .. I .. 0]: its output is aux state `aux_index` (undoing input_scale, which training multiplies
+    the aux states by before fc)."""
+    cfg = drafter.config
+    H, A = cfg.hidden_size, cfg.num_aux_layers
     j = aux_index % A
     block = torch.eye(H, device=drafter.fc.weight.device)
     if input_scale is not None:
@@ -132,6 +146,14 @@ def init_layer_from_target(drafter: Eagle3Drafter, layer: dict[str, torch.Tensor
         block = torch.diag(1.0 / input_scale[j * H:(j + 1) * H].to(block))
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, j * H:(j + 1) * H].copy_(block)
-    for d, src in zip(drafter.layers[1:], layers[1:]):
+
+
+def _init_dflash_layers(drafter, layers: list[dict[str, torch.Tensor]]) -> None:
+    """A DFlash drafter (model/dflash.py) from target layers: each layer whole (its q/k norms stay ones: a Llama
+    layer has none), hidden_norm the first layer's input norm, so that with fc passing an aux state on, layer 0
+    reads the context's keys and values as the target layer would read that state."""
+    for d, src in zip(drafter.layers, layers):
         for name, p in d.named_parameters():
-            p.copy_(src[name])
+            if name in src:
+                p.copy_(src[name])
+    drafter.hidden_norm.weight.copy_(layers[0]["input_layernorm.weight"])

@@ -1,5 +1,5 @@
-"""The pieces both drafter attentions share (eagle3.py's Llama attention, mla.py's latent attention):
-Llama's RMSNorm and RoPE tables computed from position ids."""
+"""The pieces the drafters share (eagle3.py's Llama attention, mla.py's latent attention, dflash.py's blocks):
+Llama's RMSNorm, RoPE tables computed from position ids, and the draft vocabulary's maps."""
 
 from __future__ import annotations
 
@@ -50,3 +50,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def register_vocab_maps(module: nn.Module, draft_vocab_size: int, vocab_size: int) -> None:
+    """The draft vocabulary's buffers, as vLLM reads them: d2t [Dv] int64 (draft id i is target id i + d2t[i]) and
+    t2d [V] bool (which target ids are in the draft vocabulary); the identity on the first Dv ids until
+    init.init_from_target sets them."""
+    module.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True
+    module.register_buffer("t2d", t2d)
