@@ -205,8 +205,9 @@ def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target
     drafter.t2d[draft_ids] = True
     objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, attention=variant["attention"],
                              chunk_tokens=variant["chunk_tokens"])
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, tc, fused=True)
+    named = [(n, p) for n, p in objective.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = make_optimizer(named, tc, fused=True)
     batch = real_batch(rows, seq_len, draft_ids, aux, last)
     resident = list(objective.parameters()) + list(objective.buffers()) + [aux, last]
     if target is not None:

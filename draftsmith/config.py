@@ -184,6 +184,33 @@ class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM "
         "server(s) with extract.backend=vllm).")
+    method: Literal["eagle3", "peagle", "dflash"] = Field(
+        "eagle3", description="The drafter: `eagle3` drafts K tokens in K sequential passes (trained with "
+        "training-time test over ttt_steps); `peagle` (parallel EAGLE, arXiv:2602.01469) proposes all K in one pass: "
+        "the bonus token, then K-1 mask slots (the mask token beside a learned stand-in for the target's states), "
+        "trained as TTT whose later steps read the mask slot instead of their own output; vLLM serves it with "
+        "parallel_drafting. Both take the EAGLE-3.1 norms below. `dflash` (arXiv:2602.06036): a block of "
+        "ttt_steps + 1 tokens (the bonus token, then ttt_steps mask tokens) drafted in one pass with attention both "
+        "ways inside the block, Qwen3 layers whose keys and values also read the target's states of every earlier "
+        "position; trained on train.dflash_anchors blocks per row, slot k's loss weighted gamma**(k-1); served with "
+        "exactly ttt_steps drafts (method dflash).")
+    dflash_anchors: int = Field(
+        64, ge=1, description="dflash: blocks (anchors) trained per packed row, drawn among the positions whose next "
+        "token is trained; each costs block_size queries over the row's context. The peers draw 512 per 8k-token "
+        "row.")
+    norm_before_fc: bool = Field(
+        False, description="EAGLE-3.1: an RMSNorm over the concatenated aux states before fc (vLLM's norm_before_fc). "
+        "Why: the target's later layers' states are far larger than the earlier ones' and dominate fc's input.")
+    fc_norm: bool = Field(
+        False, description="EAGLE-3.1: an RMSNorm on each aux state before they are concatenated for fc (vLLM's "
+        "fc_norm; the form the EAGLE-3.1 write-up gives). Excludes norm_before_fc and fc_input_norm.")
+    norm_output: bool = Field(
+        False, description="EAGLE-3.1: a draft step hands the next one the final norm of its output, not the raw "
+        "residual sum, whose size grows step by step (vLLM's norm_output). Changes nothing for peagle.")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="peagle: the token id of the mask slots (its embedding row stays the target's). Any id "
+        "serves, since a slot is told apart by its learned state; unset: the target config's pad_token_id, else its "
+        "eos_token_id.")
     ttt_steps: int = Field(3, ge=1, le=32, description="Training-time-test steps (unrolled draft steps); at most 32 "
                            "(each step is a forward pass kept for backward: more is memory, not acceptance).")
     gamma: float = Field(
@@ -259,8 +286,13 @@ class TrainConfig(_Section):
         "the machine runs slow and leaves time unused when it runs fast (this 2-core VM varied between ~1,000 and "
         "~1,400 tokens/s). The number of steps then depends on the machine's speed, so two runs need not end with the "
         "same weights.")
-    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate (of both groups with train.optimizer=muon).")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (AdamW's, and Muon's).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="`adamw`, or `muon`: torch's own Muon (momentum 0.95, Nesterov, 5 Newton-Schulz steps, "
+        "its step scaled to AdamW's RMS so train.lr serves both) on the drafter's matrices (fc, attention, MLP), "
+        "AdamW on the norms, the LM head and the other parameters; the peer toolkit's default. Needs torch >= 2.9; "
+        "not with train.fsdp (Newton-Schulz wants whole matrices).")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Where the decay ends, as a share of lr.")
     lr_schedule: Literal["cosine", "wsd"] = Field(
@@ -309,6 +341,15 @@ class TrainConfig(_Section):
     def _some_loss(self):
         if self.loss_kl + self.loss_rkl + self.loss_tv + self.loss_top1 <= 0:
             raise ValueError("loss_kl, loss_rkl, loss_tv, loss_top1: at least one weight must be above 0")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm: not with norm_before_fc (choose one: a norm per aux state, or one over "
+                             "their concatenation)")
+        if self.fc_input_norm and (self.fc_norm or self.norm_before_fc):
+            raise ValueError("fc_input_norm: not with fc_norm or norm_before_fc (they norm fc's input already, and "
+                             "a per-dimension scale before a norm cannot be folded into fc)")
+        if self.optimizer == "muon" and self.fsdp:
+            raise ValueError("optimizer: muon does not run under fsdp (its Newton-Schulz step needs whole matrices, "
+                             "FSDP holds shards); use adamw, or DDP (fsdp: false)")
         return self
 
 

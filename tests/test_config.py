@@ -55,6 +55,11 @@ def test_override_values_parse_as_yaml():
         (["generate.temperature=-1"], r"generate\.temperature: .*greater than or equal"),
         (["train.max_minutes=0"], r"train\.max_minutes: .*greater than 0"),
         (["train=3"], r"train: .*"),
+        (["train.method=medusa"], r"train\.method: .*'medusa'"),
+        (["train.optimizer=muon", "train.fsdp=true"], r"train\.optimizer: muon does not run under fsdp"),
+        (["train.fc_norm=true", "train.norm_before_fc=true"], r"train\.fc_norm: not with norm_before_fc"),
+        (["train.fc_input_norm=true", "train.fc_norm=true"], r"train\.fc_input_norm: not with fc_norm"),
+        (["train.mask_token_id=-1"], r"train\.mask_token_id: .*greater than or equal"),
     ],
 )
 def test_bad_keys_and_types_name_the_field(sets, match):

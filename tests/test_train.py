@@ -136,8 +136,6 @@ def metrics(run: RunDir) -> list[dict]:
 
 
 def copy_run(src: RunDir, dst: Path) -> RunDir:
-    import shutil
-
     shutil.copytree(src.path, dst, ignore=shutil.ignore_patterns("train"))
     return RunDir(dst)
 
@@ -562,6 +560,49 @@ def test_training_learns_a_synthetic_signal_and_writes_the_documented_files(synt
     assert time.time() - t0 < 5
 
 
+@pytest.mark.parametrize("method,norms", [("peagle", {"fc_norm": True}),
+                                          ("eagle3", {"norm_before_fc": True, "norm_output": True}),
+                                          ("dflash", {})])
+def test_each_drafter_kind_learns_and_exports_what_it_trained(synth_run, tiny8, tmp_path, method, norms):
+    """train.method=peagle (all drafts in one pass), EAGLE-3.1's norms and train.method=dflash (a block in one
+    pass): the run learns the synthetic signal at every draft position, and export writes the speculators form of
+    its kind, which load_exported reads back to the checkpoint's weights (mask_hidden and the norms included)."""
+    from draftsmith.export import load_exported, run_export
+
+    run = copy_run(synth_run, tmp_path / "run")
+    cfg = cfg_for(tiny8, max_steps=80, checkpoint_every=1000, method=method, **norms)
+    run_train(run, cfg)
+    first, last = metrics(run)[0], metrics(run)[-1]
+    if method == "dflash":  # slot 1 reads the anchor only through attention: it learns slower in 80 steps
+        assert last["acc"][0] > 0.2 and last["loss"][0] < 0.5 * first["loss"][0], (first, last)
+    else:
+        assert last["acc"][0] > 0.8 and last["acc"][2] > 0.5, last["acc"]
+    meta = json.loads((run.path / "train/final/drafter.json").read_text())
+    assert meta["method"] == method and all(meta["config"][k] is v for k, v in norms.items())
+    sd = final_weights(run)
+    assert ("mask_hidden" in sd) == (method == "peagle")
+    assert ("fc_norm.0.weight" in sd) == norms.get("fc_norm", False)
+    assert ("input_norm.weight" in sd) == norms.get("norm_before_fc", False)
+    run_export(run, load_config(None, base_sets(tiny8) + ["export.dtype=float32"]))
+    cj = json.loads((run.path / "export/config.json").read_text())
+    assert cj["speculators_model_type"] == method and cj["speculators_config"]["algorithm"] == method
+    if method == "peagle":
+        assert cj["mask_token_id"] == meta["config"]["mask_token_id"]
+        assert cj["transformer_layer_config"]["fc_norm"] is True  # where vLLM's peagle reads it
+    elif method == "dflash":
+        assert cj["architectures"] == ["DFlashDraftModel"] and cj["block_size"] == 4 and cj["mask_token_id"] >= 0
+        assert cj["aux_hidden_state_layer_ids"] == [2, 4, 5] and cj["transformer_layer_config"]["model_type"] == "qwen3"
+        assert cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        assert "layers.0.self_attn.q_norm.weight" in sd and "hidden_norm.weight" in sd
+    else:
+        assert cj["norm_before_fc"] is True and cj["norm_output"] is True and cj["fc_norm"] is False
+    model, info = load_exported(run.path / "export")
+    assert type(model).__name__ == {"peagle": "PEagleDrafter", "dflash": "DFlashDrafter"}.get(method, "Eagle3Drafter")
+    got = model.state_dict()
+    for name, t in sd.items():
+        assert torch.equal(got[name], t), name
+
+
 def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resumes(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
     budget_s = 5.0
@@ -580,8 +621,6 @@ def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resu
     ck = sorted(((int(p.name[5:]), json.loads((p / "state.json").read_text())["train_s"])
                  for p in (d / "checkpoints").iterdir()))
     assert [t for _, t in ck] == sorted(t for _, t in ck)
-
-    import shutil
 
     # cut after the last step's checkpoint: the rerun ends there, whatever time that checkpoint recorded
     shutil.rmtree(d / "final")
@@ -602,8 +641,6 @@ def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resu
 
 
 def test_fc_input_norm_is_folded_into_fc_at_export_and_resumes_exactly(synth_run, tiny8, tmp_path):
-    import shutil
-
     from draftsmith.export import load_exported, run_export
 
     run = copy_run(synth_run, tmp_path / "run")
@@ -654,8 +691,6 @@ def test_ema_final_holds_the_average_and_a_resume_restores_it(synth_run, tiny8, 
     """train.ema: final/ holds the moving average (not the last step's weights, which the last
     checkpoint keeps), the average follows ema_decay's ramp, and a run resumed from a checkpoint
     ends with the same average as one never interrupted (it rides in the optimizer state)."""
-    import shutil
-
     run = copy_run(synth_run, tmp_path / "run")
     cfg = cfg_for(tiny8, max_steps=20, checkpoint_every=10, ema=0.9)
     run_train(run, cfg)
@@ -671,12 +706,45 @@ def test_ema_final_holds_the_average_and_a_resume_restores_it(synth_run, tiny8, 
     w = final_weights(plain)
     assert all(torch.equal(w[k], raw[k]) for k in w)
 
+    assert _bit_equal(_resumed_from_step_10(run, cfg), avg)
+
+
+def _resumed_from_step_10(run, cfg) -> "dict[str, torch.Tensor]":
+    """The final weights of `run` trained again from its step_10 checkpoint (the later ones and the end removed),
+    each the tensor of the same name an uninterrupted run ends with, or not."""
+    d = run.path / "train"
     shutil.rmtree(d / "final")
     shutil.rmtree(d / "checkpoints" / "step_20")
     (d / "manifest.json").unlink()
     run_train(run, cfg)  # from step_10
-    again = final_weights(run)
-    assert all(torch.equal(again[k], avg[k]) for k in avg)
+    return final_weights(run)
+
+
+def _bit_equal(a: "dict[str, torch.Tensor]", b: "dict[str, torch.Tensor]") -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_muon_updates_the_matrices_adamw_the_rest_and_a_resume_ends_at_the_same_weights(synth_run, tiny8, tmp_path):
+    """train.optimizer=muon: torch's Muon holds a momentum buffer for each drafter matrix (fc, attention, MLP),
+    AdamW its moments for the norms and the LM head; the run trains somewhere else than AdamW's, and one resumed
+    from a checkpoint ends with the same weights as one never interrupted."""
+    run = copy_run(synth_run, tmp_path / "run")
+    cfg = cfg_for(tiny8, max_steps=20, checkpoint_every=10, optimizer="muon")
+    run_train(run, cfg)
+    d = run.path / "train"
+    saved = torch.load(d / "checkpoints" / "step_20" / "optimizer.pt", weights_only=True)["optimizer"]
+    by_algo = {g["algo"]: set(g["params"]) for g in saved["param_groups"]}
+    muon_names, adam_names = by_algo["muon"], by_algo["adamw"]
+    assert "drafter.fc.weight" in muon_names and "drafter.layers.0.mlp.down_proj.weight" in muon_names
+    assert "drafter.lm_head.weight" in adam_names and "drafter.norm.weight" in adam_names
+    assert all(set(saved["state"][n]) == {"momentum_buffer"} for n in muon_names)
+    assert all({"exp_avg", "exp_avg_sq"} <= set(saved["state"][n]) for n in adam_names)
+    muon = final_weights(run)
+    plain = copy_run(synth_run, tmp_path / "plain")
+    run_train(plain, cfg_for(tiny8, max_steps=20, checkpoint_every=10))
+    assert not torch.equal(final_weights(plain)["fc.weight"], muon["fc.weight"])
+
+    assert _bit_equal(_resumed_from_step_10(run, cfg), muon)
 
 
 def test_init_layer_starts_from_the_target_layer_and_a_bad_value_keeps_the_run(synth_run, tiny8, tmp_path):
@@ -1122,3 +1190,28 @@ def test_a_longer_run_continues_from_the_last_checkpoint_and_nothing_finished_is
     assert (d / "previous" / "final").is_dir() and (d / "previous-2" / "final").is_dir()
     assert "resumed from" not in run_cli(*cli_args(run, tiny8, **{**sets, "max_steps": 12, "lr": 1e-4}),
                                          env=THREADS, check=True).stdout  # up to date now
+
+
+def test_each_kind_takes_the_targets_shape_and_refuses_what_vllm_cannot_serve(tmp_path, tiny8):
+    """train.method sizes the drafter from the target like EAGLE-3 (DFlash: block ttt_steps + 1, Qwen3 attention;
+    the mask token from the target config's pad/eos) and refuses, in one line, what vLLM 0.32 has no server for:
+    P-EAGLE or EAGLE-3.1's norms beside an MLA drafter, DFlash with EAGLE-3.1's norms."""
+    from families import make_tiny
+
+    from draftsmith.train.drafter import drafter_config
+
+    info = target_info(str(tiny8))
+    dcfg = drafter_config(info, cfg_for(tiny8, method="dflash", ttt_steps=5), 64)
+    assert dcfg.block_size == 6 and dcfg.attention == "gqa" and dcfg.mask_token_id is not None
+    assert drafter_config(info, cfg_for(tiny8, method="peagle", mask_token_id=9), 64).mask_token_id == 9
+    with pytest.raises(DraftsmithError, match="dflash: the EAGLE-3.1 norms"):
+        drafter_config(info, cfg_for(tiny8, method="dflash", norm_output="true"), 64)
+    ds = make_tiny("deepseek_v3", tmp_path / "ds")
+    ds_info = target_info(str(ds))
+    assert drafter_config(ds_info, cfg_for(ds), 64).attention == "mla"
+    for sets in ({"method": "peagle"}, {"norm_before_fc": "true"}):
+        with pytest.raises(DraftsmithError, match="serves neither with an MLA drafter") as e:
+            drafter_config(ds_info, cfg_for(ds, **sets), 64)
+        assert "\n" not in str(e.value)
+    assert drafter_config(ds_info, cfg_for(ds, method="peagle", drafter_attention="gqa"), 64).attention == "gqa"
+    assert drafter_config(ds_info, cfg_for(ds, method="dflash"), 64).attention == "gqa"

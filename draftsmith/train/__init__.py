@@ -45,7 +45,8 @@ from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_sourc
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
-from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, resolve_attention, step_counts
+from draftsmith.train.dflash import DFlashObjective
+from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
 from draftsmith.train.stop import DeferredStop
@@ -65,7 +66,9 @@ NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_che
 # holds this value, so an older run stays current instead of training again.
 ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0,
                         "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
-                        "ema": 0.0, "loss_skip_tokens": 0}
+                        "ema": 0.0, "loss_skip_tokens": 0, "optimizer": "adamw", "method": "eagle3",
+                        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "mask_token_id": None,
+                        "dflash_anchors": 64}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -227,14 +230,19 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                                                     torch.device("cpu"), torch.float32),
                                                 init_layers, layers, say, ranks)
     mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
-    objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
-                             tc.feature_noise, attention, tc.loss_chunk_tokens, mix).to(ranks.device)
+    if tc.method == "dflash":
+        objective = DFlashObjective(drafter, target_head, tc.gamma, tc.dflash_anchors, scale, tc.teacher_temperature,
+                                    tc.feature_noise, mix).to(ranks.device)
+    else:
+        objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
+                                 tc.feature_noise, attention, tc.loss_chunk_tokens, mix).to(ranks.device)
     meta = {
         "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
         "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
         "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
         "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
         "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
+        "method": tc.method,
     }
 
     # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
@@ -253,8 +261,9 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
             f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
 
     model = distribute(objective, ranks, tc.fsdp, precision)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, tc,
+    named = [(n, p) for n, p in objective.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = make_optimizer(named, tc,
                                fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
     budget = TimeBudget.resume(tc, state)
     scheduler = make_scheduler(optimizer, tc, total_steps, budget)
@@ -369,8 +378,7 @@ def _share_step(ts: TrainState, micro_batches: list, window: Window, stop: Defer
     `clock_s` and decisions to `log` after this step and to `stop` after it (time budget); and
     `interrupt`, whether any rank got a stop signal (the step then ends with a checkpoint)."""
     rank = ts.ranks.rank
-    t2d, steps = ts.objective.drafter.t2d, ts.cfg.train.ttt_steps
-    denom = torch.stack([step_counts(b, t2d, steps) for b in micro_batches]).sum(0)
+    denom = torch.stack([ts.objective.counts(b) for b in micro_batches]).sum(0)
     # stored states that are not finite anywhere, inside the loss or not (a damaged store file):
     # every rank learns of them here, so all stop together, each naming its own files
     bad_states = torch.stack([~(torch.isfinite(b.aux_hidden).all() & torch.isfinite(b.last_hidden).all())

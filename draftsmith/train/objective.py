@@ -309,6 +309,10 @@ class TTTObjective(nn.Module):
         self.chunk_tokens = (max(1, LOSS_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None
                              else chunk_tokens)
 
+    def counts(self, batch: Batch):
+        """[steps] float64: positions where step k's loss is taken in this micro-batch (the denominators)."""
+        return step_counts(batch, self.drafter.t2d, self.steps)
+
     def layouts(self) -> Callable[..., TTTLayout]:
         """ttt_layout for this objective: a function of (input_ids, loss_mask, doc_ids) on the host,
         for the data thread (the draft vocabulary read to the host once, here)."""

@@ -1,6 +1,6 @@
-"""How fast and for how long: the optimizer, the learning-rate schedule (linear warm-up, then
-cosine or warm-up-stable-decay), the weights' moving average (train.ema), and train.max_minutes'
-time budget (TimeBudget)."""
+"""How fast and for how long: the optimizer (AdamW, or Muon beside AdamW), the learning-rate schedule
+(linear warm-up, then cosine or warm-up-stable-decay), the weights' moving average (train.ema), and
+train.max_minutes' time budget (TimeBudget)."""
 
 import math
 import time
@@ -8,11 +8,78 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith import DraftsmithError
+
 ADAM_BETAS = (0.9, 0.95)
 
 
-def make_optimizer(params: list, tc, fused: bool) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay, fused=fused)
+# Muon's step is scaled per matrix to the RMS of an AdamW step (Moonshot, "Muon is Scalable", arXiv:2502.16982), so
+# that one train.lr serves both groups, as the peer toolkit (speculators) runs it
+MUON_ADJUST_LR = "match_rms_adamw"
+
+
+def muon_eligible(name: str, p: torch.Tensor) -> bool:
+    """Whether Muon updates parameter `name`: a trainable matrix of at least 2 x 2 other than the LM head
+    (orthogonalising a [vocabulary, H] head's update throws away the per-token scale it learns). The rest
+    (norms, the 1-D or 3-D parameters, the head) go to AdamW."""
+    return p.requires_grad and p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in name
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch's own Muon (momentum 0.95, Nesterov, 5 Newton-Schulz steps) on the matrices, torch's AdamW on
+    everything else, as one optimizer: one set of param groups for the schedule to scale, one state (keyed by
+    parameter; the two never share one) for checkpoints and train.ema.
+
+    Why one object: checkpoints, the scheduler and the moving average all take a single optimizer. The two
+    inner optimizers keep their own step code; this class hands them their groups and one state dict, and
+    points them at the new ones after load_state_dict (which replaces both)."""
+
+    def __init__(self, named: list, lr: float, weight_decay: float, fused: bool) -> None:
+        muon = [p for n, p in named if muon_eligible(n, p)]
+        adam = [p for n, p in named if not muon_eligible(n, p)]
+        if not muon:
+            raise ValueError("train.optimizer=muon: the drafter has no trainable matrix for Muon")
+        groups = [{"params": muon, "algo": "muon"}] + ([{"params": adam, "algo": "adamw"}] if adam else [])
+        super().__init__(groups, {"lr": lr})
+        self._muon = torch.optim.Muon(groups[:1], lr=lr, weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR)
+        self._adamw = (torch.optim.AdamW(groups[1:], lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay, fused=fused)
+                       if adam else None)
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner optimizers at this one's groups (the same dicts: the schedule's lr reaches them) and
+        its state."""
+        self._muon.param_groups = [g for g in self.param_groups if g["algo"] == "muon"]
+        self._muon.state = self.state
+        if self._adamw is not None:
+            self._adamw.param_groups = [g for g in self.param_groups if g["algo"] == "adamw"]
+            self._adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon.step()
+        if self._adamw is not None:
+            self._adamw.step()
+        return loss
+
+
+def make_optimizer(named: list, tc, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer of train.optimizer over `named` [(name, parameter)], the trainable parameters."""
+    if tc.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):
+            raise DraftsmithError(f"train.optimizer: muon needs torch >= 2.9 (torch.optim.Muon); this is "
+                                  f"{torch.__version__}")
+        return MuonAdamW(named, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)
+    return torch.optim.AdamW([p for _, p in named], lr=tc.lr, betas=ADAM_BETAS, weight_decay=tc.weight_decay,
+                             fused=fused)
 
 
 EMA_KEY = "ema"  # the average's entry in each parameter's optimizer state: saved, sharded and restored with it

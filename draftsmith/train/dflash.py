@@ -1,0 +1,131 @@
+"""The DFlash objective (train.method=dflash): anchored blocks against the target's own distribution.
+
+Per row, up to train.dflash_anchors anchors a are drawn among the positions whose next token is trained
+(loss-masked, same document) and that have context (not a document's first token). Block a is the anchor token
+and block_size - 1 mask slots (DFlashDrafter.block_forward); slot k (1 <= k < block_size) predicts t_{a+k}, and
+its target is the target's distribution there, softmax(W_d @ last_hidden[a+k-1]) over the draft vocabulary, as
+TTT step k-1's is. The loss is train.loss_*'s mix of distances (forward KL by default), summed per slot, weighted
+gamma**(k-1) (DFlash's exponential decay: exp(-(k-1)/4) is gamma 0.78) and divided by the slot's positions over
+the whole optimizer step, as TTTObjective does per step; accuracy per slot is what TTT reports per step, so the
+logs, the manifest and `status` read alike for every kind.
+
+The anchors are drawn from a generator seeded by the micro-batch's tokens (the same draw in `counts`, which the
+loop's denominators come from, and in `forward`, and after a resume). Where a row has fewer candidates, every
+candidate is an anchor.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from draftsmith.train.data import Batch
+from draftsmith.train.objective import LossMix, mix_terms
+
+
+@dataclass
+class Blocks:
+    """One micro-batch's anchors and trained slots."""
+
+    anchors: torch.Tensor  # [R, M] int64 row indices (0 where the row has fewer: not valid)
+    anchor_ok: torch.Tensor  # [R, M] bool
+    masked: torch.Tensor  # [R, M, S-1] bool: slot k's token t_{a+k} is trained (loss mask, document, row)
+    valid: torch.Tensor  # [R, M, S-1] bool: ... and in the draft vocabulary (where the loss is taken)
+
+
+def draw_blocks(input_ids, loss_mask, doc_ids, t2d, block_size: int, max_anchors: int) -> Blocks:
+    """The anchors and slots of a micro-batch ([R, T] tensors, t2d [V] bool), drawn reproducibly (module doc)."""
+    R, T = input_ids.shape
+    device = input_ids.device
+    cand = torch.zeros(R, T, dtype=torch.bool, device=device)
+    if T > 1:  # a: has context (not a document's first token) and its next token is trained
+        cand[:, 1:T - 1] = (loss_mask[:, 2:] & (doc_ids[:, 2:] == doc_ids[:, 1:T - 1])
+                            & (doc_ids[:, 1:T - 1] == doc_ids[:, :T - 2]))
+    gen = torch.Generator().manual_seed(int(input_ids.sum()) * 1000003 + T)
+    keys = torch.rand(R, T, generator=gen).to(device)  # a random order of the candidates, the others last
+    keys = torch.where(cand, keys, 2.0)
+    M = max(1, min(max_anchors, T))
+    order = keys.argsort(dim=1)[:, :M]
+    anchors = order.sort(dim=1).values  # [R, M] ascending
+    anchor_ok = cand.gather(1, anchors)
+    k = torch.arange(1, block_size, device=device)
+    at = anchors[:, :, None] + k  # [R, M, S-1] the predicted token's index
+    inside = at < T
+    at_c = at.clamp(max=T - 1)
+    rows = torch.arange(R, device=device)[:, None, None]
+    masked = (anchor_ok[:, :, None] & inside & loss_mask[rows, at_c].bool()
+              & (doc_ids[rows, at_c] == doc_ids.gather(1, anchors)[:, :, None]))
+    valid = masked & t2d[input_ids[rows, at_c]]
+    return Blocks(anchors=anchors, anchor_ok=anchor_ok, masked=masked, valid=valid)
+
+
+class DFlashObjective(nn.Module):
+    """The DFlash drafter plus the frozen target head: forward() is one micro-batch's loss (TTTObjective's
+    interface: `steps` = block_size - 1 slots, `counts`, `layouts`)."""
+
+    def __init__(self, drafter, target_head, gamma: float, max_anchors: int, fc_input_scale=None,
+                 teacher_temperature: float = 1.0, feature_noise: float = 0.0, mix: LossMix = LossMix()):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_head", target_head, persistent=False)
+        self.register_buffer("fc_input_scale", fc_input_scale, persistent=False)
+        self.steps = drafter.config.block_size - 1
+        self.gamma, self.max_anchors = gamma, max_anchors
+        self.teacher_temperature, self.feature_noise, self.mix = teacher_temperature, feature_noise, mix
+
+    def _blocks(self, batch: Batch) -> Blocks:
+        return draw_blocks(batch.input_ids, batch.loss_mask, batch.doc_ids, self.drafter.t2d,
+                           self.drafter.config.block_size, self.max_anchors)
+
+    def layouts(self):
+        """Nothing to compute in the data thread: the draw is cheap (one [R, T] sort) and made in forward."""
+        return lambda input_ids, loss_mask, doc_ids: None
+
+    def counts(self, batch: Batch):
+        """[steps] float64: positions where slot k+1's loss is taken in this micro-batch (the denominators)."""
+        return self._blocks(batch).valid.sum(dim=(0, 1)).double()
+
+    def forward(self, batch: Batch, denom, scale: float = 1.0):
+        """(loss, stats [steps, 4] float64: the loss's KL sum, valid positions, correct, masked per slot); denom,
+        scale as TTTObjective.forward's."""
+        d = self.drafter
+        blocks = self._blocks(batch)
+        aux = batch.aux_hidden
+        if self.feature_noise > 0 and self.training:
+            H = d.config.hidden_size
+            a = aux.float().unflatten(-1, (-1, H))
+            aux = (a + self.feature_noise * a.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(a)).flatten(
+                -2).to(aux.dtype)
+        if self.fc_input_scale is not None:
+            aux = aux * self.fc_input_scale.to(aux.dtype)
+        states = d.block_forward(batch.input_ids, aux, blocks.anchors, batch.position_ids, batch.doc_ids)
+        R, M, S, H = states.shape
+        T = batch.input_ids.shape[1]
+        k = torch.arange(1, S, device=states.device)
+        at = (blocks.anchors[:, :, None] + k).clamp(max=T - 1)  # [R, M, S-1] the predicted token's index
+        rows = torch.arange(R, device=states.device)[:, None, None]
+        targets = batch.input_ids[rows, at]
+        teacher_h = batch.last_hidden[rows, at - 1]  # the target's state before the predicted token
+        losses, kls, correct = [], [], []
+        for j in range(S - 1):
+            v = blocks.valid[:, :, j]
+            x = d.norm(states[:, :, j + 1][v])  # [n, H]
+            with torch.no_grad():
+                t_logp = torch.log_softmax((teacher_h[:, :, j][v].float() @ self.target_head.float().t())
+                                           / self.teacher_temperature, dim=-1)
+                p = t_logp.exp()
+            logits = d.lm_head(x)
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            kl_pos = (p * (t_logp - logq)).sum(-1)  # [n]
+            obj = kl_pos * self.mix.kl
+            if not self.mix.pure_kl:
+                obj = obj + mix_terms(self.mix, p, t_logp, logq)
+            w = scale * self.gamma ** j / denom[j] if denom[j] > 0 else 0.0
+            losses.append(obj.sum() * w)
+            kls.append(kl_pos.detach().sum().double())
+            pred = logits.detach().argmax(-1)
+            correct.append(((pred + d.d2t[pred]) == targets[:, :, j][v]).sum().double())
+        loss = torch.stack(losses).sum()
+        valid = blocks.valid.sum(dim=(0, 1)).double()
+        masked = blocks.masked.sum(dim=(0, 1)).double()
+        return loss, torch.stack([torch.stack(kls), valid, torch.stack(correct), masked], dim=1)
