@@ -33,7 +33,7 @@ REFUSED_BY_THE_SYSTEM = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, 
 
 app = typer.Typer(
     name="draftsmith",
-    help="Train EAGLE-3 draft models for speculative decoding and deploy them in vLLM.\n\n"
+    help="Train draft models (EAGLE-3, P-EAGLE, DFlash) for speculative decoding and deploy them in vLLM.\n\n"
     "Examples:\n\n"
     "  draftsmith status runs/demo\n\n"
     "  draftsmith generate --run runs/r1 --set generate.limit=100",
@@ -235,7 +235,7 @@ def train(
     max_steps: Annotated[Optional[int], typer.Option(
         "--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
 ):
-    """Train the EAGLE-3 drafter with training-time test; checkpoints resume exactly."""
+    """Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly."""
     from draftsmith.train import run_train
 
     cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})

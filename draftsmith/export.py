@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith import DraftsmithError, __version__
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import Eagle3Config
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.drafters import drafter_class, drafter_method
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook, one_process
@@ -69,6 +69,8 @@ def export_keys(config: "Eagle3Config | int" = 1) -> dict[str, str]:
         num_layers, attention, q_lora = config, "gqa", None
     else:
         num_layers, attention, q_lora = config.num_hidden_layers, config.attention, config.q_lora_rank
+        if config.block_size:
+            return _dflash_keys(num_layers)
     if attention == "mla":
         attn = (["q_a_proj", "q_a_layernorm", "q_b_proj"] if q_lora else ["q_proj"]) + [
             "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
@@ -83,7 +85,25 @@ def export_keys(config: "Eagle3Config | int" = 1) -> dict[str, str]:
                      for p in ("gate", "up", "down")})
         keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
     keys.update({"norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"})
+    if not isinstance(config, int):
+        if config.norm_before_fc:
+            keys["input_norm.weight"] = "input_norm.weight"
+        if config.fc_norm:
+            keys.update({f"fc_norm.{j}.weight": f"fc_norm.{j}.weight" for j in range(config.num_aux_layers)})
+        if config.mask_token_id is not None:
+            keys["mask_hidden"] = "mask_hidden"  # P-EAGLE: vLLM's parallel drafting requires it
     return keys
+
+
+def _dflash_keys(num_layers: int) -> dict[str, str]:
+    """A DFlash drafter's tensors, by vLLM's qwen3_dflash names (the same as model/dflash.py's)."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
+    for n in range(num_layers):
+        names += [f"layers.{n}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                                 "k_norm")]
+        names += [f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += [f"layers.{n}.{m}.weight" for m in ("input_layernorm", "post_attention_layernorm")]
+    return {k: k for k in names}
 
 
 # optional in an export (vLLM uses the target's embeddings when it is absent)
@@ -166,7 +186,7 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
     Built on the meta device: no memory, always in step with model/eagle3.py."""
     with torch.device("meta"):
-        model = Eagle3Drafter(config)
+        model = drafter_class(config)(config)
     out, names = {}, export_keys(config)
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
@@ -223,13 +243,13 @@ def check_vocab_maps(d2t, t2d, where: str) -> None:
 # The speculators config
 
 
-def speculators_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
-                       num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
-    """config.json for vLLM (speculators format, eagle3). `target_name`: the verifier's
-    name_or_path (target.verifier_name: a Hub id or the target as the config names it)."""
-    layer = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+def _layer_config(config, model_type: str, architecture: str) -> dict:
+    """The transformer_layer_config keys every kind shares: the drafter's shape, plain RoPE with the target's theta
+    as in training (never the target's scaling; rope_theta also beside rope_parameters, since qwen3_dflash reads
+    it there and defaults to 1e6 when absent), no biases, an untied head."""
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
@@ -239,27 +259,45 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
-        # plain RoPE with the target's theta, as in training (never the target's scaling)
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "rope_theta": config.rope_theta,
         "vocab_size": config.vocab_size,
         "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": False,
+    }
+
+
+def speculators_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
+                       num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
+    """config.json for vLLM (speculators format: eagle3, peagle or dflash). `target_name`: the verifier's
+    name_or_path (target.verifier_name: a Hub id or the target as the config names it)."""
+    method = drafter_method(config)
+    if method == "dflash":
+        return _dflash_config(config, aux_layers, target_name=target_name, target_arch=target_arch, dtype=dtype,
+                              draftsmith=draftsmith)
+    # EAGLE-3.1's norms: vLLM's eagle3 reads them at the top level, its peagle only inside transformer_layer_config
+    norms = {"norm_before_fc": config.norm_before_fc, "fc_norm": config.fc_norm, "norm_output": config.norm_output}
+    layer = {
+        **_layer_config(config, "llama", "LlamaForCausalLM"),
+        "mlp_bias": False,
+        # vLLM's Llama EAGLE-3 sizes fc for this many aux states, 3 when absent: it does not count the ids below
+        "num_aux_hidden_states": len(aux_layers),
         "dtype": dtype,
+        **(norms if method == "peagle" else {}),
     }
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if method == "peagle" else "Eagle3Speculator"],
+        "speculators_model_type": method,
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
         # vLLM's default for speculators eagle3 is True; model/eagle3.py's residual is the raw state
         "norm_before_residual": False,
-        "norm_before_fc": False,
+        **norms,
+        **({"mask_token_id": config.mask_token_id} if method == "peagle" else {}),
         "target_hidden_size": config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layers),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": method,
             "default_proposal_method": "greedy",
             "proposal_methods": [{
                 "proposal_type": "greedy",
@@ -274,6 +312,82 @@ def speculators_config(config, aux_layers: list[int], *, target_name: str, targe
         "dtype": dtype,
         "draftsmith": draftsmith,
     }
+
+
+def _dflash_config(config, aux_layers: list[int], *, target_name: str, target_arch: str, dtype: str,
+                   draftsmith: dict) -> dict:
+    """config.json of a DFlash drafter (speculators_model_type dflash: vLLM's DFlashQwen3ForCausalLM).
+
+    Gotchas: vLLM reads the aux ids from `aux_hidden_state_layer_ids` (not EAGLE's key), in EAGLE's convention (id L:
+    the state after L layers; it derives z-lab's `target_layer_ids` = L - 1 itself, vllm#40727); its attention
+    inside the block is non-causal only with `sliding_window_non_causal` true (its default); it ignores
+    `block_size`, so the drafts served must be given as speculative_tokens = block_size - 1; and it does not raise
+    the drafter's max_position_embeddings to the target's, so the target's is written."""
+    layer = {**_layer_config(config, "qwen3", "Qwen3ForCausalLM"), "dtype": dtype}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "aux_hidden_state_layer_ids": list(aux_layers),
+        "mask_token_id": config.mask_token_id,
+        "block_size": config.block_size,
+        "sliding_window_non_causal": True,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": target_name, "architectures": [target_arch]},
+        },
+        "dtype": dtype,
+        "draftsmith": draftsmith,
+    }
+
+
+def _dflash_config_from_export(cj: dict, where: str):
+    """(Eagle3Config, aux ids, speculative tokens, verifier) from a DFlash export's config.json."""
+    layer = cj.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in layer:
+            raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
+    aux = cj.get("aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
+        raise DraftsmithError(f"{where}: 'aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
+    if cj.get("sliding_window_non_causal", True) is not True:
+        raise DraftsmithError(f"{where}: 'sliding_window_non_causal' must be true (draftsmith's DFlash attends both "
+                              "ways inside the block)")
+    for key in ("mask_token_id", "block_size"):
+        if not isinstance(cj.get(key), int) or isinstance(cj.get(key), bool):
+            raise DraftsmithError(f"{where}: '{key}' must be an int, got {cj.get(key)!r}")
+    sc = cj.get("speculators_config")
+    try:
+        spec = int(sc["proposal_methods"][0]["speculative_tokens"])
+        verifier = str(sc["verifier"]["name_or_path"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise DraftsmithError(f"{where}: 'speculators_config' needs proposal_methods[0].speculative_tokens "
+                              "and verifier.name_or_path") from None
+    if spec != cj["block_size"] - 1:
+        raise DraftsmithError(f"{where}: a DFlash drafter drafts block_size - 1 = {cj['block_size'] - 1} tokens, but "
+                              f"speculative_tokens is {spec}")
+    rope = layer.get("rope_parameters") or {}
+    try:
+        config = Eagle3Config(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+            head_dim=layer.get("head_dim"), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 1e6))),
+            max_position_embeddings=layer.get("max_position_embeddings", 8192), vocab_size=layer["vocab_size"],
+            draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"], num_aux_layers=len(aux),
+            hidden_act=layer.get("hidden_act", "silu"), num_hidden_layers=layer.get("num_hidden_layers", 1),
+            mask_token_id=cj["mask_token_id"], block_size=cj["block_size"])
+    except (TypeError, ValueError) as e:
+        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
+    return config, aux, spec, verifier
 
 
 # the architecture vLLM 0.32 serves an MLA EAGLE-3 drafter with (vllm/model_executor/models/deepseek_eagle3.py)
@@ -362,9 +476,11 @@ def _config_from_export(config_json: dict, where: str):
     vLLM and draftsmith need."""
     if config_json.get("architectures") == [MLA_ARCHITECTURE]:
         return _mla_config_from_export(config_json, where)
-    if config_json.get("speculators_model_type") != "eagle3":
-        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\", "
-                              f"got {config_json.get('speculators_model_type')!r}")
+    if config_json.get("speculators_model_type") == "dflash":
+        return _dflash_config_from_export(config_json, where)
+    method = config_json.get("speculators_model_type")
+    if method not in ("eagle3", "peagle"):
+        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\" or \"peagle\", got {method!r}")
     layer = config_json.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
@@ -385,8 +501,18 @@ def _config_from_export(config_json: dict, where: str):
     if config_json.get("norm_before_residual", True):
         raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
                               "the raw hidden state as the residual; vLLM's default is true)")
-    if config_json.get("norm_before_fc") or config_json.get("fc_norm"):
-        raise DraftsmithError(f"{where}: 'norm_before_fc'/'fc_norm' are not supported by draftsmith's drafter")
+    norms = {}
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        # where vLLM reads them: the top level for eagle3, transformer_layer_config for peagle (norm_before_fc: both)
+        value = layer.get(key) if method == "peagle" and key != "norm_before_fc" else config_json.get(key)
+        if not isinstance(value, (bool, type(None))):
+            raise DraftsmithError(f"{where}: '{key}' must be true or false, got {value!r}")
+        norms[key] = bool(value)
+    mask_token_id = None
+    if method == "peagle":
+        mask_token_id = config_json.get("mask_token_id")
+        if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
+            raise DraftsmithError(f"{where}: 'mask_token_id' must be a token id for peagle, got {mask_token_id!r}")
     rope = layer.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise DraftsmithError(f"{where}: 'transformer_layer_config.rope_parameters.rope_type' must be "
@@ -417,11 +543,30 @@ def _config_from_export(config_json: dict, where: str):
             num_aux_layers=len(aux),
             hidden_act=layer.get("hidden_act", "silu"),
             num_hidden_layers=num_layers,
+            mask_token_id=mask_token_id,
+            **norms,
         )
     except (TypeError, ValueError) as e:
         raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
     return (config, aux, int(sc["proposal_methods"][0]["speculative_tokens"]),
             str(sc["verifier"]["name_or_path"]))
+
+
+def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int) -> dict:
+    """The --speculative-config that serves the export in `folder` beside its target: method eagle3 for EAGLE-3,
+    with parallel_drafting for a P-EAGLE export (vLLM 0.32 knows no method "peagle"; only its speculators loader,
+    used when the export folder itself is served, maps the type), method dflash for DFlash."""
+    cj = read_json_object(Path(folder) / CONFIG_FILE)
+    kind = cj.get("speculators_model_type")
+    spec = {"model": str(folder), "method": "dflash" if kind == "dflash" else "eagle3",
+            "num_speculative_tokens": int(num_speculative_tokens)}
+    if kind == "peagle":
+        spec["parallel_drafting"] = True
+    if kind == "dflash" and num_speculative_tokens != cj.get("block_size", 0) - 1:
+        raise DraftsmithError(f"{folder}: a DFlash drafter is served with block_size - 1 = "
+                              f"{cj.get('block_size', 0) - 1} drafts (it was trained on whole blocks), not "
+                              f"{num_speculative_tokens}")
+    return spec
 
 
 # -------------------------------------------------------------------------------------------------
@@ -436,8 +581,8 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     target (hidden size, vocabulary, aux layer ids in range). embed_weight [V, H] (optional): the
     target's input embeddings, copied into the drafter (an export carries none by default).
 
-    Returns (Eagle3Drafter in eval mode, info dict: config, aux_layers, num_speculative_tokens,
-    has_embed_tokens, dtype, draftsmith block, path). Every problem is a DraftsmithError naming
+    Returns (the drafter in eval mode: Eagle3Drafter or PEagleDrafter, info dict: config, aux_layers,
+    num_speculative_tokens, has_embed_tokens, dtype, draftsmith block, path). Every problem is a DraftsmithError naming
     the file and the key.
     """
     folder = Path(folder)
@@ -459,7 +604,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     sd = load_file(str(wpath))
     check_vocab_maps(sd["d2t"], sd["t2d"], str(wpath))
 
-    model = Eagle3Drafter(config)
+    model = drafter_class(config)(config)
     has_embed = "embed_tokens.weight" in sd
     if not has_embed:
         if embed_weight is not None:
@@ -558,6 +703,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                 raise DraftsmithError(f"{weights_path}: tensor '{FC_INPUT_SCALE}' has shape {list(s.shape)}, "
                                       f"expected [{sd['fc.weight'].shape[1]}]")
             sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
+            if "mask_hidden" in sd:  # P-EAGLE: training fed it to fc unscaled, so fc(m) = (W diag(s)) (m / s)
+                sd["mask_hidden"] = sd["mask_hidden"].float() / s
         tensors = {}
         for name, export_name in export_keys(config).items():
             t = sd[name]

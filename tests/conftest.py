@@ -115,17 +115,19 @@ def cli():
 
 def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int] | None = None,
                              draft_vocab_size: int | None = None, seed: int = 0, step: int = 10,
-                             ttt_steps: int = 3, num_layers: int = 1, trust_remote_code: bool = False) -> Path:
+                             ttt_steps: int = 3, num_layers: int = 1, trust_remote_code: bool = False,
+                             **options) -> Path:
     """A training checkpoint folder as `train` writes it (model.safetensors without embed_tokens,
-    drafter.json, state.json last), holding a randomly initialised Eagle3Drafter for `target`
-    (initialised from the target's embeddings, lm_head rows and final norm)."""
+    drafter.json, state.json last), holding a randomly initialised drafter for `target`
+    (initialised from the target's embeddings, lm_head rows and final norm); `options`: Eagle3Config's
+    non-size fields (EAGLE-3.1's norms; mask_token_id makes it a P-EAGLE drafter)."""
     import dataclasses
     import json
 
     import torch
     from safetensors.torch import save_file
     from draftsmith.model.config import Eagle3Config
-    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith.model.drafters import drafter_class
     from draftsmith.model.init import init_from_target
     from draftsmith.target import load_target, target_info
 
@@ -136,9 +138,9 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
                      log=lambda *a: None).model
     V = info.vocab_size
     dv = draft_vocab_size or V
-    config = Eagle3Config.from_target_config(hf.config, dv, num_hidden_layers=num_layers)
+    config = Eagle3Config.from_target_config(hf.config, dv, num_hidden_layers=num_layers, **options)
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(config)
+    drafter = drafter_class(config)(config)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -155,7 +157,7 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     save_file(sd, str(folder / "model.safetensors"))
     meta = {"format": "draftsmith-drafter", "config": dataclasses.asdict(config), "aux_layers": list(aux_layers),
             "target": {"name": info.name, "fingerprint": info.fingerprint}, "draft_vocab_size": dv,
-            "ttt_steps": ttt_steps}
+            "ttt_steps": ttt_steps, "method": "peagle" if config.mask_token_id is not None else "eagle3"}
     (folder / "drafter.json").write_text(json.dumps(meta))
     (folder / "state.json").write_text(json.dumps({"step": step}))
     return folder

@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.export import export_keys, find_checkpoint, load_exported, run_export
+from draftsmith.export import export_keys, find_checkpoint, load_exported, run_export, speculative_config
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
+from draftsmith.vllm_server import vllm_python
 
 AUX = [1, 3, 4]  # not the default ids, so that the test sees them travel
 DV = 64
@@ -304,31 +305,86 @@ def test_cli_export(trained_run, tiny_target, cli):
     assert p.returncode == 2 and "no such checkpoint" in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.vllm
-def test_vllm_reads_exported_config(exported):
-    """vLLM's own speculators parser turns the export into the eagle3 draft config we mean."""
+def _vllm_parses(folder: Path, fields: dict[str, str]) -> dict:
+    """What vLLM's own speculators parser makes of the export in `folder`, run in vLLM's venv: "spec", the draft
+    config it derives (extract_vllm_speculative_config), and for each name in `fields` the attribute of the config
+    it loads (None where it has none)."""
     code = (
         "import json, sys\n"
         "from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig\n"
         "d = json.load(open(sys.argv[1] + '/config.json'))\n"
-        "spec = SpeculatorsConfig.extract_vllm_speculative_config(d)\n"
         "c = SpeculatorsConfig.from_pretrained(sys.argv[1])\n"
-        "print(json.dumps({'spec': spec, 'arch': c.architectures, 'nbr': c.norm_before_residual,"
-        " 'rope': c.rope_parameters, 'aux': c.eagle_aux_hidden_state_layer_ids, 'dv': c.draft_vocab_size,"
-        " 'layers': c.num_hidden_layers, 'hidden': c.hidden_size, 'target_hidden': c.target_hidden_size}))\n"
+        "out = {k: getattr(c, a, None) for k, a in json.loads(sys.argv[2]).items()}\n"
+        "out['spec'] = SpeculatorsConfig.extract_vllm_speculative_config(d)\n"
+        "print(json.dumps(out))\n"
     )
-    from draftsmith.vllm_server import vllm_python
-
-    p = subprocess.run([str(vllm_python()), "-c", code, str(exported)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    p = subprocess.run([str(vllm_python()), "-c", code, str(folder), json.dumps(fields)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert p.returncode == 0, p.stderr[-2000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllm_reads_exported_config(exported):
+    """vLLM's own speculators parser turns the export into the eagle3 draft config we mean."""
+    got = _vllm_parses(exported, {"arch": "architectures", "nbr": "norm_before_residual", "rope": "rope_parameters",
+                                  "aux": "eagle_aux_hidden_state_layer_ids", "dv": "draft_vocab_size",
+                                  "layers": "num_hidden_layers", "hidden": "hidden_size",
+                                  "target_hidden": "target_hidden_size"})
     assert got["spec"] == {"method": "eagle3", "num_speculative_tokens": 3}
     assert got["arch"] == ["Eagle3LlamaForCausalLM"]
     assert got["nbr"] is False
     assert got["rope"]["rope_theta"] == 10000.0 and got["rope"].get("rope_type", "default") == "default"
     assert got["aux"] == AUX and got["dv"] == DV and got["layers"] == 1
     assert got["hidden"] == got["target_hidden"] == 64
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kind", ["peagle", "eagle3.1", "dflash"])
+def test_vllm_reads_each_kinds_export(tmp_path, tiny_target, kind):
+    """vLLM 0.32's own speculators parser reads a P-EAGLE export as parallel drafting with its mask token, an
+    EAGLE-3.1 export with its norms on, and a DFlash export as its non-causal block drafter with the target layers it
+    was trained on, each where vLLM looks for them; and the serving config export hands out matches what the
+    parser derives."""
+    options = {"peagle": {"mask_token_id": 5, "fc_norm": True}, "dflash": {"mask_token_id": 5, "block_size": 4},
+               "eagle3.1": {"norm_before_fc": True, "norm_output": True}}[kind]
+    run = RunDir(tmp_path / "run").ensure()
+    write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV,
+                             **options)
+    run_export(run, cfg_for(tiny_target))
+    out = run.path / "export"
+    got = _vllm_parses(out, {"arch": "architectures", "pard": "pard_token", "nbf": "norm_before_fc", "fcn": "fc_norm",
+                             "nout": "norm_output", "nbr": "norm_before_residual", "naux": "num_aux_hidden_states",
+                             "aux": "eagle_aux_hidden_state_layer_ids", "dflash": "dflash_config",
+                             "nh": "num_hidden_layers", "theta": "rope_theta"})
+    ours = speculative_config(out, 3)
+    if kind == "dflash":
+        assert got["spec"] == {"method": "dflash", "num_speculative_tokens": 3}
+        assert got["arch"] == ["DFlashDraftModel"] and got["aux"] == AUX and got["nh"] == 1
+        assert got["dflash"]["target_layer_ids"] == [i - 1 for i in AUX] and got["dflash"]["mask_token_id"] == 5
+        assert got["dflash"]["causal"] is False and got["theta"] == 10000.0
+        assert ours == {"model": str(out), "method": "dflash", "num_speculative_tokens": 3}
+        with pytest.raises(DraftsmithError, match="block_size - 1 = 3"):
+            speculative_config(out, 5)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            assert {"hidden_norm.weight", "layers.0.self_attn.q_norm.weight", "lm_head.weight", "d2t"} <= set(f.keys())
+        return
+    assert got["nbr"] is False and got["naux"] == 3 and got["aux"] == AUX
+    if kind == "peagle":
+        assert got["spec"] == {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
+        assert got["arch"] == ["PeagleLlamaForCausalLM"] and got["pard"] == 5
+        assert got["fcn"] is True and got["nbf"] is False
+        assert ours == {"model": str(out), "method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
+    else:
+        assert got["spec"] == {"method": "eagle3", "num_speculative_tokens": 3}
+        assert got["arch"] == ["Eagle3LlamaForCausalLM"] and got["pard"] is None
+        assert got["nbf"] is True and got["nout"] is True and got["fcn"] is False
+        assert ours == {"model": str(out), "method": "eagle3", "num_speculative_tokens": 3}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    extra = {"mask_hidden", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} if kind == "peagle" else {
+        "input_norm.weight"}
+    assert keys == VLLM_KEYS | extra
 
 
 def test_flat_drafter_json_is_read_too(trained_run, tiny_target):

@@ -7,7 +7,10 @@
   pre-norm output at position +1 each; the aux states are the inputs of the target's decoder
   layers (extract.hf.LayerInputs: the states the drafter was trained on) captured during the
   verification forwards;
-- a chain of K draft tokens per step, verified in one target forward over K+1 tokens: greedy at
+- P-EAGLE (model/peagle.py): drafts 1..K-1 from one forward over K-1 mask slots after the one over the
+  verified tokens; DFlash (model/dflash.py): the verified states join the drafter's context keys, and one forward
+  over the block (the bonus token, then K mask tokens) gives all K drafts;
+- K draft tokens per step (a chain, or one pass), verified in one target forward over K+1 tokens: greedy at
   temperature 0 (the output equals plain greedy decoding), standard speculative sampling above 0
   (Leviathan et al. 2023: accept draft x with probability min(1, p(x)/q(x)), else sample from
   norm(max(0, p - q)); the output is distributed exactly as the target's).
@@ -28,10 +31,13 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache
 
+from draftsmith import DraftsmithError
 from draftsmith.eval.engine import EngineContext, prompt_seed
 from draftsmith.export import load_exported
 from draftsmith.extract.hf import LayerInputs
+from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import DrafterCache
+from draftsmith.model.peagle import PEagleDrafter
 from draftsmith.target import load_target
 
 
@@ -77,7 +83,7 @@ def speculative_verify(target_logits, drafts: list[int], draft_probs, temperatur
 
 
 class SpecDecoder:
-    """Batch-1 speculative decoding of a transformers target with an Eagle3Drafter."""
+    """Batch-1 speculative decoding of a transformers target with a drafter of any kind (model/drafters.py)."""
 
     def __init__(self, model, drafter, aux_layers: list[int], num_speculative_tokens: int,
                  temperature: float, eos_ids: set[int]):
@@ -87,6 +93,10 @@ class SpecDecoder:
         self.layer_inputs = LayerInputs(model, aux_layers)
         # the past-KV keyword is `cache` in transformers >= 5.2x, `past_key_values` before
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        block = getattr(drafter.config, "block_size", None)
+        if block and num_speculative_tokens != block - 1:
+            raise DraftsmithError(f"eval.num_speculative_tokens={num_speculative_tokens}: this DFlash drafter drafts "
+                                  f"whole blocks of {block - 1} tokens (it was trained so); set it to {block - 1}")
         self.draft_ids = drafter.draft_ids().to(self.device)  # [Dv] target id of each draft id
         self.vocab_size = drafter.config.vocab_size
 
@@ -133,8 +143,21 @@ class SpecDecoder:
         T = len(unread_ids)
         pos = torch.arange(first_pos, first_pos + T, device=self.device)[None]
         dtype = self.drafter.fc.weight.dtype
+        if isinstance(self.drafter, DFlashDrafter):
+            # the verified states join the context; the bonus token anchors the block at the next position
+            self.drafter.add_context(unread_aux.to(dtype), pos, cache)
+            block = self.drafter.draft(torch.tensor([[unread_ids[-1]]], device=self.device), first_pos + T, cache)
+            picked = [self._sample_draft(x, gen) for x in block[0]]
+            qs = [q for _, q in picked]
+            return [d for d, _ in picked], (None if qs[0] is None else torch.stack(qs))
         logits, h = self.drafter(torch.tensor([unread_ids], device=self.device), unread_aux.to(dtype), pos, cache)
         last_logits, last_h, p = logits[0, -1], h[:, -1:], first_pos + T - 1
+        if isinstance(self.drafter, PEagleDrafter) and self.K > 1:
+            # P-EAGLE: drafts 1..K-1 in one forward over mask slots (model/peagle.py)
+            rest = self.drafter.mask_slots(self.K - 1, p + 1, cache)[0]  # [K-1, Dv]
+            picked = [self._sample_draft(x, gen) for x in [last_logits, *rest]]
+            qs = [q for _, q in picked]
+            return [d for d, _ in picked], (None if qs[0] is None else torch.stack(qs))
         drafts, qs = [], []
         for k in range(self.K):
             d, q = self._sample_draft(last_logits, gen)

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 from draftsmith import DraftsmithError
 from draftsmith.eval.engine import EngineContext, prompt_seed, read_engine_info, resume_records, write_engine_info
 from draftsmith.eval.report import fmt_value
+from draftsmith.export import speculative_config
 from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
 from draftsmith.prompts import context_tokens_needed
 from draftsmith.rundir import append_json_line
@@ -204,7 +205,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     if eval_cfg.server:
         yield from _decode_on(VLLMChat(eval_cfg.server, timeout_s), None, ctx, info, baseline)
         return
-    spec = {"model": str(ctx.export_dir), "method": "eagle3", "num_speculative_tokens": K}
+    spec = speculative_config(ctx.export_dir, K)
     with _server(ctx, target_dir, vllm_server_args(cfg, spec), SERVER_LOG, python, f"drafter, K={K}") as srv:
         yield from _decode_on(VLLMChat(srv.url, timeout_s), srv, ctx, info, baseline)
 
