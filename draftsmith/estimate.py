@@ -369,6 +369,20 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     return out
 
 
+def train_notes(tr) -> list[str]:
+    """Where the train figures are bounds, not models: they are EAGLE-3's TTT step (P-EAGLE's is the same)."""
+    notes = []
+    if tr.method == "dflash":
+        notes.append(f"train.method=dflash: memory and time are EAGLE-3's TTT over {tr.ttt_steps} steps, an upper "
+                     f"bound: a DFlash row holds train.dflash_anchors x (ttt_steps + 1) = "
+                     f"{tr.dflash_anchors * (tr.ttt_steps + 1):,} block queries against TTT's seq_len x ttt_steps = "
+                     f"{tr.seq_len * tr.ttt_steps:,}")
+    if tr.optimizer == "muon":
+        notes.append("train.optimizer=muon: the optimizer state is AdamW's (two moments per parameter), an upper "
+                     "bound: Muon keeps one momentum for the matrices")
+    return notes
+
+
 def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> list[str]:
     """When the training step does not fit the device: each knob that alone makes it fit, with
     the value to set (rows per micro-batch, then shorter rows; fewer TTT steps; FSDP). [] when it fits."""
@@ -492,6 +506,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         # stages whose memory per device exceeds the device's (train has its own line, with knobs)
         "does_not_fit": [name for name, s in stages.items() if name != "train" and s["memory"] > hw.mem],
         "device_memory": hw.mem,
+        "train_notes": train_notes(tr),
         "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
     }
 
@@ -569,6 +584,7 @@ def render(e: dict) -> str:
     if m["fits_with"]:
         lines.append(f"train does not fit: {_bytes(m['total'])} per device, more than one {e['hardware']} holds "
                      f"({_bytes(m['device'])}); it fits with any one of: " + "; ".join(m["fits_with"]))
+    lines.extend(e["train_notes"])
     for name in e["does_not_fit"]:
         lines.append(f"{name} does not fit: {_bytes(e['stages'][name]['memory'])} per device, more than one "
                      f"{e['hardware']} holds ({_bytes(e['device_memory'])}); use more devices (--devices, tensor "

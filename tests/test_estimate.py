@@ -315,3 +315,20 @@ def test_train_max_minutes_caps_the_estimated_training():
     cfg.train.max_minutes = 1e6
     assert estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=110)["stages"]["train"][
         "tokens"] == pytest.approx(cfg.train.epochs * e["tokens"])
+
+
+def test_dflash_and_muon_estimates_say_they_are_upper_bounds():
+    """The train figures model EAGLE-3's TTT step and AdamW: for train.method=dflash and train.optimizer=muon the
+    estimate says they are upper bounds, with the queries a DFlash row holds against TTT's; eagle3 says nothing."""
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
+    cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
+    plain = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    assert plain["train_notes"] == []
+    cfg.train.method, cfg.train.optimizer, cfg.train.fsdp = "dflash", "muon", False
+    cfg.train.norm_before_fc = cfg.train.norm_output = False
+    e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    text = render(e)
+    queries = cfg.train.dflash_anchors * (cfg.train.ttt_steps + 1)
+    assert f"block queries against TTT's seq_len x ttt_steps = {cfg.train.seq_len * cfg.train.ttt_steps:,}" in text
+    assert f"(ttt_steps + 1) = {queries:,}" in text and queries < cfg.train.seq_len * cfg.train.ttt_steps
+    assert "train.optimizer=muon" in text
