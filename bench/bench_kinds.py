@@ -124,8 +124,10 @@ def report(set_name: str, results: dict, args) -> None:
     plain = [p["tokens_per_s"] for p in results["plain"]["passes"]]
     print(f"\n{set_name}: {args.limit} prompts, {args.max_tokens} tokens, temperature 0, {args.passes} passes, "
           f"dtype {args.dtype}; plain {statistics.mean(plain):.1f} tokens/s ({min(plain):.1f}-{max(plain):.1f})")
-    print("| drafter | tau | acceptance per position | tokens/s | speedup (mean) | speedup range |")
-    print("| --- | ---: | --- | ---: | ---: | --- |")
+    # a drafting step (K drafts and the verification) costs tau / speedup plain decoding steps
+    print("| drafter | tau | acceptance per position | tokens/s | speedup (mean) | speedup range "
+          "| step, in plain steps |")
+    print("| --- | ---: | --- | ---: | ---: | --- | ---: |")
     for name, r in results.items():
         if name == "plain":
             continue
@@ -137,7 +139,7 @@ def report(set_name: str, results: dict, args) -> None:
         r.update(tau=tau, acceptance_per_position=per_pos, speedups=speedups, speedup=statistics.mean(speedups))
         print(f"| {name} | {tau:.3f} | {' / '.join(f'{x:.2f}' for x in per_pos)} | "
               f"{statistics.mean(p['tokens_per_s'] for p in ps):.1f} | {r['speedup']:.3f} | "
-              f"{min(speedups):.3f}-{max(speedups):.3f} |")
+              f"{min(speedups):.3f}-{max(speedups):.3f} | {tau / r['speedup']:.2f} |")
 
 
 if __name__ == "__main__":
