@@ -8,8 +8,11 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from draftsmith.model.config import Eagle3Config
+from draftsmith.model.dflash import DFlashDrafter
+from draftsmith.model.drafters import drafter_class
 from draftsmith.model.eagle3 import DrafterCache, Eagle3Drafter, RMSNorm, rope_cos_sin
 from draftsmith.model.init import init_from_target, init_layer_from_target
+from draftsmith.model.mla import MLAAttention
 from draftsmith.model.ttt import FLEX_BLOCK, FlexTTTMask
 
 H, HEADS, KV_HEADS, V, DV = 32, 4, 2, 100, 40
@@ -465,7 +468,6 @@ def test_mla_attention_matches_transformers_deepseek_v3():
     same weights give the same output, so the exported layer is the function vLLM's MLA computes."""
     import transformers as tf
 
-    from draftsmith.model.mla import MLAAttention
 
     c = make_config(**MLA)
     hf_cfg = tf.DeepseekV3Config(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
@@ -520,7 +522,6 @@ def test_ttt_forward_equals_drafting_as_served_for_each_kind_and_eagle31_norms(k
     """Training's unrolled forward computes the drafts serving computes: EAGLE-3 (with EAGLE-3.1's norms) chain
     drafting step by step from a cache, P-EAGLE's drafts 1..K-1 in one forward over mask slots after the
     forward over the accepted tokens (as vLLM's parallel drafting runs them)."""
-    from draftsmith.model.drafters import drafter_class
 
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -554,7 +555,6 @@ def test_ttt_forward_equals_drafting_as_served_for_each_kind_and_eagle31_norms(k
 def test_dflash_block_forward_equals_drafting_as_served():
     """DFlash's training forward (many anchors per row, documents packed) computes what serving computes: one
     block after the context keys of the verified positions before its anchor (vLLM's DFlash proposer)."""
-    from draftsmith.model.dflash import DFlashDrafter
 
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -23,6 +23,7 @@ from draftsmith.config import load_config
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
 from draftsmith.extract import ExtractStore, encode_sample, run_extract
 from draftsmith.model.config import Eagle3Config
+from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.model.init import init_from_target
 from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
@@ -30,6 +31,7 @@ from draftsmith.target import target_info
 from draftsmith.train import NOT_FINGERPRINTED, run_train
 from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Batch, Prefetcher, pack_epoch
+from draftsmith.train.dflash import Blocks, DFlashObjective, draw_blocks
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
 from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, mix_terms, resolve_attention, ttt_masks
@@ -189,6 +191,44 @@ def test_masks_respect_documents_loss_mask_and_draft_vocab():
     assert got[2] == ([0], [0])
     # a step that runs past the row has no position at all
     assert not any(m.any() or v.any() for m, v in ttt_masks(IDS[:, :4], MASK[:, :4], DOC[:, :4], d.t2d, 3)[2:])
+
+
+def test_dflash_anchors_respect_documents_and_loss_mask_and_the_host_draw_is_the_loops():
+    """DFlash's anchors (train.method=dflash): only positions with context whose next token is trained; a slot is
+    trained only inside its anchor's document, on the loss mask and in the draft vocabulary. The draw the loop makes
+    in its data thread (layouts, on the host) is the one forward would make, and gives the same loss."""
+    d, W_d = tiny_drafter()
+    t2d = d.t2d
+    every = draw_blocks(IDS, MASK, DOC, t2d, block_size=3, max_anchors=9)
+    anchors = every.anchors[0][every.anchor_ok[0]].tolist()
+    # a in 1..T-2 with MASK[a+1] and a, a+1 in one document (and a-1 too: a has context)
+    assert anchors == [1, 2, 3, 6]
+    slots = {a: every.masked[0, i].tolist() for i, a in enumerate(every.anchors[0].tolist()) if a in anchors}
+    # slot k predicts t[a+k]: 3 -> t4 (doc 0, trained), t5 (doc 1): not; 6 -> t7, then the padding
+    assert slots == {1: [True, True], 2: [True, True], 3: [True, False], 6: [True, False]}
+    v = every.valid[0][every.anchor_ok[0]]
+    assert v.tolist() == [[True, False], [False, True], [True, False], [False, False]]  # 19, 4 not drafted
+    few = draw_blocks(IDS, MASK, DOC, t2d, block_size=3, max_anchors=2)
+    assert few.anchor_ok.all() and set(few.anchors[0].tolist()) <= set(anchors)
+    again = draw_blocks(IDS, MASK, DOC, t2d, block_size=3, max_anchors=2)
+    assert torch.equal(few.anchors, again.anchors)  # seeded by the tokens: the same draw after a resume
+
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3)
+    dd = DFlashDrafter(cfg)
+    dd.d2t.copy_(d.d2t)
+    dd.t2d.copy_(d.t2d)
+    obj = DFlashObjective(dd, W_d, 0.8, max_anchors=3)
+    aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
+    host = obj.layouts()(IDS, MASK, DOC)
+    assert isinstance(host, Blocks)
+    drawn = micro_batch(IDS, MASK, DOC, POS, aux, last)
+    given = micro_batch(IDS, MASK, DOC, POS, aux, last, layout=host)
+    assert torch.equal(obj.counts(drawn), obj.counts(given)) and obj.counts(given).sum() > 0
+    denom = obj.counts(given).tolist()
+    (l1, s1), (l2, s2) = obj(drawn, denom), obj(given, denom)
+    assert torch.equal(l1, l2) and torch.equal(s1, s2) and l1 > 0
 
 
 def test_loss_targets_and_accuracy_match_a_hand_computation():

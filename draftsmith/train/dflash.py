@@ -9,12 +9,13 @@ gamma**(k-1) (DFlash's exponential decay: exp(-(k-1)/4) is gamma 0.78) and divid
 the whole optimizer step, as TTTObjective does per step; accuracy per slot is what TTT reports per step, so the
 logs, the manifest and `status` read alike for every kind.
 
-The anchors are drawn from a generator seeded by the micro-batch's tokens (the same draw in `counts`, which the
-loop's denominators come from, and in `forward`, and after a resume). Where a row has fewer candidates, every
-candidate is an anchor.
+The anchors are drawn from a generator seeded by the micro-batch's tokens, so the draw is the same after a resume.
+The loop draws them once per micro-batch in its data thread, on the host (`layouts`: the seed is read from host
+tensors, no device sync), and `counts` and `forward` read that draw from batch.layout; a batch without a layout is
+drawn where it is. Where a row has fewer candidates, every candidate is an anchor.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,9 @@ class Blocks:
     anchor_ok: torch.Tensor  # [R, M] bool
     masked: torch.Tensor  # [R, M, S-1] bool: slot k's token t_{a+k} is trained (loss mask, document, row)
     valid: torch.Tensor  # [R, M, S-1] bool: ... and in the draft vocabulary (where the loss is taken)
+
+    def to(self, device) -> "Blocks":
+        return Blocks(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
 
 def draw_blocks(input_ids, loss_mask, doc_ids, t2d, block_size: int, max_anchors: int) -> Blocks:
@@ -74,16 +78,22 @@ class DFlashObjective(nn.Module):
         self.teacher_temperature, self.feature_noise, self.mix = teacher_temperature, feature_noise, mix
 
     def _blocks(self, batch: Batch) -> Blocks:
+        if isinstance(batch.layout, Blocks):  # drawn in the data thread (layouts)
+            return batch.layout.to(batch.input_ids.device)
         return draw_blocks(batch.input_ids, batch.loss_mask, batch.doc_ids, self.drafter.t2d,
                            self.drafter.config.block_size, self.max_anchors)
 
     def layouts(self):
-        """Nothing to compute in the data thread: the draw is cheap (one [R, T] sort) and made in forward."""
-        return lambda input_ids, loss_mask, doc_ids: None
+        """draw_blocks as a function of (input_ids, loss_mask, doc_ids) on the host, for the data thread (the draft
+        vocabulary read to the host once, here)."""
+        t2d, S, M = self.drafter.t2d.cpu(), self.drafter.config.block_size, self.max_anchors
+        return lambda input_ids, loss_mask, doc_ids: draw_blocks(input_ids, loss_mask, doc_ids, t2d, S, M)
 
     def counts(self, batch: Batch):
-        """[steps] float64: positions where slot k+1's loss is taken in this micro-batch (the denominators)."""
-        return self._blocks(batch).valid.sum(dim=(0, 1)).double()
+        """[steps] float64: positions where slot k+1's loss is taken in this micro-batch (the denominators; on the
+        host when the draw was made there)."""
+        blocks = batch.layout if isinstance(batch.layout, Blocks) else self._blocks(batch)
+        return blocks.valid.sum(dim=(0, 1)).double()
 
     def forward(self, batch: Batch, denom, scale: float = 1.0):
         """(loss, stats [steps, 4] float64: the loss's KL sum, valid positions, correct, masked per slot); denom,
