@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calibration, calibrate, demo_config, plan_demo, remaining_line,
+from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calibration, calibrate, demo_config, explain, plan_demo, remaining_line,
                              size_demo, user_sized)
 from draftsmith.rundir import RunDir
 
@@ -74,11 +74,6 @@ def test_calibration_times_the_real_decoding(tiny_target):
 def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
     """The demo ends with what tau and speedup mean on this machine: a drafting step's cost in plain steps is
     tau / speedup (measured, not assumed), the break-even tau is that cost, and where the drafter and reports are."""
-    import json
-
-    from draftsmith.demo import explain
-    from draftsmith.rundir import RunDir
-
     run = RunDir(tmp_path / "run").ensure()
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: ["eval", "eval-vllm"])  # this drafter's reports
     for folder, engine, tau, speedup in (("eval", "local", 1.26, 0.70), ("eval-vllm", "vllm", 1.31, 0.95),
@@ -86,7 +81,10 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
         (run.path / folder).mkdir()
         (run.path / folder / "report.json").write_text(json.dumps(
             {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup}))
+    (run.path / "export").mkdir()
+    (run.path / "export" / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     text = explain(run)
+    assert '"method": "eagle3", "num_speculative_tokens": 3' in text  # the served line names the kind and K
     assert "1.0 when every guess of the drafter is rejected, 4 when all 3 are accepted" in text
     assert "local engine: tau 1.26, 0.70x (slower than plain decoding): a drafting step" in text
     assert "costs 1.80 plain steps here, so drafting pays only above tau 1.80" in text  # 1.26 / 0.70
