@@ -70,7 +70,7 @@ from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.prompts import context_tokens_needed, load_prompts  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target, load_tokenizer, target_info  # noqa: E402
-from draftsmith.vllm_server import CPU_ENV, VLLMServer, context_limit, max_model_len, on_cuda_machine  # noqa: E402
+from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, server_env  # noqa: E402
 from draftsmith.vllm_server import vllm_python  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-cpu-e2e.yaml"
@@ -96,7 +96,7 @@ def offline(job: dict, work: Path) -> dict:
     """limits_vllm_offline.py's JSON for `job`, run in the vLLM environment with the servers' KV cache."""
     path = work / "offline-job.json"
     path.write_text(json.dumps(job))
-    env = {**os.environ, **({} if on_cuda_machine() else CPU_ENV)}
+    env = server_env()
     p = subprocess.run([str(vllm_python()), str(OFFLINE), str(path)], capture_output=True, text=True, env=env)
     (work / "offline.log").open("a").write(p.stdout + p.stderr)
     if p.returncode != 0:

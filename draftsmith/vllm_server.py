@@ -52,6 +52,13 @@ def on_cuda_machine() -> bool:
     return torch.cuda.is_available()
 
 
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM process: CPU_ENV's defaults (without CUDA only), then this process's environment
+    (a VLLM_CPU_KVCACHE_SPACE the user exported wins: six servers at 2 GiB each do not fit a 23 GB machine),
+    then `extra`."""
+    return {**({} if on_cuda_machine() else CPU_ENV), **os.environ, **(extra or {})}
+
+
 GPU_HEADROOM = 0.03  # of each GPU left out of a server's share: this process's CUDA context, fragmentation
 GPU_FREE_WAIT_S = 120.0  # the longest a stopped server's GPU memory is waited for
 
@@ -295,7 +302,8 @@ class VLLMServer:
     port:        a fixed port, or None for a free one
     extra_args:  more `vllm serve` arguments (e.g. ["--speculative-config", json.dumps({...})]);
                  `--dtype` / `--max-model-len` given here replace the defaults
-    env:         extra environment (on a machine without CUDA, VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB)
+    env:         extra environment (on a machine without CUDA, VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB: see
+                 server_env)
     log_path:    where the server's stdout+stderr go (default: a temporary file)
     say:         where start-up progress lines go (default: the active stage's log)
     """
@@ -393,7 +401,7 @@ class VLLMServer:
             self.say(note)
         if "--trust-remote-code" in cmd:
             self.say(f"trust_remote_code is ON for vllm serve {self.model_dir}: Python code from the folder may run")
-        env = {**os.environ, **({} if on_cuda_machine() else CPU_ENV), **self.env}
+        env = server_env(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(self.log_path, "ab") as logf:

@@ -339,6 +339,11 @@ def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
         with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
             pass
         assert ("VLLM_CPU_KVCACHE_SPACE" in seen["env"]) == (not cuda)
+    monkeypatch.setattr(vs, "on_cuda_machine", lambda: False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the user's own setting is kept, not the default
+    with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
+        pass
+    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_max_model_len_follows_the_stage_and_the_model(tmp_path):
