@@ -4,6 +4,7 @@ helper that runs the CLI as a subprocess (the way a user does)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,16 @@ def smol_target() -> str:
 
     target_info("smollm2-135m")
     return "smollm2-135m"
+
+
+def stop_signals_default() -> None:
+    """preexec_fn for a child that a test stops with SIGINT or SIGTERM: both at their default
+    disposition in the child, whatever the test runner inherited. A shell's background job (`cmd &`,
+    `nohup`, a scheduler) starts with SIGINT ignored and its children inherit that; Python then
+    installs no KeyboardInterrupt handler and the test's Ctrl-C does nothing. The product is right to
+    leave an ignored SIGINT ignored; a test must not depend on how its runner was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_cli(*args: str, env: dict | None = None, check: bool = False, timeout: float = 600, **kw) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from conftest import stop_signals_default  # noqa: E402
 from openai_fakes import FakeOpenAIServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,8 @@ def test_stopped_command_exits_nonzero_and_status_says_interrupted(tmp_path, tin
     with FakeOpenAIServer(delay_s=0.1) as srv:
         args = [sys.executable, "-m", "draftsmith", "generate", "--run", str(run), "--set", f"target={tiny_target}",
                 "--prompts", str(prompts), "--backend", "openai", "--server", srv.base_url, "--concurrency", "2"]
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=stop_signals_default)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and (not samples.exists() or samples.read_bytes().count(b"\n") < 5):
             time.sleep(0.05)
@@ -135,7 +137,7 @@ def test_every_stage_stopped_by_a_signal_exits_130_or_143_and_resumes(finished_r
     for _ in range(8):
         shutil.rmtree(run / stage)  # the stage from scratch, so that it has work to be stopped in
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=stop_signals_default)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and not _started_by(journal, proc.pid):
             time.sleep(0.002)
