@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import REPO, build_tiny_target, run_cli
+from conftest import REPO, build_tiny_target, run_cli, stop_signals_default
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
@@ -1149,7 +1149,7 @@ def test_fsdp_mixed_precision_and_frozen_tensors_outside_the_shards(tmp_path):
 def _stop_mid_run(cmd: list[str], run: RunDir, sig: int, after_step: int) -> tuple[subprocess.Popen, str]:
     """Start `cmd`, send `sig` once the journal counts `after_step` steps; (the process, its stderr)."""
     p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **THREADS}, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=stop_signals_default)
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None:
         journals = [j for j in (run.path / "train").glob("progress*.jsonl") if ".prev." not in j.name]  # rank 0's too
