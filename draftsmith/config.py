@@ -326,6 +326,16 @@ class TrainConfig(_Section):
         "vocab.draft_vocab_size (2,048 at 8,192; 524 at 32,000); 0: the whole micro-batch at once, keeping [tokens, "
         "draft vocab] float32 blocks for backward (the loss before chunks: ~2 GB a TTT step at 16k tokens and 32k "
         "draft tokens).")
+    validation: float = Field(
+        0.02, ge=0.0, description="Samples held out of training to measure the drafter on (train/validation.py): a "
+        "number below 1 is a share of the samples (rounded down), a whole number >= 1 a count, 0 turns it off; at "
+        "most validation_max_samples. Chosen by a hash of each prompt's id, so a resume, a longer run or another "
+        "world size keeps the same split, and never trained on. Its acceptance length predicts the one served at "
+        "T=0 on prompts like the training ones (eval compares them).")
+    validation_max_samples: int = Field(
+        256, ge=1, description="At most this many validation samples (a share of a large set is capped here).")
+    validate_every: int = Field(
+        200, ge=1, description="Validate every N optimizer steps, and after the last step.")
     checkpoint_every: int = Field(200, ge=1, description="Write a checkpoint every N optimizer steps.")
     keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
     log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")
@@ -336,6 +346,13 @@ class TrainConfig(_Section):
         1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the "
         "CPU), each taking its own micro-batches, so an optimizer step is N x batch_tokens x grad_accum tokens. On a "
         "2-core CPU two one-thread ranks train ~1.3x faster than one two-thread process. Ignored inside torchrun.")
+
+    @field_validator("validation")
+    @classmethod
+    def _share_or_count(cls, v: float) -> float:
+        if v >= 1 and v != int(v):
+            raise ValueError("a share below 1 (e.g. 0.02) or a whole count (e.g. 200), not " + format(v, "g"))
+        return v
 
     @model_validator(mode="after")
     def _some_loss(self):

@@ -672,6 +672,7 @@ class Prepared:
     path: Path
     offsets: list[int]  # byte offset of each line
     lengths: list[int]  # tokens per sample
+    ids: list[str]  # each sample's id
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -689,7 +690,7 @@ def index_prepared(run: RunDir, vocab_size: int, by: str) -> Prepared:
     """Scan prepare/samples.jsonl once: every line checked (ids inside the target's vocabulary,
     no id twice), its offset and length kept."""
     path = prepared_path(run, by)
-    offsets, lengths = [], []
+    offsets, lengths, ids = [], [], []
     seen: set[str] = set()
     pos = 0
     with open(path, "rb") as f:
@@ -703,6 +704,7 @@ def index_prepared(run: RunDir, vocab_size: int, by: str) -> Prepared:
             if sid in seen:
                 raise DraftsmithError(f"{where}: duplicate sample id {sid!r}")
             seen.add(sid)
+            ids.append(sid)
             offsets.append(start)
             lengths.append(len(rec["input_ids"]))
-    return Prepared(path=path, offsets=offsets, lengths=lengths)
+    return Prepared(path=path, offsets=offsets, lengths=lengths, ids=ids)

@@ -122,6 +122,27 @@ def _count_eval(d: Path) -> tuple[int, int]:
     return _lines(d / "answers.jsonl")
 
 
+def last_validation(metrics: Path, tail_bytes: int = 1 << 18) -> dict | None:
+    """The last validation pass of train/metrics.jsonl ({step, acceptance_length, acceptance_per_position,
+    samples}), read from the file's tail; None when there is none there."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if b'"validation"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("split") == "validation":
+            return {k: rec.get(k) for k in ("step", "acceptance_length", "acceptance_per_position", "samples")}
+    return None
+
+
 ON_DISK: dict[str, Callable[[Path], tuple[int, int]]] = {
     "generate": _count_generate,
     "prepare": _count_prepare,
@@ -206,6 +227,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
     row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage.split("-")[0]](d)  # eval-vllm counts like eval
     if stage == "extract" and row["bytes_on_disk"]:
         row["bytes_per_token"] = extract_bytes_per_token(d, row["bytes_on_disk"])
+    if stage == "train":
+        row["validation"] = last_validation(d / "metrics.jsonl")
     return row
 
 
@@ -284,6 +307,11 @@ def render_table(status: dict[str, Any]) -> str:
             rows.append(_row_cells({**rr, "on_disk": 0, "bytes_on_disk": 0}, f"  rank {rr['rank']}"))
         if r["error"]:
             notes.append(f"{r['name']}: {r['error']}" + (f"  (log: {r['log']})" if r.get("log") else ""))
+        val = r.get("validation") or {}
+        if isinstance(val.get("acceptance_length"), (int, float)):
+            per_pos = " ".join(f"{a:.2f}" for a in val.get("acceptance_per_position") or [] if isinstance(a, (int, float)))
+            notes.append(f"{r['name']}: validation tau {val['acceptance_length']:.2f} at step {val.get('step')} "
+                         f"(per position {per_pos}; {val.get('samples')} held-out samples)")
         if r.get("bad_journal_lines"):
             notes.append(f"{r['name']}: {r['bad_journal_lines']} line(s) of its progress journal are not valid events "
                          "and were skipped")

@@ -342,12 +342,15 @@ def test_eval_errors(exported_run, lively_target, tmp_path):
 def test_read_train_metrics(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1, "loss": 2.5, "acc_0": 0.1, "acc_1": 0.05}\n'
-                 '{"step": 2, "loss": [2.0, 2.5], "acc": [0.2, NaN]}\n'
-                 '{"event": "checkpoint"}\n{"step": 3, "lo')
+                 '{"step": 2, "loss": [2.0, 2.5], "acc": [0.2, NaN], "acceptance_length": 1.4}\n'
+                 '{"event": "checkpoint"}\n'
+                 '{"split": "validation", "step": 2, "loss": [2.1, 2.6], "acc": [0.1, 0.0], "acceptance_length": 1.1}\n'
+                 '{"step": 3, "lo')
     rows = read_train_metrics(p)
-    assert rows[0] == {"step": 1, "loss": [2.5], "acc": [0.1, 0.05]}
+    assert rows[0] == {"step": 1, "split": "train", "loss": [2.5], "acc": [0.1, 0.05], "tau": None}
     assert rows[1]["loss"] == [2.0, 2.5] and rows[1]["acc"][0] == 0.2 and rows[1]["acc"][1] != rows[1]["acc"][1]
-    assert len(rows) == 2
+    assert rows[1]["tau"] == 1.4 and rows[2]["split"] == "validation" and rows[2]["tau"] == 1.1
+    assert len(rows) == 3
 
 
 def test_cli_eval(exported_run, lively_target, tmp_path, cli):

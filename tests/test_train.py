@@ -34,7 +34,7 @@ from draftsmith.train.data import Batch, Prefetcher, pack_epoch
 from draftsmith.train.dflash import Blocks, DFlashObjective, draw_blocks
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
-from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, mix_terms, resolve_attention, ttt_masks
+from draftsmith.train.objective import LossMix, TTTObjective, mix_terms, resolve_attention, ttt_masks
 from draftsmith.train.schedule import TimeBudget, ema_decay, lr_lambda
 from draftsmith.vocab import run_vocab
 
@@ -472,9 +472,7 @@ def test_attention_auto_is_flex_on_cuda_sdpa_on_the_cpu_and_flex_cannot_train_on
     assert {"attention", "loss_chunk_tokens"} <= set(NOT_FINGERPRINTED)
 
 
-def test_acceptance_length_and_schedule():
-    assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert acceptance_length([1.0, 0.0, 1.0]) == 2.0
+def test_schedule():
     f = lr_lambda(warmup=4, total=20, min_ratio=0.1)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
@@ -1036,8 +1034,9 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     samples = cycle_samples(target_info(str(tiny8)).vocab_size, 24, seed=5, lengths=(64, 64))
     base = make_run(tmp_path / "base", tiny8, samples)
     synthesize_states(base, tiny8)
-    # with the weights' average on: it is kept per parameter in the optimizer state, sharded by FSDP
-    sets = dict(max_steps=4, precision="fp32", lr=1e-3, checkpoint_every=2, ema=0.5)
+    # with the weights' average on: it is kept per parameter in the optimizer state, sharded by FSDP; and a
+    # validation split, which every world size draws alike and measures to the same figures
+    sets = dict(max_steps=4, precision="fp32", lr=1e-3, checkpoint_every=2, ema=0.5, validation=5)
 
     one = copy_run(base, tmp_path / "one")  # 1 rank, batch 2b
     run_train(one, cfg_for(tiny8, batch_tokens=128, **sets))
@@ -1066,7 +1065,13 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
         assert w.keys() == ref.keys()
         for k in ref:
             torch.testing.assert_close(w[k], ref[k], rtol=1e-4, atol=1e-6)
-    assert metrics(ddp)[-1]["tokens"] == metrics(one)[-1]["tokens"] == 4 * 2 * 64
+    train_rows = [[r for r in metrics(x) if r.get("split") is None] for x in (one, ddp)]
+    assert train_rows[1][-1]["tokens"] == train_rows[0][-1]["tokens"] == 4 * 2 * 64
+    val = [[r for r in metrics(x) if r.get("split") == "validation"][-1] for x in (one, accum, ddp, fsdp, launched)]
+    for v in val:
+        assert (v["step"], v["samples"], v["positions"]) == (4, 5, val[0]["positions"]) and v["positions"] > 0
+        assert v["acceptance_per_position"] == pytest.approx(val[0]["acceptance_per_position"], abs=1e-9)
+        assert v["loss"] == pytest.approx(val[0]["loss"], rel=1e-4)
     # the sharded run checkpoints full tensors too
     assert load_file(str(fsdp.path / "train/checkpoints/step_2/model.safetensors")).keys() == ref.keys()
 

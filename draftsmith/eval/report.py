@@ -53,9 +53,10 @@ def aggregate(records: list[dict], K: int) -> dict:
 
 
 def read_train_metrics(path: Path) -> list[dict]:
-    """[{step, loss: [per TTT step], acc: [per TTT step]}] from train/metrics.jsonl; lines without a
-    step are skipped. `loss` and `acc` may be numbers or lists (train writes lists), or `loss_{k}` /
-    `acc_{k}` keys."""
+    """[{step, split, loss: [per TTT step], acc: [per TTT step], tau}] from train/metrics.jsonl: `split` is
+    "train" for a window of training steps, "validation" for a validation pass (train/report.py); tau its
+    acceptance length or None. Lines without a step are skipped. `loss` and `acc` may be numbers or lists
+    (train writes lists), or `loss_{k}` / `acc_{k}` keys."""
     def per_step(rec: dict, name: str) -> list[float] | None:
         v = rec.get(name)
         if isinstance(v, (int, float)):
@@ -76,12 +77,20 @@ def read_train_metrics(path: Path) -> list[dict]:
             continue
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
             continue
-        rows.append({"step": rec["step"], "loss": per_step(rec, "loss"), "acc": per_step(rec, "acc")})
+        tau = rec.get("acceptance_length")
+        rows.append({"step": rec["step"], "split": "validation" if rec.get("split") == "validation" else "train",
+                     "loss": per_step(rec, "loss"), "acc": per_step(rec, "acc"),
+                     "tau": float(tau) if isinstance(tau, (int, float)) else None})
     return rows
 
 
-def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
-    panels = 1 + (2 if train_rows else 0)
+def write_plot(path: Path, report: dict, rows: list[dict]) -> None:
+    """The acceptance per position of the report; with training rows (read_train_metrics) also the training
+    loss and accuracy per TTT step, and the acceptance length on the fitted batches beside the validation
+    one (the figure that predicts serving) over the steps."""
+    train_rows = [r for r in rows if r["split"] == "train"]
+    val_rows = [r for r in rows if r["split"] == "validation" and r["tau"] is not None]
+    panels = 1 + (3 if train_rows else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     ax = axes[0][0]
     acc = [a or 0.0 for a in report["acceptance_per_position"]]
@@ -106,6 +115,17 @@ def write_plot(path: Path, report: dict, train_rows: list[dict]) -> None:
             ax.set_title(title)
             if n:
                 ax.legend()
+        ax = axes[0][3]
+        pts = [(r["step"], r["tau"]) for r in train_rows if r["tau"] is not None]
+        ax.plot([s for s, _ in pts], [t for _, t in pts], label="training batches", color="tab:gray")
+        if val_rows:
+            ax.plot([r["step"] for r in val_rows], [r["tau"] for r in val_rows], "o-", label="validation (held out)",
+                    color="tab:green")
+        if tau:
+            ax.axhline(tau, ls="--", color="tab:blue", label=f"{report['engine']} (eval prompts)")
+        ax.set_xlabel("optimizer step")
+        ax.set_title("acceptance length (chain, K = trained steps)")
+        ax.legend()
     fig.tight_layout()
     try:
         with atomic_path(path) as tmp:

@@ -91,6 +91,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
         "shard_size": extract_cfg.shard_size, "fields": list(FORMAT_FIELDS[extract_cfg.store_format]),
         "backend": extract_cfg.backend, "lengths": prepared.lengths,
+        "ids": prepared.ids,  # train's validation split is drawn by id (train/validation.py)
     }
     d = run.stage_dir(STAGE)
     with store.ranks_lock(d):

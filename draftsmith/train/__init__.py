@@ -13,6 +13,11 @@ Objective (objective.py): the forward KL from the target's next-token distributi
 drafter's (or a mix with other distances, train.loss_*), over `train.ttt_steps` unrolled drafting
 steps weighted gamma**k.
 
+Validation (validation.py): train.validation holds samples out by a hash of their prompt's id; every
+train.validate_every steps and after the last, their chain acceptance (the acceptance length a greedy
+verifier gets) is measured with the objective's own forward, logged beside the training figures, written
+to metrics.jsonl and kept in every checkpoint.
+
 Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/ and final/ (checkpoint.py),
 metrics.jsonl and tb/ (report.py), the manifest. A run killed at any point resumes from its
 newest checkpoint to the same final weights as a run never interrupted.
@@ -46,8 +51,9 @@ from draftsmith.train.distributed import Ranks, distribute, process_group, resol
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
 from draftsmith.train.dflash import DFlashObjective
-from draftsmith.train.objective import LossMix, TTTObjective, acceptance_length, resolve_attention
+from draftsmith.train.objective import LossMix, TTTObjective, resolve_attention
 from draftsmith.train.report import Window
+from draftsmith.train.validation import Validation, split
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
 from draftsmith.train.stop import DeferredStop
 from draftsmith.vocab import load_vocab
@@ -60,7 +66,7 @@ LENGTH_KEYS = ("max_steps", "epochs", "max_minutes")
 # Settings that change how a run is watched, stored or sharded, not what it computes: left out
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
-                     "attention", "loss_chunk_tokens")
+                     "attention", "loss_chunk_tokens", "validate_every")
 # Train settings added after runs already existed, each with the default that keeps those older
 # runs' fingerprint unchanged: `fingerprinted` (its later_defaults) leaves a setting out while it
 # holds this value, so an older run stays current instead of training again.
@@ -103,6 +109,8 @@ class TrainState:
     tokens_seen: int = 0
     samples_seen: int = 0
     metrics: dict | None = None  # the last log interval's metrics
+    validation: Validation | None = None  # the held-out samples (None: train.validation 0, or too few samples)
+    val_metrics: dict | None = None  # the last validation pass's figures (with its step)
 
     @property
     def folder(self) -> Path:
@@ -203,7 +211,10 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     init_layers = read_init_layers(info, tc, dcfg)
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
-    packing = Packing.of(source.lengths, tc)
+    held = split(source.ids(), tc.validation, tc.validation_max_samples) if tc.validation > 0 else []
+    held_set = set(held)
+    # the held-out samples get length 0 in the training packing: no micro-batch ever holds them
+    packing = Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
     per_step = ranks.world * tc.grad_accum
     total_steps = count_steps(tc, packing, per_step)
     resume_fp = _resume_fingerprint(book)
@@ -219,6 +230,15 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         clear_for_attempt(folder, continues, fp, say)
     if ranks.world > 1:
         dist.barrier()
+    validation = None
+    if held:
+        validation = Validation(held, source.lengths, packing.row_len, packing.rows_per_batch, ranks.rank, ranks.world)
+        say(f"validation: {len(held)} samples ({validation.tokens:,} tokens) held out by a hash of their prompt's id, "
+            f"never trained on; measured every {tc.validate_every} steps and after the last"
+            + _sampled_note(run, cfg))
+    elif tc.validation > 0:
+        say(f"validation: off (train.validation={tc.validation:g} of {len(source.lengths)} samples holds out none); "
+            "the train line's tau is then measured on the samples being fitted, which overstates the served one")
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
@@ -273,18 +293,29 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     total_steps=total_steps, planned=total_steps,
                     position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
-                    metrics=state.get("metrics"))
+                    metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"))
     if resume is not None:
         load_training_state(resume, objective, optimizer, scheduler, ranks)
         say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
             f"micro-batch {ts.position[1]})")
     budget_note = ("" if budget.budget_s is None
                    else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
-    say(f"{tc.mode} training: {len(packing.lengths)} samples, {total_steps} steps{budget_note} of {per_step} "
+    trained = sum(1 for n in packing.lengths if n > 0)
+    say(f"{tc.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
         f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, "
         f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
+
+
+def _sampled_note(run, cfg) -> str:
+    """What the validation figure means when the answers were sampled (the generate stage's settings)."""
+    gen = ((run.read_manifest("generate") or {}).get("settings") or {}).get("generate") or cfg.generate.model_dump()
+    temperature, answers = float(gen.get("temperature") or 0.0), int(gen.get("answers_per_prompt") or 1)
+    if temperature <= 0 and answers <= 1:
+        return ""
+    return (f"; note: answers were sampled (generate.temperature {temperature:g}, {answers} answer(s) per prompt), "
+            "so its tau is taken on sampled continuations and predicts greedy serving (T=0) less closely")
 
 
 def _resume_fingerprint(book: StageBook) -> str:
@@ -315,16 +346,8 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     and checkpointing every train.checkpoint_every steps; on a stop signal (`stop`, noted on any
     rank) a checkpoint of the step just made on every rank, then the signal raised."""
     tc, device = ts.cfg.train, ts.ranks.device
-    act_dtype = torch.bfloat16 if ts.precision == "bf16" else torch.float32
-    layout_of = ts.objective.layouts()
-
-    def add_loss_layout(b):  # in the data thread, on the host: the loss mask, then the sizes the loss takes from it
-        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on,
-                                                tc.loss_skip_tokens))
-        return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
-
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
-                       prepare=add_loss_layout, feeder=DeviceFeeder(device, act_dtype, tc.grad_accum))
+                       prepare=_host_step(ts), feeder=DeviceFeeder(device, _act_dtype(ts), tc.grad_accum))
     window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
     ts.budget.start()
     try:
@@ -353,6 +376,8 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
                 _log_window(ts, window, grad_norm, stop_now, prog)
             if stop_now:
                 break
+            if ts.validation is not None and ts.step % tc.validate_every == 0 and ts.step < ts.total_steps:
+                _validate(ts, prog, window)  # before a checkpoint of this step, which keeps its figures
             if shared["interrupt"] > 0 and ts.step < ts.total_steps:  # every rank sees it at the same step
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
                 say(f"checkpoint of step {ts.step} written: the same command resumes from it")
@@ -362,6 +387,36 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     finally:
         data.close()
         window.close()
+
+
+def _act_dtype(ts: TrainState):
+    return torch.bfloat16 if ts.precision == "bf16" else torch.float32
+
+
+def _host_step(ts: TrainState):
+    """What a micro-batch goes through on the host before the device (in the data thread): the loss mask, then
+    the sizes the loss takes from it (the objective's layout)."""
+    tc, layout_of = ts.cfg.train, ts.objective.layouts()
+
+    def prepare(b):
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on,
+                                                tc.loss_skip_tokens))
+        return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
+    return prepare
+
+
+def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
+    """A validation pass after step ts.step (every rank): its figures into ts.val_metrics, and on rank 0 a
+    metrics.jsonl row and a log line. Its time counts neither in the time budget nor in the window's rate."""
+    tc = ts.cfg.train
+    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts), ts.ranks.device, _act_dtype(ts), ts.precision,
+                             ts.ranks, say, tc.log_every_s, prog.busy)
+    ts.budget.loop_t0 += figs["seconds"]
+    if window is not None:
+        window.t0 += figs["seconds"]
+    ts.val_metrics = {"step": ts.step, **figs}
+    if ts.ranks.rank == 0:
+        Window.write_validation(ts.folder, ts.val_metrics, say)
 
 
 def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
@@ -490,16 +545,17 @@ def _log_window(ts: TrainState, window: Window, grad_norm: float, stop_now: bool
         eta = min(eta, left_s)
         ts.planned = min(ts.total_steps, ts.step + int(left_s * window.steps / dt)) if dt > 0 else ts.planned
         prog.set_total(ts.planned)
-    tau = acceptance_length([a if a == a else 0.0 for a in acc_k])  # a NaN accuracy (no position) counts as 0
+    tau, per_pos = window.chain()
     ts.metrics = {
         "step": ts.step, "total_steps": ts.planned, "epoch": ts.position[0], "loss": loss_k, "acc": acc_k,
-        "acceptance_length": tau, "lr": ts.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+        "acceptance_length": tau, "acceptance_per_position": per_pos, "lr": ts.scheduler.get_last_lr()[0],
+        "grad_norm": grad_norm,
         "tokens_per_s": tps, "tokens": ts.tokens_seen, "samples": ts.samples_seen,
         "elapsed_s": time.time() - ts.book.started, "cpu_s": time.process_time() - ts.cpu0,
         "step_time_s": {k: v / max(1, window.steps) for k, v in window.times.items()},
     }
     if ts.ranks.rank == 0:
-        window.write(ts.metrics, eta)
+        window.write(ts.metrics, eta, ts.val_metrics)
     window.reset()
 
 
@@ -511,7 +567,8 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
              "tokens_seen": ts.tokens_seen, "samples_seen": ts.samples_seen, "world_size": ts.ranks.world,
              "grad_accum": ts.cfg.train.grad_accum, "train_fingerprint": ts.book.fingerprint, "time": now,
              "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
-             "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s}
+             "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s,
+             "validation": ts.val_metrics}
     save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
                     device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale,
                     keep=keep)
@@ -524,18 +581,24 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
 def finish(ts: TrainState, prog: Progress) -> dict | None:
     """The last step's checkpoint (unless the attempt resumed from it), final/, and on rank 0 the
     manifest, which it returns (None on the other ranks)."""
+    ema = ts.cfg.train.ema > 0
+    if ts.validation is not None and not ema and (ts.val_metrics or {}).get("step") != ts.step:
+        _validate(ts, prog, None)  # the figures the drafter leaves training with, kept in the checkpoints below
     if ts.step > ts.start_step:
         _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=ts.cfg.train.keep_checkpoints)
     final_dir = ts.folder / "final"
-    if ts.cfg.train.ema > 0:
+    if ema:
         load_ema(ts.optimizer, ts.params)  # after the last checkpoint, which keeps the raw weights to resume from
+        if ts.validation is not None:
+            _validate(ts, prog, None)  # final/ holds the averaged weights: their figures, not the raw ones'
     _save(ts, final_dir)
     manifest = None
     if ts.ranks.rank == 0:
         m = ts.metrics or {}
         counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
                   "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
-                  "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2)}
+                  "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2),
+                  "validation": ts.val_metrics}
         outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None

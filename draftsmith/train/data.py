@@ -362,6 +362,14 @@ class OfflineSource:
     def name(self, i: int) -> str:
         return str(self.store.metadata(i).get("id", i))
 
+    def ids(self) -> list[str]:
+        """Every sample's id: from the store's meta.json (stores extracted since it records them), else
+        from each file's own metadata (one header read per file)."""
+        ids = self.store.meta.get("ids")
+        if isinstance(ids, list) and len(ids) == len(self.lengths):
+            return [str(x) for x in ids]
+        return [self.name(i) for i in range(len(self.lengths))]
+
     def damaged(self, i: int) -> str | None:
         """What is wrong with sample i's stored states, naming its file (None: all finite). Read on
         the failure path only (the loop checks a whole micro-batch on the device)."""
@@ -396,6 +404,9 @@ class PreparedSource:
 
     def name(self, i: int) -> str:
         return self.names[i]
+
+    def ids(self) -> list[str]:
+        return list(self.names)
 
     def damaged(self, i: int) -> str | None:
         """Nothing is stored: non-finite states here are the target's own (see the loop's error)."""

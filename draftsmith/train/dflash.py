@@ -96,8 +96,9 @@ class DFlashObjective(nn.Module):
         return blocks.valid.sum(dim=(0, 1)).double()
 
     def forward(self, batch: Batch, denom, scale: float = 1.0):
-        """(loss, stats [steps, 4] float64: the loss's KL sum, valid positions, correct, masked per slot); denom,
-        scale as TTTObjective.forward's."""
+        """(loss, stats [steps, 5] float64: the loss's KL sum, valid positions, correct, masked per slot, and chain:
+        anchors whose slots 1..k+1 are all right, among the anchors whose slot 1 is trained); denom, scale as
+        TTTObjective.forward's."""
         d = self.drafter
         blocks = self._blocks(batch)
         aux = batch.aux_hidden
@@ -117,6 +118,7 @@ class DFlashObjective(nn.Module):
         targets = batch.input_ids[rows, at]
         teacher_h = batch.last_hidden[rows, at - 1]  # the target's state before the predicted token
         losses, kls, correct = [], [], []
+        hits = torch.zeros_like(blocks.valid)  # [R, M, S-1] slot j's draft is right (valid slots only)
         for j in range(S - 1):
             v = blocks.valid[:, :, j]
             x = d.norm(states[:, :, j + 1][v])  # [n, H]
@@ -134,8 +136,12 @@ class DFlashObjective(nn.Module):
             losses.append(obj.sum() * w)
             kls.append(kl_pos.detach().sum().double())
             pred = logits.detach().argmax(-1)
-            correct.append(((pred + d.d2t[pred]) == targets[:, :, j][v]).sum().double())
+            hit = (pred + d.d2t[pred]) == targets[:, :, j][v]
+            hits[:, :, j][v] = hit
+            correct.append(hit.sum().double())
         loss = torch.stack(losses).sum()
         valid = blocks.valid.sum(dim=(0, 1)).double()
         masked = blocks.masked.sum(dim=(0, 1)).double()
-        return loss, torch.stack([torch.stack(kls), valid, torch.stack(correct), masked], dim=1)
+        # a block's draft of slot k counts when slots 1..k are all right (TTTObjective's chain, per anchor)
+        chain = (hits & blocks.masked[:, :, :1]).cumprod(dim=2).sum(dim=(0, 1)).double()
+        return loss, torch.stack([torch.stack(kls), valid, torch.stack(correct), masked, chain], dim=1)

@@ -10,8 +10,13 @@ the draft vocabulary) across the whole optimizer step and all ranks, weighted ga
 cross-entropy on the target's argmax: what greedy verification checks) to or instead of that KL;
 the logged loss stays the forward KL whatever the mix, so runs with different mixes read alike.
 Accuracy at step k counts the d2t-mapped argmax == t[i+2+k] over every loss-masked position
-(tokens outside the draft vocabulary are misses), so that 1 + sum_k prod_{j<=k} acc_j estimates
-the acceptance length of chain drafting.
+(tokens outside the draft vocabulary are misses): a marginal figure, what step k gets right whatever
+steps 0..k-1 did. What a verifier accepts is a chain: the draft of step k at position i counts only
+when steps 0..k-1 at i were right too (greedy verification at T=0 stops at the first miss), so the
+objective also counts, per step k, the positions whose drafts 0..k are all right (`chain`, over the
+positions where step 0 is trained); acceptance per position is that count over those positions and
+the acceptance length 1 + their sum (`chain_acceptance`), as vLLM counts it on the target's own
+greedy answers.
 
 Memory at the recipes' scale (docs/scaling.md): the loss is taken a chunk of teacher positions at
 a time (ChunkedKL), so no [tokens, draft vocab] float32 block of a whole micro-batch lives at once;
@@ -209,7 +214,8 @@ class ChunkedKL(torch.autograd.Function):
 
     forward(plan, weight [Dv, H], teacher_head [Dv, H], teacher_hidden [N, H], *xs [N_k, H]) ->
     (loss [], kl [steps] float64 (unweighted sums), correct [steps] float64 (argmax mapped
-    through d2t == target)). The graph is used once: backward scales the saved gradients in place.
+    through d2t == target), *hits [N_k] bool (that test per position, for the chain counts)).
+    The graph is used once: backward scales the saved gradients in place.
     """
 
     @staticmethod
@@ -218,6 +224,7 @@ class ChunkedKL(torch.autograd.Function):
         kl = weight.new_zeros(steps, dtype=torch.float64)
         mixed = kl if plan.mix.pure_kl else weight.new_zeros(steps, dtype=torch.float64)  # the objective's sums
         correct = weight.new_zeros(steps, dtype=torch.float64)
+        hits = [torch.zeros(x.shape[0], dtype=torch.bool, device=x.device) for x in xs]
         gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
         gxs = [torch.zeros_like(x) for x in xs] if plan.grad_states else []
         starts = list(range(0, N, plan.chunk))
@@ -250,7 +257,9 @@ class ChunkedKL(torch.autograd.Function):
                     q = logq.exp()
                     mixed[k] += (plan.mix.kl * kl_pos + mix_terms(plan.mix, p, logp, logq, q)).sum().double()
                 pred = logits.argmax(-1)
-                correct[k] += ((pred + plan.d2t[pred]) == plan.targets[k][s:e]).sum().double()
+                hit = (pred + plan.d2t[pred]) == plan.targets[k][s:e]
+                hits[k][s:e] = hit
+                correct[k] += hit.sum().double()
                 if gw is None and not gxs:
                     continue
                 # d loss / d logits (pure KL: weights[k] * (q - p), p sums to 1, in place), then in the
@@ -269,13 +278,13 @@ class ChunkedKL(torch.autograd.Function):
                     gw += (g.t() @ xc).float()
         ctx.save_for_backward(*([gw] if gw is not None else []), *gxs)
         ctx.has_gw, ctx.steps, ctx.w_dtype = gw is not None, steps, weight.dtype
-        ctx.mark_non_differentiable(kl, correct)
+        ctx.mark_non_differentiable(kl, correct, *hits)
         # weighted by Python floats: a tensor of the weights would be a host->device copy (a sync)
         loss = torch.stack([mixed[k] * w for k, w in enumerate(plan.weights)]).sum()
-        return loss.to(torch.float32), kl, correct
+        return (loss.to(torch.float32), kl, correct, *hits)
 
     @staticmethod
-    def backward(ctx, g_loss, _g_kl, _g_correct):
+    def backward(ctx, g_loss, _g_kl, _g_correct, *_g_hits):
         saved = list(ctx.saved_tensors)
         gw = saved.pop(0).mul_(g_loss).to(ctx.w_dtype) if ctx.has_gw else None
         gxs = [gx.mul_(g_loss.to(gx.dtype)) for gx in saved] or [None] * ctx.steps
@@ -322,7 +331,8 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: Batch, denom, scale: float = 1.0):
         """The loss of micro-batch `batch` (its tensors and layout; on the training device):
-        returns (loss, stats [steps, 4] float64: KL sum, valid positions, correct, masked).
+        returns (loss, stats [steps, 5] float64: KL sum, valid positions, correct, masked, chain: positions
+        whose drafts 0..k are all right, among the positions where step 0 is trained; chain_acceptance).
 
         loss = scale * sum_k gamma^k * KL_sum_k / denom[k] (KL_sum_k: the LossMix's sum); denom [steps] = valid
         positions of step k over the whole optimizer step (all micro-batches, all ranks), so that the
@@ -362,7 +372,7 @@ class TTTObjective(nn.Module):
         xs = [d.norm(states[k].reshape(-1, H)[vi]) for k, vi in enumerate(vis)]  # [N_k, H]
         teacher = batch.last_hidden.reshape(-1, H)[need_idx]  # [N, H]
         if self.chunk_tokens == 0:
-            kl, correct, loss = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights)
+            kl, correct, loss, hits = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights)
         else:
             plan = KLPlan(rows=[row_of[vi + 1 + k] for k, vi in enumerate(vis)],
                           targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
@@ -370,20 +380,29 @@ class TTTObjective(nn.Module):
                           chunk=self.chunk_tokens,
                           grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
                           grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs), mix=self.mix)
-            loss, kl, correct = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
+            loss, kl, correct, *hits = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
         counts = torch.stack([valid.sum() for _, valid in masks]).double()  # on the device: no host->device copy
         masked = torch.stack([m.sum() for m, _ in masks]).double()
-        return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked], dim=1)
+        # the chain: step k's hits scattered back to their drafting positions [R*T], and-ed over steps 0..k
+        alive = masks[0][0].flatten()
+        chain = []
+        for vi, hit in zip(vis, hits):
+            at = torch.zeros(R * T, dtype=torch.bool, device=input_ids.device)
+            alive = alive & at.index_put_((vi,), hit)
+            chain.append(alive.sum())
+        chain = torch.stack(chain).double()
+        return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked, chain], dim=1)
 
     def _unchunked(self, xs, vis, row_of, teacher, flat_ids, weights):
-        """The loss as one autograd graph over the whole micro-batch: (kl [steps], correct [steps], loss)."""
+        """The loss as one autograd graph over the whole micro-batch: (kl [steps], correct [steps], loss,
+        hits: per step [N_k] bool)."""
         d = self.drafter
         with torch.no_grad():
             t_logits = teacher @ self.target_head.t()  # [N, Dv]
             t_logp = torch.log_softmax(t_logits.float() / self.teacher_temperature, dim=-1)
             t_p = t_logp.exp()
             t_negent = (t_p * t_logp).sum(-1)  # [N] sum p log p, the KL's constant part
-        loss, kls, correct = 0.0, [], []
+        loss, kls, correct, hits = 0.0, [], [], []
         for k, (x, vi) in enumerate(zip(xs, vis)):
             logits = d.lm_head(x)  # [N_k, Dv]
             logq = torch.log_softmax(logits.float(), dim=-1)
@@ -399,8 +418,9 @@ class TTTObjective(nn.Module):
             kls.append(kl)
             with torch.no_grad():
                 pred = logits.argmax(-1)
-                correct.append(((pred + d.d2t[pred]) == flat_ids[vi + 2 + k]).sum().double())
-        return torch.stack(kls), torch.stack(correct), loss
+                hits.append((pred + d.d2t[pred]) == flat_ids[vi + 2 + k])
+                correct.append(hits[-1].sum().double())
+        return torch.stack(kls), torch.stack(correct), loss, hits
 
 
 def step_counts(batch: Batch, t2d, steps: int):
@@ -420,11 +440,15 @@ def fc_input_scale(batch: Batch, eps: float = 1e-3):
     return 1.0 / x.pow(2).mean(0).sqrt().clamp_min(eps)
 
 
-def acceptance_length(acc: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: expected tokens per verification when draft k is accepted
-    only if drafts 0..k-1 were."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
+def chain_acceptance(chain: list[float], starts: float) -> tuple[float | None, list[float | None]]:
+    """(acceptance length, acceptance per position) from chain counts: chain[k] = positions whose
+    drafts 0..k were all right, out of `starts` positions where a chain of drafts starts (step 0
+    trained). Acceptance at position k is chain[k] / starts: the share of drafts whose first k+1
+    tokens a greedy verifier accepts; the acceptance length is 1 + their sum = the mean over positions
+    of 1 + the length of the run of consecutive right drafts there, capped at K = len(chain): what
+    vLLM reports as 1 + accepted / drafts at T=0 when the target's answers are its own greedy ones.
+    (None, [None] * K) when no chain starts."""
+    if starts <= 0:
+        return None, [None] * len(chain)
+    per_pos = [c / starts for c in chain]
+    return 1.0 + sum(per_pos), per_pos

@@ -1,6 +1,11 @@
 """What a run shows while it trains, once per log interval (train.log_every_s): a line of
 metrics.jsonl, TensorBoard scalars under tb/ (train.tensorboard), and the step line in the log;
-all summing up the window of steps since the previous one."""
+all summing up the window of steps since the previous one. After each validation pass
+(train/validation.py), a row of its own in metrics.jsonl (`"split": "validation"`) and a log line; the
+step line shows the last validation figure beside the training one.
+
+The training tau is the chain acceptance (objective.chain_acceptance) on the batches being fitted: it runs
+ahead of what the drafter does on unseen answers; the validation tau is the one that predicts serving."""
 
 import json
 import time
@@ -11,9 +16,15 @@ import torch.distributed as dist
 
 from draftsmith.journal import fmt_duration
 from draftsmith.rundir import append_text, atomic_write_text
+from draftsmith.train.objective import chain_acceptance
 
 METRICS = "metrics.jsonl"
 STEP_PARTS = ("data", "forward", "backward", "optimizer")  # where a step's time goes
+
+
+def is_validation(rec: dict) -> bool:
+    """Whether a metrics.jsonl row is a validation pass's (the others are training windows)."""
+    return rec.get("split") == "validation"
 
 
 def _json_step(line: str) -> int | None:
@@ -47,9 +58,10 @@ class Window:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(folder / "tb"), purge_step=start_step + 1)
-        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions; on
-        # the device, summed there every micro-batch and read only at log time (summary)
-        self.stats = torch.zeros(tc.ttt_steps, 4, dtype=torch.float64, device=device)
+        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions, chain (drafts
+        # 0..k all right); on the device, summed there every micro-batch and read only at log time (summary)
+        self.stats = torch.zeros(tc.ttt_steps, 5, dtype=torch.float64, device=device)
+        self._read: list | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -70,13 +82,19 @@ class Window:
         if world > 1:
             dist.all_reduce(self.stats)
         # the window's statistics accumulate on the device (no read per step); this is their one read
-        s = self.stats.tolist()
-        loss_k = [kl / n if n > 0 else float("nan") for kl, n, _, _ in s]
-        acc_k = [c / m if m > 0 else float("nan") for _, _, c, m in s]
+        s = self._read = self.stats.tolist()
+        loss_k = [kl / n if n > 0 else float("nan") for kl, n, _, _, _ in s]
+        acc_k = [c / m if m > 0 else float("nan") for _, _, c, m, _ in s]
         return loss_k, acc_k, time.perf_counter() - self.t0
 
-    def write(self, metrics: dict, eta_s: float) -> None:
-        """Rank 0: the metrics line, the TensorBoard scalars, the step line in the log."""
+    def chain(self) -> tuple[float | None, list[float | None]]:
+        """The window's chain acceptance (acceptance length, per position), from the statistics summary read."""
+        s = self._read or []
+        return chain_acceptance([row[4] for row in s], s[0][3] if s else 0.0)
+
+    def write(self, metrics: dict, eta_s: float, validation: dict | None = None) -> None:
+        """Rank 0: the metrics line, the TensorBoard scalars, the step line in the log (with the last validation
+        pass's tau when there is one)."""
         step, loss_k, acc_k = metrics["step"], metrics["loss"], metrics["acc"]
         append_text(self.metrics_path, json.dumps(metrics) + "\n")
         if self.tb is not None:
@@ -84,10 +102,16 @@ class Window:
                 self.tb.add_scalar(f"loss/step{k}", loss_k[k], step)
                 self.tb.add_scalar(f"acc/step{k}", acc_k[k], step)
             for key in ("acceptance_length", "lr", "grad_norm", "tokens_per_s"):
-                self.tb.add_scalar(f"train/{key}", metrics[key], step)
+                if metrics[key] is not None:
+                    self.tb.add_scalar(f"train/{key}", metrics[key], step)
             self.tb.flush()
+        tau = metrics["acceptance_length"]
+        val = validation or {}
         self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
-                 + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k) + f" | tau {metrics['acceptance_length']:.2f}"
+                 + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k)
+                 + f" | tau train {'n/a' if tau is None else format(tau, '.2f')}"
+                 + (f", val {val['acceptance_length']:.2f} (step {val['step']})"
+                    if val.get("acceptance_length") is not None else "")
                  + f" | {metrics['tokens_per_s']:,.0f} tok/s | lr {metrics['lr']:.2e} "
                    f"| gnorm {metrics['grad_norm']:.2f}"
                  + f" | ETA {fmt_duration(eta_s)}")
@@ -95,3 +119,13 @@ class Window:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+    @staticmethod
+    def write_validation(folder: Path, row: dict, say) -> None:
+        """Rank 0: a validation pass's row in metrics.jsonl and its line in the log."""
+        append_text(folder / METRICS, json.dumps({"split": "validation", **row}) + "\n")
+        tau, per_pos = row["acceptance_length"], row["acceptance_per_position"]
+        say(f"validation at step {row['step']}: tau {'n/a' if tau is None else format(tau, '.3f')} "
+            f"(acceptance per position {' '.join('n/a' if a is None else format(a, '.3f') for a in per_pos)}) over "
+            f"{row['samples']} held-out samples, {row['positions']:,} drafting positions; loss "
+            + " ".join("n/a" if x is None else format(x, ".3f") for x in row["loss"]) + f" nats; {row['seconds']:.1f}s")

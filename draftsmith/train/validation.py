@@ -1,0 +1,134 @@
+"""The validation split and its pass: what a drafter's acceptance is on samples it never trained on.
+
+Split (`split`). train.validation holds out a share (or a count) of the samples, capped at
+train.validation_max_samples. Which ones depends on their ids alone: a sample's key is its prompt's id
+(generate.answers_per_prompt's resampled answers, `ID#k@T...`, share their prompt's key, so no prompt is on
+both sides), ranked by sha256; the n lowest are held out. A resume, a longer run, another world size or
+another batch size therefore keeps the same split, and the held-out samples get length 0 in the training
+packing (train/data.py skips them), so no step ever reads them. Offline they are read from the extract store,
+online from the same source as training (the target in process, or the vLLM servers).
+
+Pass (`Validation.run`). Every train.validate_every optimizer steps and after the last: the drafter in eval mode
+(no feature noise), no gradient, under the training precision, the validation micro-batches through the
+objective's own forward (TTT for eagle3/peagle, the anchored blocks for DFlash: exactly the numbers training
+computes), each rank its share of the micro-batches (FSDP needs every rank in every forward, so the shares are
+padded to equal counts with passes whose numbers are dropped), the statistics summed over the ranks.
+The figures (`figures`): per step the loss and marginal accuracy, and the chain acceptance
+(objective.chain_acceptance): the acceptance length a greedy verifier gets on these answers at K = the trained
+steps, and per position. When the answers were sampled (generate.temperature > 0, or resampled answers), the
+chain is taken on sampled continuations: served at T=0 the target's own greedy answer is what is verified, so
+the figure then predicts greedy serving less closely (the train log says so once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+
+import torch
+import torch.distributed as dist
+
+from draftsmith.train.data import pack_epoch
+from draftsmith.train.objective import chain_acceptance
+
+# a resampled answer's id (generate.answers_per_prompt): the prompt's id, then #k@T<temperature>
+RESAMPLED = re.compile(r"#\d+@T[^#]*$")
+
+
+def split_key(sample_id: str) -> str:
+    """The key a sample is held out by: its prompt's id (all answers of one prompt fall on one side)."""
+    return RESAMPLED.sub("", str(sample_id))
+
+
+def split_size(n_samples: int, share: float, max_samples: int) -> int:
+    """Samples held out: `share` < 1 is a share of the samples (rounded down), >= 1 a count; at most
+    max_samples, and never all of them."""
+    n = int(share) if share >= 1 else math.floor(share * n_samples)
+    return max(0, min(n, max_samples, n_samples - 1))
+
+
+def split(ids: list[str], share: float, max_samples: int) -> list[int]:
+    """Indices of the held-out samples, ascending: those whose prompt keys rank lowest by sha256, all
+    answers of a held-out prompt included (so the count may exceed split_size by a prompt's other answers)."""
+    n = split_size(len(ids), share, max_samples)
+    if n == 0:
+        return []
+    keys = [split_key(i) for i in ids]
+    rank = sorted(set(keys), key=lambda k: (hashlib.sha256(k.encode("utf-8", "surrogatepass")).digest(), k))
+    held: set[str] = set()
+    count = 0
+    counts: dict[str, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    for k in rank:
+        if count >= n:
+            break
+        held.add(k)
+        count += counts[k]
+    out = [i for i, k in enumerate(keys) if k in held]
+    return out if len(out) < len(ids) else out[:-1]
+
+
+def figures(stats: list[list[float]]) -> dict:
+    """Figures of summed statistics [steps][5] (KL sum, valid, correct, masked, chain; objective.forward):
+    loss and marginal accuracy per step (None where a step has no position), the chain acceptance length and
+    acceptance per position (chain_acceptance), and the positions chains start at."""
+    loss = [kl / n if n > 0 else None for kl, n, _, _, _ in stats]
+    acc = [c / m if m > 0 else None for _, _, c, m, _ in stats]
+    starts = stats[0][3] if stats else 0.0
+    tau, per_pos = chain_acceptance([row[4] for row in stats], starts)
+    return {"loss": loss, "acc": acc, "acceptance_length": tau, "acceptance_per_position": per_pos,
+            "positions": int(starts)}
+
+
+class Validation:
+    """The held-out samples of a run and the pass over them (module doc)."""
+
+    def __init__(self, indices: list[int], lengths: list[int], row_len: int, rows_per_batch: int, rank: int,
+                 world: int):
+        self.indices = indices
+        keep = set(indices)
+        only = [n if i in keep else 0 for i, n in enumerate(lengths)]
+        self.tokens = sum(min(only[i], row_len) for i in indices)
+        # fixed micro-batches (seed and epoch 0): every pass reads the same rows
+        plan = pack_epoch(only, row_len, rows_per_batch, seed=0, epoch=0) if indices else []
+        per_rank = -(-len(plan) // world) if plan else 0
+        # rank r's share, padded to per_rank with its first batch (or the run's first) whose numbers are dropped
+        mine = plan[rank::world]
+        self.batches = [(rows, True) for rows in mine] + [((mine or plan)[0], False)] * (per_rank - len(mine))
+        self.row_len = row_len
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def run(self, objective, source, prepare, device, act_dtype, precision: str, ranks, say, log_every_s: float,
+            busy) -> dict:
+        """One pass (every rank calls it): the figures over all ranks' shares, with the samples, tokens and
+        seconds it took. `prepare`: the loop's host-side step (loss mask, layout); `busy`: the stage's
+        Progress.busy, so `status` shows the phase."""
+        t0 = last = time.perf_counter()
+        stats = None
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        objective.eval()
+        try:
+            with busy("validation"), torch.no_grad(), autocast:
+                for j, (rows, counted) in enumerate(self.batches):
+                    b = prepare(source.batch(rows, self.row_len)).to(device, act_dtype)
+                    _, s = objective(b, [1.0] * objective.steps)
+                    stats = torch.zeros_like(s) if stats is None else stats
+                    if counted:
+                        stats += s
+                    if time.perf_counter() - last >= log_every_s and ranks.rank == 0:
+                        last = time.perf_counter()
+                        say(f"validation: {j + 1}/{len(self.batches)} micro-batches, {last - t0:.0f}s")
+        finally:
+            objective.train()
+        if stats is None:  # no batch on any rank (an empty split never gets here)
+            stats = torch.zeros(objective.steps, 5, dtype=torch.float64, device=device)
+        if ranks.world > 1:
+            dist.all_reduce(stats)
+        out = figures(stats.tolist())
+        out.update(samples=len(self.indices), tokens=self.tokens, seconds=round(time.perf_counter() - t0, 3))
+        return out

@@ -1,0 +1,164 @@
+"""The validation split and the chain acceptance: the number training predicts served acceptance by.
+
+By hand: the chain counts of TTT and DFlash against a position-by-position computation, chain_acceptance's
+arithmetic. The split: stable under order, growth and resampled answers. Through run_train: held-out samples
+never reach a training forward (checked by sample index), each kind validates at its interval and at the end,
+the figures ride in checkpoints, the manifest and `status`, and a resumed run validates to the same numbers."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.model.config import Eagle3Config
+from draftsmith.model.dflash import DFlashDrafter
+from draftsmith.model.init import init_from_target
+from draftsmith.status import run_status
+from draftsmith.train import run_train
+from draftsmith.train.dflash import DFlashObjective, draw_blocks
+from draftsmith.train.objective import TTTObjective, chain_acceptance, ttt_masks
+from draftsmith.train.validation import split, split_key, split_size
+from test_train import (DOC, IDS, MASK, POS, _resumed_from_step_10, cfg_for, copy_run, metrics, micro_batch,  # noqa: F401
+                        synth_run,
+                        tiny_drafter)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_chain_acceptance_is_the_mean_run_of_consecutive_right_drafts():
+    # four chains start; runs of right drafts from each: 0, 1, 3, 2 (capped at K = 3)
+    runs = [0, 1, 3, 2]
+    chain = [sum(r > k for r in runs) for k in range(3)]  # [3, 2, 1]
+    tau, per_pos = chain_acceptance(chain, len(runs))
+    assert per_pos == [0.75, 0.5, 0.25]
+    assert tau == pytest.approx(1 + sum(runs) / len(runs))  # 2.5
+    # the old estimate multiplied marginal accuracies as if independent: not what a verifier counts
+    acc = [3 / 4, 2 / 4, 2 / 4]  # marginal: step 2 right at the run-3 position and at a position whose step 0 failed
+    assert 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2] != pytest.approx(tau)
+    assert chain_acceptance([0, 0, 0], 0) == (None, [None, None, None])
+
+
+def test_ttt_chain_counts_match_a_position_by_position_computation():
+    d, W_d = tiny_drafter()
+    d.eval()
+    aux = torch.randn(1, 9, 48)
+    last = torch.randn(1, 9, 16)
+    obj = TTTObjective(d, W_d, 3, 0.5)
+    with torch.no_grad():
+        _, stats = obj(micro_batch(IDS, MASK, DOC, POS, aux, last), [1.0, 1.0, 1.0])
+        logits = d.ttt_forward(IDS, aux, 3, position_ids=POS, doc_ids=DOC)  # [R, T, Dv] per step
+    masks = ttt_masks(IDS, MASK, DOC, d.t2d, 3)
+    draft_ids = d.draft_ids()
+    T = IDS.shape[1]
+    starts, chain = 0, [0, 0, 0]
+    for i in range(T):
+        if not masks[0][0][0, i]:
+            continue
+        starts += 1
+        for k in range(3):  # a draft counts only while every earlier one at i was right
+            if not masks[k][1][0, i] or draft_ids[logits[k][0, i].argmax()] != IDS[0, i + 2 + k]:
+                break
+            chain[k] += 1
+    assert starts == stats[0, 3].item() > 0
+    assert stats[:, 4].tolist() == chain
+    assert all(stats[k, 4] <= stats[k, 2] for k in range(3))  # a chain count never exceeds the marginal one
+
+
+def test_dflash_chain_counts_match_a_block_by_block_computation():
+    torch.manual_seed(0)
+    V, H = 20, 16
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=V, draft_vocab_size=8, block_size=4, mask_token_id=1)
+    d = DFlashDrafter(cfg)
+    W = torch.randn(V, H)
+    draft = torch.tensor((0, 2, 3, 5, 7, 11, 13, 17))
+    init_from_target(d, torch.randn(V, H), W, None, draft)
+    d.eval()
+    aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, H)
+    obj = DFlashObjective(d, W[draft], 0.8, 8)
+    with torch.no_grad():
+        _, stats = obj(micro_batch(IDS, MASK, DOC, POS, aux, last), [1.0, 1.0, 1.0])
+        blocks = draw_blocks(IDS, MASK, DOC, d.t2d, 4, 8)
+        states = d.block_forward(IDS, aux, blocks.anchors, POS, DOC)  # [R, M, S, H]
+    draft_ids = d.draft_ids()
+    chain = [0, 0, 0]
+    for m in range(blocks.anchors.shape[1]):
+        if not blocks.masked[0, m, 0]:
+            continue
+        a = int(blocks.anchors[0, m])
+        for j in range(3):
+            if not blocks.valid[0, m, j]:
+                break
+            pred = draft_ids[d.lm_head(d.norm(states[0, m, j + 1])).argmax()]
+            if pred != IDS[0, a + j + 1]:
+                break
+            chain[j] += 1
+    assert stats[0, 3].item() == int(blocks.masked[0, :, 0].sum()) > 0
+    assert stats[:, 4].tolist() == chain
+
+
+def test_the_split_depends_on_prompt_ids_alone():
+    ids = [f"p{i}" for i in range(1000)]
+    held = split(ids, 0.02, 256)
+    assert len(held) == split_size(1000, 0.02, 256) == 20
+    # the same samples in another order (another packing, a reshuffled file): the same held-out ids
+    rev = list(reversed(ids))
+    assert sorted(rev[i] for i in split(rev, 0.02, 256)) == sorted(ids[i] for i in held)
+    # a count, and the cap
+    assert len(split(ids, 7, 256)) == 7 and len(split(ids, 0.5, 40)) == 40
+    assert split(ids, 0, 256) == [] and split(ids[:10], 0.02, 256) == []  # 2 % of 10 holds out none
+    assert len(split(ids[:3], 50, 256)) == 2  # never every sample
+    # resampled answers stay with their prompt: a prompt is held out with all of its answers or not at all
+    many = [x for i in range(200) for x in (f"q{i}", f"q{i}#1@T1", f"q{i}#2@T1")]
+    keys = {split_key(many[i]) for i in split(many, 10, 256)}
+    assert keys and all(split_key(x) in keys for x in many if split_key(x) in keys)
+    assert sum(split_key(x) in keys for x in many) == 3 * len(keys)
+    assert split_key("a#b#3@T0.7") == "a#b"
+
+
+def _recording(monkeypatch, cls) -> list[tuple[bool, list[int]]]:
+    """(training mode, sample indices) of every forward of objective class `cls`."""
+    seen, forward = [], cls.forward
+
+    def wrapped(self, batch, denom, scale=1.0):
+        seen.append((self.training, list(batch.samples)))
+        return forward(self, batch, denom, scale)
+    monkeypatch.setattr(cls, "forward", wrapped)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
+def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8, tmp_path, monkeypatch, capsys,
+                                                               method):
+    run = copy_run(synth_run, tmp_path / "run")
+    seen = _recording(monkeypatch, DFlashObjective if method == "dflash" else TTTObjective)
+    cfg = cfg_for(tiny8, method=method, max_steps=20, checkpoint_every=10, validation=6, validate_every=8)
+    m = run_train(run, cfg)
+    trained = {i for training, s in seen if training for i in s}
+    validated = {i for training, s in seen if not training for i in s}
+    store_ids = json.loads((run.path / "extract" / "meta.json").read_text())["ids"]
+    assert validated == set(split(store_ids, 6, 256)) and len(validated) == 6
+    assert trained and not trained & validated
+    rows = [r for r in metrics(run) if r.get("split") == "validation"]
+    assert [r["step"] for r in rows] == [8, 16, 20]
+    last = rows[-1]
+    assert last["samples"] == 6 and last["positions"] > 0 and len(last["acceptance_per_position"]) == 3
+    assert last["acceptance_length"] == pytest.approx(1 + sum(last["acceptance_per_position"]))
+    train_rows = [r for r in metrics(run) if r.get("split") is None]
+    assert train_rows[-1]["acceptance_length"] == pytest.approx(1 + sum(train_rows[-1]["acceptance_per_position"]))
+    for folder in ("final", "checkpoints/step_20"):
+        state = json.loads((run.path / "train" / folder / "state.json").read_text())
+        assert state["validation"] == {k: v for k, v in last.items() if k != "split"}
+    assert m["counts"]["validation"]["acceptance_length"] == last["acceptance_length"]
+    st = {s["name"]: s for s in run_status(run.path)["stages"]}["train"]
+    assert st["validation"]["acceptance_length"] == last["acceptance_length"] and st["validation"]["step"] == 20
+    log = (run.path / "train" / "stage.log").read_text()
+    assert "validation at step 20: tau" in log and ", val " in log
+    assert "validation: 6 samples" in capsys.readouterr().out
+    if method == "eagle3":
+        # resumed from step 10: the same weights, so the same validation figures at 16 and 20
+        _resumed_from_step_10(run, cfg)
+        again = [r for r in metrics(run) if r.get("split") == "validation"]
+        assert [r["step"] for r in again] == [8, 16, 20]
+        for a, b in zip(rows, again):
+            assert a["acceptance_per_position"] == b["acceptance_per_position"] and a["loss"] == b["loss"]
