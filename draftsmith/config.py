@@ -372,6 +372,10 @@ class TrainConfig(_Section):
 
 class ExportConfig(_Section):
     checkpoint: str | None = Field(None, description="Checkpoint folder to export; default: the last one.")
+    repo_id: str | None = Field(
+        None, min_length=1, description="The Hub repository the drafter will be published as (e.g. "
+        "`my-org/Llama-3.1-8B-eagle3`): the model card's `vllm serve` and `hf upload` lines name it (RUN/export/"
+        "README.md). Unset: the card says where to put yours.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Dtype of the exported weights (d2t/t2d keep int64/bool).")
 
@@ -400,6 +404,11 @@ class EvalConfig(_Section):
 
 class Config(_Section):
     target: str = Field("smollm2-135m", description="Model folder, .gguf file, or `smollm2-135m`.")
+    target_id: str | None = Field(
+        None, min_length=1, description="What the target is published as (its Hugging Face Hub id, e.g. "
+        "`meta-llama/Llama-3.1-8B-Instruct`): the name the export, its model card and the `vllm serve` line give "
+        "the target. Unset: the Hub id draftsmith can tell (the embedded target's, a Hugging Face cache folder's), "
+        "else the target folder's own name; never a path of this machine.")
     device: str = Field("auto", description="`auto` (cuda when available), `cpu`, `cuda`, `cuda:1`...")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="Target dtype; `auto` = bfloat16 where it is fast (GPUs, CPUs with AMX), else float32.")

@@ -241,11 +241,38 @@ def explain(run: RunDir) -> str:
                  "much as the target's: the gain grows with the target's size (an 8B target reads about 20x the bytes "
                  "of its one-layer drafter per step) and with tau, which grows with training: configs/smollm2-cpu.yaml "
                  "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/benchmarks.md).")
+    lines += three_measurements(reports, k)
     export = run.path / "export"
     spec = json.dumps(speculative_config(export, k))
     where = ", ".join(str(run.path / f / "report.md") for f in folders)
     lines.append(f"The drafter: {export} (vllm serve TARGET --speculative-config '{spec}'); the reports: {where}")
     return "\n".join(lines)
+
+
+def three_measurements(reports: list[dict], k: int) -> list[str]:
+    """The drafter's acceptance length three ways (validation, the local engine, vLLM) and what their gaps mean,
+    from the eval reports' `agreement` blocks (eval/agreement.py)."""
+    ag = next((r["agreement"] for r in reversed(reports) if (r.get("agreement") or {}).get("validation")), None)
+    if ag is None:
+        return []
+    v = ag["validation"]
+    taus = {r["engine"]: r["acceptance_length"] for r in reports}
+    lines = [f"Three measurements of this drafter at K = {k}:",
+             f"- validation: tau {v['acceptance_length']:.2f} on {v.get('samples')} held-out training answers (never "
+             "trained on): what it predicts serving on prompts like the ones it trained on;"]
+    lines += [f"- {name} engine: tau {taus[name]:.2f} on the eval prompts;" for name in ("local", "vllm") if name in taus]
+    if "local" in taus and "vllm" in taus:
+        d = abs(taus["local"] - taus["vllm"])
+        lines.append(f"The two engines are {d:.2f} apart: " + ("draftsmith's engine and vLLM verify the same drafts, "
+                                                             "so the export serves as it was trained."
+                     if d <= 0.05 else "more than their usual 0.05; compare eval/report.md and eval-vllm/report.md."))
+    gap = v["acceptance_length"] - min(taus.values())
+    prompts = [x for x in ag.get("differences") or [] if x.startswith("prompts:")]
+    lines.append(f"Served sits {gap:+.2f} under validation" if gap > 0 else
+                 f"Served reaches validation ({-gap:.2f} over)")
+    lines[-1] += (f": {prompts[0].removeprefix('prompts: ')}" if prompts else "") + (
+        f" ({ag['verdict']})" if ag.get("verdict") and not prompts else ".")
+    return lines
 
 
 def run_stages_last(extra: tuple[str, ...]) -> str:

@@ -44,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError, __version__
+from draftsmith.card import CARD, PROVENANCE, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import Eagle3Config
 from draftsmith.model.drafters import drafter_class, drafter_method
@@ -638,6 +639,20 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
 # The stage
 
 
+def _served_tokens(meta: dict) -> int:
+    """The drafts per step a checkpoint was trained for (its TTT steps; a DFlash block's slots)."""
+    return int(meta.get("ttt_steps") or 3)
+
+
+def _relative(path: Path, root: Path) -> str:
+    """`path` relative to `root` when inside it, else its last two parts: what an export may record of a
+    local path (never the absolute one: the folder is published)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(root).resolve()))
+    except ValueError:
+        return str(Path(*Path(path).parts[-2:]))
+
+
 def _swap_into_place(built: Path, dest: Path) -> None:
     """Replace `dest` by the folder `built` (same parent): the stage's bookkeeping files move over
     first, then two renames; `dest` is never a mix of old and new exported files."""
@@ -676,13 +691,15 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
 
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
-    settings = cfg.section(STAGE)
+    settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
+    settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k != "repo_id"}  # the card's alone: rewritten below
     inputs = {"checkpoint": str(ckpt), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
     if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
+        write_card(run, dest, speculative_config(dest, _served_tokens(meta)), cfg.export.repo_id)  # export.repo_id
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
     book.begin()
 
@@ -710,15 +727,20 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
         write_config = native_mla_config if config.attention == "mla" else speculators_config
+        published = verifier_name(cfg.target, info, cfg.target_id)
         config_json = write_config(
-            config, aux, target_name=verifier_name(cfg.target, info), target_arch=info.architecture,
+            config, aux, target_name=published, target_arch=info.architecture,
             num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
-            # what identifies the target wherever the drafter is deployed: the name the config
-            # gave, its architecture, the hash of its config.json; and the folder print training checked
-            draftsmith={"version": __version__, "target": info.name, "target_spec": cfg.target,
-                        "target_architecture": info.architecture, "target_config_sha256": config_sha256(info),
-                        "target_fingerprint": info.fingerprint,
-                        "checkpoint": str(ckpt), "step": state.get("step"), "ttt_steps": meta.get("ttt_steps"),
+            # what identifies the target wherever the drafter is deployed: the name it is published as, its
+            # architecture, the hash of its config.json, and the folder print training checked; what training
+            # left (the kind, the steps it drafts, its validation figures: eval holds them against serving);
+            # no path of this machine (the checkpoint relative to the run)
+            draftsmith={"version": __version__, "kind": meta.get("method") or "eagle3", "target": info.name,
+                        "target_id": published, "target_architecture": info.architecture,
+                        "target_config_sha256": config_sha256(info), "target_fingerprint": info.fingerprint,
+                        "checkpoint": _relative(ckpt, run.path), "step": state.get("step"),
+                        "ttt_steps": meta.get("ttt_steps"), "aux_layers_trained": aux,
+                        "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
                         "exported": time.time()},
         )
         built = Path(tempfile.mkdtemp(prefix=f".{STAGE}.", suffix=".tmp", dir=run.path))
@@ -730,6 +752,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                     os.fsync(f.fileno())
             # read back through the same checks a user's load goes through
             load_exported(built, target_info=info)
+            write_card(run, built, speculative_config(built, _served_tokens(meta)), cfg.export.repo_id, reports=False)
         except BaseException:
             shutil.rmtree(built, ignore_errors=True)
             raise
@@ -739,5 +762,5 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     # after the journal is closed: its file moves with the other bookkeeping into the new folder
     _swap_into_place(built, dest)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
-                       outputs=[CONFIG_FILE, WEIGHTS_FILE], inputs=inputs,
+                       outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
                        extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name})

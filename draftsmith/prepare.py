@@ -55,7 +55,7 @@ from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import (RunDir, append_bytes, atomic_write_json, file_sha256, jsonl_text, naming_full_disk,
                               repair_jsonl_tail)
 from draftsmith.stage import StageBook, check_target, one_process, upstream
-from draftsmith.target import load_tokenizer, target_info
+from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
 STAGE = "prepare"
 # Bump when the way ids or masks are built changes: old prepared data then no longer matches.
@@ -499,7 +499,8 @@ def run_prepare(run: RunDir, cfg) -> dict:
         manifest = book.finish(counts=manifest_counts, outputs=["samples.jsonl"],
                                inputs={"generate_samples_sha256": gen_sha},
                                extra={"reasoning_key": encoder.reasoning_key, "think_slot": encoder.think_slot,
-                                      "end_tokens": encoder.end_tokens})
+                                      "end_tokens": encoder.end_tokens,
+                                      "chat_template_sha256": chat_template_sha256(tok)})
         prog.end(samples=tally.samples, tokens=tally.tokens, masked_tokens=tally.masked_tokens)
     return manifest
 

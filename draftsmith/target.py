@@ -420,16 +420,32 @@ def hub_id_of_folder(path: str | os.PathLike) -> str | None:
     return None
 
 
-def verifier_name(spec: str, info: TargetInfo) -> str:
-    """What an export names as its verifier (speculators_config.verifier.name_or_path): the target
-    as a user elsewhere can name it, never this machine's resolved path. The Hub id when there is
-    one (an embedded short name's source, a folder in a Hugging Face cache), else `target` exactly
-    as the config gives it. vLLM 0.32 reads this field only when the export folder itself is the
-    served model (`vllm serve EXPORT`); with `vllm serve TARGET --speculative-config '{"model":
-    EXPORT, ...}'` its own TARGET argument decides and the field is only a record."""
+def verifier_name(spec: str, info: TargetInfo, target_id: str | None = None) -> str:
+    """What an export and its model card name as the target (speculators_config.verifier.name_or_path, the
+    card's base_model): the target as a user elsewhere can name it, never a path of this machine. `target_id`
+    (the config's, what the user publishes the target as) when given; else the Hub id when there is one (an
+    embedded short name's source, a folder in a Hugging Face cache); else the folder's (or file's) own name.
+    vLLM 0.32 reads this field only when the export folder itself is the served model (`vllm serve EXPORT`);
+    with `vllm serve TARGET --speculative-config '{"model": EXPORT, ...}'` its own TARGET argument decides and
+    the field is only a record."""
+    if target_id:
+        return target_id
     if spec in HUB_IDS:
         return HUB_IDS[spec]
-    return hub_id_of_folder(info.path) or spec
+    hub = hub_id_of_folder(info.path)
+    if hub:
+        return hub
+    local = Path(spec).expanduser()
+    return local.name if local.is_absolute() or local.exists() else spec
+
+
+def chat_template_sha256(tokenizer) -> str | None:
+    """sha256 of the chat template a tokenizer renders conversations with (None: it has none). prepare records it,
+    eval holds it against the one it decodes with: a template changed in between changes every prompt's tokens."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: all of them, in a fixed order
+        template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256(template.encode("utf-8")).hexdigest() if isinstance(template, str) and template else None
 
 
 def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = False):

@@ -154,7 +154,7 @@ def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8,
     assert st["validation"]["acceptance_length"] == last["acceptance_length"] and st["validation"]["step"] == 20
     log = (run.path / "train" / "stage.log").read_text()
     assert "validation at step 20: tau" in log and ", val " in log
-    assert "validation: 6 samples" in capsys.readouterr().out
+    assert "validation: 6 samples held out" in capsys.readouterr().out
     if method == "eagle3":
         # resumed from step 10: the same weights, so the same validation figures at 16 and 20
         _resumed_from_step_10(run, cfg)

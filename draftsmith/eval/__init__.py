@@ -8,6 +8,10 @@ aggregates them into RUN/eval/report.json, report.md and acceptance.png (eval/re
 Engines (the table ENGINES): `local`, draftsmith's own speculative decoding of the transformers
 target (eval/local.py), and `vllm`, a vLLM server serving the target with the exported drafter,
 counted from its /metrics (eval/vllm.py).
+
+The report holds its tau beside the validation tau training left in the export and the other engine's tau on the
+same prompts (eval/agreement.py); when one falls short of the prediction, the log says so in one line with what
+was found different. Evaluating the run's own export rewrites its model card (card.py) with every report.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+
 from draftsmith import DraftsmithError
+from draftsmith.card import write_card
+from draftsmith.eval.agreement import agreement, differences, measured, predicted
 from draftsmith.eval.engine import ENGINE_INFO, RECORD_KEYS, EngineContext, read_engine_info, resume_records
 from draftsmith.eval.local import local_engine
-from draftsmith.eval.report import ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggregate, fmt_value, write_report
+from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggregate, fmt_value, machine_summary,
+                                    write_report)
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
-from draftsmith.export import CONFIG_FILE
+from draftsmith.export import CONFIG_FILE, speculative_config
 from draftsmith.progress import Progress, journal_failures
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
 from draftsmith.stage import StageBook, one_process, upstream
-from draftsmith.target import pick_device, pick_dtype, target_info
+from draftsmith.target import chat_template_sha256, load_tokenizer, pick_device, pick_dtype, target_info
 
 STAGE = "eval"
 
@@ -90,12 +99,20 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
             _append_answers(ctx, d / ANSWERS, done)
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
+        report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
+                                         [p.id for p in prompts])
         write_report(d, report, run.path / "train" / "metrics.jsonl")
         prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
                  f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
                  f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
                  f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
                  f"(speedup {fmt_value(report['speedup'])})")
+        if report["agreement"]["verdict"]:
+            prog.log(f"warning: {report['agreement']['verdict']}")
+        if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
+            write_card(run, export_dir, speculative_config(export_dir, int(exported_for.get("ttt_steps") or
+                                                                         eval_cfg.num_speculative_tokens)),
+                       cfg.export.repo_id)
     return book.finish(
         counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
         inputs={"export": export_manifest.get("fingerprint"), "prompts": eval_cfg.prompts},
@@ -105,6 +122,18 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
                                                  "baseline_tokens_per_s", "speedup")}},
     )
+
+
+def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir: Path, folder: str, info,
+               record_fp: str, prompt_ids: list[str]) -> dict:
+    """report.json's `agreement` (eval/agreement.py): this tau beside the validation one and the other engine's."""
+    K = cfg.eval.num_speculative_tokens
+    d = run.path / folder
+    engine_info = read_engine_info(d, record_fp) if cfg.eval.engine == "vllm" else {}
+    template = chat_template_sha256(load_tokenizer(info, cfg.trust_remote_code))
+    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids)
+    return agreement(predicted(drafter_config, K), measured(run, report, folder), found, K,
+                     (drafter_config.get("draftsmith") or {}).get("ttt_steps"))
 
 
 def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:
@@ -159,6 +188,8 @@ def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config
         "drafter": str(Path(eval_cfg.drafter).expanduser().resolve() if eval_cfg.drafter else run.path / "export"),
         "aux_layers": drafter_config.get("eagle_aux_hidden_state_layer_ids"),
         "export_fingerprint": export_manifest.get("fingerprint"), "seed": eval_cfg.seed,
+        "machine": machine_summary(f"{torch.cuda.get_device_name(device)} x{torch.cuda.device_count()}"
+                                   if device.type == "cuda" else None),
     }
     if eval_cfg.engine == "vllm":
         # what the server ran with (engine.json: also when this rerun had nothing left to decode);

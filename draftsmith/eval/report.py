@@ -6,6 +6,7 @@ The only module of draftsmith that imports matplotlib.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +18,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 from draftsmith.rundir import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
+
+
+def machine_summary(gpu: str | None = None) -> str:
+    """The machine a report was measured on, in words: `gpu` (its name and count) when it ran on GPUs, else the
+    CPU's model and cores."""
+    if gpu:
+        return gpu
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def aggregate(records: list[dict], K: int) -> dict:
@@ -167,8 +182,36 @@ def report_markdown(report: dict) -> str:
             args = f", arguments `{' '.join(srv['args'])}`" if srv.get("args") else ""
             log = f", log `{srv['log']}`" if srv.get("log") else ""
             lines += ["", f"{what}: vLLM {srv.get('vllm_version')}, {where}{args}{log}; one request at a time."]
+    lines += agreement_markdown(report.get("agreement"), report["num_speculative_tokens"])
     lines += ["", f"Plot: `{PLOT}`. Per-prompt results: `{ANSWERS}`.", ""]
     return "\n".join(lines)
+
+
+def agreement_markdown(ag: dict | None, K: int) -> list[str]:
+    """report.md's section of the three measurements (eval/agreement.py)."""
+    if not ag:
+        return []
+    lines = ["", "## Validation, local engine, vLLM", "",
+             f"Acceptance length at K = {K} of the same drafter three ways: on held-out training samples at the end of "
+             "training (T=0), and decoding these prompts with each engine.", "",
+             "| measurement | acceptance length | per position | where |", "| --- | ---: | --- | --- |"]
+    v = ag.get("validation")
+    if v:
+        lines.append(f"| validation (predicted) | {fmt_value(v['acceptance_length'], '.3f')} | "
+                     f"{', '.join(fmt_value(a) for a in v['acceptance_per_position'])} | {v.get('samples')} held-out "
+                     f"samples at step {v.get('step')} |")
+    else:
+        lines.append(f"| validation (predicted) | n/a | | {ag.get('note', '')} |")
+    for name in ("local", "vllm"):
+        m = ag.get(name)
+        lines.append(f"| {name} engine | {fmt_value(m['acceptance_length'], '.3f')} | "
+                     f"{', '.join(fmt_value(a) for a in m.get('acceptance_per_position') or [])} | `{m['folder']}/` |"
+                     if m else f"| {name} engine | not measured on these prompts | | |")
+    lines += ["", f"Tolerance {ag['tolerance']} below the prediction. "
+              + (f"**{ag['verdict']}**" if ag.get("verdict") else "No engine falls short of the prediction by more.")]
+    if ag.get("differences") and not ag.get("verdict"):
+        lines += ["", "Found different: " + "; ".join(ag["differences"]) + "."]
+    return lines
 
 
 def write_report(d: Path, report: dict, train_metrics: Path) -> None:

@@ -41,7 +41,7 @@ from draftsmith import DraftsmithError
 from draftsmith.generate import dataset, local, openai, vllm
 from draftsmith.generate.openai import configured_servers
 from draftsmith.generate.samples import (FAILURES, SAMPLES, SAMPLING, STAGE, STATE, UNSELECTED, SampleStore,
-                                         read_records)
+                                         read_records, resampled_id)
 from draftsmith.generate.vllm import own_server_seeds, served_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.progress import Progress, journal_failures, log
@@ -97,7 +97,7 @@ def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
     for p in prompts:
         out.append(p)
         for k in range(2, n + 1):
-            rid = f"{p.id}#{k}@T{gen.resample_temperature:g}"
+            rid = resampled_id(p.id, k, gen.resample_temperature)
             # Seeded by the id alone: the same sample whatever else is selected or retried.
             seed = (int.from_bytes(hashlib.sha256(rid.encode()).digest()[:4], "big") >> 1) if seeded else None
             out.append(dataclasses.replace(

@@ -3,6 +3,7 @@ of one sample, and the store of samples.jsonl and failures.jsonl that keeps the 
 
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,17 @@ FAILURES = "failures.jsonl"
 UNSELECTED = "unselected.jsonl"
 STATE = "state.json"
 SAMPLING = "sampling"  # a resampled answer's {temperature, seed} (generate.answers_per_prompt > 1)
+RESAMPLED_ID = re.compile(r"#\d+@T[^#]*$")  # a resampled answer's id: its prompt's, then #k@T<temperature>
+
+
+def resampled_id(prompt_id: str, k: int, temperature: float) -> str:
+    """The id of a prompt's k-th answer (k >= 2) sampled at `temperature` (prompt_id_of reads it back)."""
+    return f"{prompt_id}#{k}@T{temperature:g}"
+
+
+def prompt_id_of(sample_id: str) -> str:
+    """The id of the prompt a sample answers: its own, or a resampled answer's prompt's."""
+    return RESAMPLED_ID.sub("", str(sample_id))
 
 
 @dataclass

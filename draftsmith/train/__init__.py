@@ -211,7 +211,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     init_layers = read_init_layers(info, tc, dcfg)
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
-    held = split(source.ids(), tc.validation, tc.validation_max_samples) if tc.validation > 0 else []
+    ids = source.sample_ids()
+    held = split(ids, tc.validation, tc.validation_max_samples) if tc.validation > 0 else []
     held_set = set(held)
     # the held-out samples get length 0 in the training packing: no micro-batch ever holds them
     packing = Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
@@ -232,10 +233,13 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         dist.barrier()
     validation = None
     if held:
-        validation = Validation(held, source.lengths, packing.row_len, packing.rows_per_batch, ranks.rank, ranks.world)
-        say(f"validation: {len(held)} samples ({validation.tokens:,} tokens) held out by a hash of their prompt's id, "
-            f"never trained on; measured every {tc.validate_every} steps and after the last"
-            + _sampled_note(run, cfg))
+        validation = Validation(held, ids, source.lengths, packing.row_len, packing.rows_per_batch, ranks.rank,
+                                ranks.world)
+        resampled = len(held) - len(validation.measured)
+        say(f"validation: {len(held)} samples held out by a hash of their prompt's id, never trained on; "
+            f"{len(validation.measured)} measured ({validation.tokens:,} tokens"
+            + (f"; their prompts' {resampled} resampled answers held out too, not measured" if resampled else "")
+            + f") every {tc.validate_every} steps and after the last, on the answers' tokens" + _sampled_note(run, cfg))
     elif tc.validation > 0:
         say(f"validation: off (train.validation={tc.validation:g} of {len(source.lengths)} samples holds out none); "
             "the train line's tau is then measured on the samples being fitted, which overstates the served one")
@@ -393,14 +397,15 @@ def _act_dtype(ts: TrainState):
     return torch.bfloat16 if ts.precision == "bf16" else torch.float32
 
 
-def _host_step(ts: TrainState):
+def _host_step(ts: TrainState, validation: bool = False):
     """What a micro-batch goes through on the host before the device (in the data thread): the loss mask, then
-    the sizes the loss takes from it (the objective's layout)."""
+    the sizes the loss takes from it (the objective's layout). `validation`: the answers' tokens alone, where
+    serving drafts, whatever train.loss_on and loss_skip_tokens train on."""
     tc, layout_of = ts.cfg.train, ts.objective.layouts()
+    loss_on, skip = ("assistant", 0) if validation else (tc.loss_on, tc.loss_skip_tokens)
 
     def prepare(b):
-        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, tc.loss_on,
-                                                tc.loss_skip_tokens))
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, loss_on, skip))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
     return prepare
 
@@ -409,7 +414,7 @@ def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
     """A validation pass after step ts.step (every rank): its figures into ts.val_metrics, and on rank 0 a
     metrics.jsonl row and a log line. Its time counts neither in the time budget nor in the window's rate."""
     tc = ts.cfg.train
-    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts), ts.ranks.device, _act_dtype(ts), ts.precision,
+    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts, validation=True), ts.ranks.device, _act_dtype(ts), ts.precision,
                              ts.ranks, say, tc.log_every_s, prog.busy)
     ts.budget.loop_t0 += figs["seconds"]
     if window is not None:

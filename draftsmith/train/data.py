@@ -362,7 +362,7 @@ class OfflineSource:
     def name(self, i: int) -> str:
         return str(self.store.metadata(i).get("id", i))
 
-    def ids(self) -> list[str]:
+    def sample_ids(self) -> list[str]:
         """Every sample's id: from the store's meta.json (stores extracted since it records them), else
         from each file's own metadata (one header read per file)."""
         ids = self.store.meta.get("ids")
@@ -405,7 +405,7 @@ class PreparedSource:
     def name(self, i: int) -> str:
         return self.names[i]
 
-    def ids(self) -> list[str]:
+    def sample_ids(self) -> list[str]:
         return list(self.names)
 
     def damaged(self, i: int) -> str | None:

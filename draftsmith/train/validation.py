@@ -15,31 +15,29 @@ computes), each rank its share of the micro-batches (FSDP needs every rank in ev
 padded to equal counts with passes whose numbers are dropped), the statistics summed over the ranks.
 The figures (`figures`): per step the loss and marginal accuracy, and the chain acceptance
 (objective.chain_acceptance): the acceptance length a greedy verifier gets on these answers at K = the trained
-steps, and per position. When the answers were sampled (generate.temperature > 0, or resampled answers), the
-chain is taken on sampled continuations: served at T=0 the target's own greedy answer is what is verified, so
-the figure then predicts greedy serving less closely (the train log says so once).
+steps, and per position. They are taken where serving drafts: on the answers (the assistant tokens, whatever
+train.loss_on and loss_skip_tokens train on), and on the target's greedy answers only: a held-out prompt's
+resampled answers (generate.answers_per_prompt) stay out of training but are not measured, since served at T=0
+the target's greedy answer is what is verified. When every answer was sampled (generate.temperature > 0) the
+chain is taken on sampled continuations and predicts greedy serving less closely (the train log says so).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import re
 import time
 
 import torch
 import torch.distributed as dist
 
+from draftsmith.generate.samples import prompt_id_of
 from draftsmith.train.data import pack_epoch
 from draftsmith.train.objective import chain_acceptance
 
-# a resampled answer's id (generate.answers_per_prompt): the prompt's id, then #k@T<temperature>
-RESAMPLED = re.compile(r"#\d+@T[^#]*$")
-
-
 def split_key(sample_id: str) -> str:
     """The key a sample is held out by: its prompt's id (all answers of one prompt fall on one side)."""
-    return RESAMPLED.sub("", str(sample_id))
+    return prompt_id_of(sample_id)
 
 
 def split_size(n_samples: int, share: float, max_samples: int) -> int:
@@ -86,14 +84,16 @@ def figures(stats: list[list[float]]) -> dict:
 class Validation:
     """The held-out samples of a run and the pass over them (module doc)."""
 
-    def __init__(self, indices: list[int], lengths: list[int], row_len: int, rows_per_batch: int, rank: int,
-                 world: int):
-        self.indices = indices
-        keep = set(indices)
+    def __init__(self, indices: list[int], ids: list[str], lengths: list[int], row_len: int, rows_per_batch: int,
+                 rank: int, world: int):
+        self.indices = indices  # held out of training
+        greedy = [i for i in indices if prompt_id_of(ids[i]) == ids[i]]
+        self.measured = greedy or indices  # what the pass reads (module doc)
+        keep = set(self.measured)
         only = [n if i in keep else 0 for i, n in enumerate(lengths)]
-        self.tokens = sum(min(only[i], row_len) for i in indices)
+        self.tokens = sum(min(only[i], row_len) for i in self.measured)
         # fixed micro-batches (seed and epoch 0): every pass reads the same rows
-        plan = pack_epoch(only, row_len, rows_per_batch, seed=0, epoch=0) if indices else []
+        plan = pack_epoch(only, row_len, rows_per_batch, seed=0, epoch=0) if self.measured else []
         per_rank = -(-len(plan) // world) if plan else 0
         # rank r's share, padded to per_rank with its first batch (or the run's first) whose numbers are dropped
         mine = plan[rank::world]
@@ -130,5 +130,5 @@ class Validation:
         if ranks.world > 1:
             dist.all_reduce(stats)
         out = figures(stats.tolist())
-        out.update(samples=len(self.indices), tokens=self.tokens, seconds=round(time.perf_counter() - t0, 3))
+        out.update(samples=len(self.measured), tokens=self.tokens, seconds=round(time.perf_counter() - t0, 3))
         return out

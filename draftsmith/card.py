@@ -1,0 +1,296 @@
+"""The drafter folder says what it is: RUN/export/README.md (a Hugging Face model card) and provenance.json.
+
+Written by `export` and rewritten by `eval` whenever it adds a report, from the run directory's own records
+(config.json, the stages' manifests and resolved configs, the eval reports). What is published must name no
+machine: every value is checked for absolute paths before it is written (a path inside the run is written
+relative to it, any other absolute path as its last part), and nothing here reads an API key (configs name only
+the environment variable that holds one).
+
+README.md: YAML front matter (`base_model` = the target as published, `library_name`, tags with the kind; the
+license is left to the user), then the kind and its sizes, the aux layer ids, the draft vocabulary and its
+coverage, the training data, steps and wall time, the validation acceptance, every eval report found, the exact
+`vllm serve` line and how to upload the folder.
+
+provenance.json: draftsmith's version, the resolved config of every stage (RUN/<stage>/config.yaml), and the
+sha256 of each input file (the prompt files, the target's config.json, the files of the folder itself).
+
+No torch: a file format (the caller passes the `--speculative-config` it serves with).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftsmith import __version__
+from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
+
+CARD = "README.md"
+PROVENANCE = "provenance.json"
+# what `hf upload` publishes of RUN/export (the rest is the stage's bookkeeping, which names this machine)
+PUBLISHED = ("config.json", "model.safetensors", CARD, PROVENANCE)
+STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
+KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)", "dflash": "DFlash (block drafting)"}
+REPO_PLACEHOLDER = "YOUR-ORG/YOUR-DRAFTER"  # the card's serve and upload lines until export.repo_id names the repo
+
+
+# -------------------------------------------------------------------------------------------------
+# No path of this machine
+
+
+def scrub_paths(value: Any, root: Path) -> Any:
+    """`value` (JSON-like) with every absolute path in its strings made publishable: inside `root` (the run) as
+    `RUN/<relative>`, anything else as its last part. Also reaches paths inside longer strings."""
+    root_s = str(Path(root).resolve())
+
+    def one(s: str) -> str:
+        s = s.replace(root_s, "RUN")
+        # an absolute path (not a URL's //host/...) -> its last part
+        return re.sub(r"(?<![\w.~:/-])/(?:[^\s/'\",;:]+/)+([^\s/'\",;:]*)", lambda m: m.group(1) or "/", s)
+
+    if isinstance(value, str):
+        return one(value)
+    if isinstance(value, list):
+        return [scrub_paths(v, root) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_paths(v, root) for k, v in value.items()}
+    return value
+
+
+def has_absolute_path(text: str) -> bool:
+    """Whether `text` holds something that looks like an absolute POSIX path (two components or more)."""
+    return re.search(r"(?<![\w.~:/-])/(?:[^\s/'\",;:]+/)+[^\s/'\",;:]+", text) is not None
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading the run's records
+
+
+def _json(path: Path) -> dict:
+    try:
+        v = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _sha256(path: Path) -> str | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def parameter_count(weights: Path) -> int | None:
+    """Elements in a safetensors file, from its header alone (no tensor is read)."""
+    try:
+        with open(weights, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    total = 0
+    for name, t in header.items():
+        if name == "__metadata__" or name in ("d2t", "t2d"):
+            continue
+        size = 1
+        for d in t.get("shape", []):
+            size *= int(d)
+        total += size
+    return total
+
+
+def eval_reports(run: RunDir, export_fingerprint: str | None) -> list[dict]:
+    """Every eval report of the run (eval/ and eval-*/) of this export, oldest first, each with its folder."""
+    out = []
+    for d in sorted([run.path / "eval", *run.path.glob("eval-*")]):
+        rep = _json(d / "report.json")
+        if not rep or rep.get("acceptance_length") is None:
+            continue
+        if export_fingerprint and rep.get("export_fingerprint") not in (None, export_fingerprint):
+            continue
+        out.append({**rep, "folder": d.name})
+    return out
+
+
+def _kind(cj: dict) -> str:
+    return str((cj.get("draftsmith") or {}).get("kind") or cj.get("speculators_model_type")
+               or ("eagle3-mla" if "Eagle3Deepseek" in str(cj.get("architectures")) else "eagle3"))
+
+
+def _sizes(cj: dict) -> dict:
+    layer = cj.get("transformer_layer_config") or cj
+    return {k: layer.get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                      "num_key_value_heads", "kv_lora_rank", "q_lora_rank") if layer.get(k) is not None}
+
+
+# -------------------------------------------------------------------------------------------------
+# The card
+
+
+def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> dict:
+    """Everything the card says, read from the run directory (module doc); `reports`: with the run's eval reports
+    of this export (export itself writes the card of a new export, which has none yet)."""
+    cj = _json(export_dir / "config.json")
+    layer = cj.get("transformer_layer_config") or cj
+    ds = cj.get("draftsmith") or {}
+    man = {s: run.read_manifest(s) or {} for s in STAGES}
+    resolved = stage_configs(run)
+    gen_settings = (resolved.get("generate") or {}).get("generate") or {}
+    train_settings = (resolved.get("train") or {}).get("train") or {}
+    regenerated = man["generate"].get("inputs", {}).get("target") if isinstance(man["generate"].get("inputs"),
+                                                                                 dict) else None
+    repo = repo_id or REPO_PLACEHOLDER
+    return {
+        "target": ds.get("target_id") or (cj.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+        or ds.get("verifier") or ds.get("target"),
+        "kind": _kind(cj), "sizes": _sizes(cj), "parameters": parameter_count(export_dir / "model.safetensors"),
+        "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids") or cj.get("aux_hidden_state_layer_ids")
+        or (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+        "draft_vocab_size": cj.get("draft_vocab_size"), "vocab_size": layer.get("vocab_size"),
+        "coverage": (man["vocab"].get("counts") or {}).get("coverage", man["vocab"].get("coverage")),
+        "data": {"prompts": gen_settings.get("prompts"), "backend": gen_settings.get("backend"),
+                 "temperature": gen_settings.get("temperature"), "max_tokens": gen_settings.get("max_tokens"),
+                 "answers_per_prompt": gen_settings.get("answers_per_prompt", 1),
+                 "samples": (man["prepare"].get("counts") or {}).get("samples"),
+                 "tokens": (man["prepare"].get("counts") or {}).get("tokens"),
+                 "masked_tokens": (man["prepare"].get("counts") or {}).get("masked_tokens"),
+                 "reasoning_turns": (man["prepare"].get("counts") or {}).get("reasoning_turns"),
+                 "regenerated_by": regenerated.get("name") if isinstance(regenerated, dict) else regenerated},
+        "train": {"mode": train_settings.get("mode"), "steps": ds.get("step"), "ttt_steps": ds.get("ttt_steps"),
+                  "optimizer": train_settings.get("optimizer"), "lr": train_settings.get("lr"),
+                  "minutes": (man["train"].get("counts") or {}).get("train_minutes"),
+                  "wall_s": man["train"].get("seconds"), "world_size": man["train"].get("world_size"),
+                  "tokens": (man["train"].get("counts") or {}).get("tokens")},
+        "validation": ds.get("validation"),
+        "reports": eval_reports(run, man["export"].get("fingerprint")) if reports else [],
+        "serve": {**serve, "model": repo}, "repo": repo, "repo_set": repo_id is not None,
+    }
+
+
+def _num(x, spec: str = ".2f") -> str:
+    return "n/a" if not isinstance(x, (int, float)) else format(x, spec)
+
+
+def render_card(f: dict) -> str:
+    """README.md from card_facts."""
+    kind = f["kind"]
+    front = {"base_model": f["target"], "library_name": "vllm", "pipeline_tag": "text-generation",
+             "tags": ["speculative-decoding", kind, "draftsmith", "speculators"]}
+    s = f["sizes"]
+    sizes = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in s.items())
+    d, t, v = f["data"], f["train"], f["validation"] or {}
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
+             f"# {KIND_NAMES.get(kind, kind)} drafter for {f['target']}", "",
+             f"A draft model for speculative decoding of `{f['target']}` in vLLM, trained with draftsmith "
+             f"{__version__}. It proposes tokens that the target verifies; the output is the target's own.", "",
+             "| | |", "| --- | --- |",
+             f"| kind | `{kind}` |",
+             f"| size | {sizes}; {_num(f['parameters'], ',d') if f['parameters'] else 'n/a'} parameters besides the "
+             "target's embeddings, which it shares |",
+             f"| target layers it reads (aux layer ids) | {f['aux_layers']} |",
+             f"| draft vocabulary | {f['draft_vocab_size']} of {f['vocab_size']} tokens, covering "
+             f"{_num(100 * f['coverage'] if isinstance(f['coverage'], (int, float)) else None, '.1f')} % of the "
+             "training answers' tokens |",
+             f"| training data | {d['samples']} samples from `{d['prompts']}`, {_num(d['tokens'], ',d')} tokens "
+             f"({_num(d['masked_tokens'], ',d')} trained), answers regenerated by the target "
+             f"(`{d['regenerated_by']}`, backend {d['backend']}, temperature {d['temperature']}, "
+             f"{d['answers_per_prompt']} answer(s) per prompt, at most {d['max_tokens']} tokens"
+             + (f", {d['reasoning_turns']} with reasoning, kept" if d.get("reasoning_turns") else "") + ") |",
+             f"| training | {t['mode']}, {t['steps']} steps of {t['ttt_steps']} drafting steps, {t['optimizer']} lr "
+             f"{t['lr']}, {_num(t['tokens'], ',d')} tokens, {_num(t['minutes'], '.1f')} min of steps "
+             f"({_num((t['wall_s'] or 0) / 60 if t['wall_s'] else None, '.1f')} min wall) on {t['world_size']} rank(s) |",
+             f"| validation (held-out samples, T=0, K={len(v.get('acceptance_per_position') or []) or 'n/a'}) | "
+             + (f"acceptance length {_num(v.get('acceptance_length'), '.3f')}, per position "
+                f"{', '.join(_num(a, '.3f') for a in v.get('acceptance_per_position') or [])} over "
+                f"{v.get('samples')} samples at step {v.get('step')} |" if v else "not measured |"),
+             "", "## Measured acceptance and speed", ""]
+    if f["reports"]:
+        lines += ["| engine | K | T | prompts | acceptance length | per position | speedup | machine |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in f["reports"]:
+            lines.append(f"| {r.get('engine')} | {r.get('num_speculative_tokens')} | {r.get('temperature')} | "
+                         f"{r.get('prompts')} of `{r.get('prompts_source')}` | {_num(r.get('acceptance_length'), '.3f')} "
+                         f"| {', '.join(_num(a) for a in r.get('acceptance_per_position') or [])} | "
+                         f"{_num(r.get('speedup'))}x | {r.get('machine') or 'n/a'} |")
+        lines += ["", "The acceptance length is the tokens the target emits per verification step (1 + accepted "
+                  "drafts per draft); the speedup is over plain decoding on the same machine, one request at a time."]
+    else:
+        lines.append("No evaluation yet (`draftsmith eval --run RUN`).")
+    spec = json.dumps(f["serve"], sort_keys=True)
+    include = " ".join(f"--include {p}" for p in PUBLISHED)
+    lines += ["", "## Serve it", "", "```bash", f"vllm serve {f['target']} --speculative-config '{spec}'", "```", "",
+              "## Upload it", "", "```bash", f"hf upload {f['repo']} RUN/export {include}", "```", ""]
+    if not f["repo_set"]:
+        lines += [f"`{REPO_PLACEHOLDER}` stands for your repository: set `export.repo_id` and the card names it.", ""]
+    lines += [f"How it was made: `{PROVENANCE}` (draftsmith's version, every stage's resolved config, the sha256 of "
+              "each input). License: set by whoever publishes it (the target's license may bind it).", ""]
+    return "\n".join(lines)
+
+
+def stage_configs(run: RunDir) -> dict[str, dict]:
+    """The resolved config each stage ran with (RUN/<stage>/config.yaml), by stage; unreadable ones left out."""
+    configs = {}
+    for stage in STAGES:
+        try:
+            c = yaml.safe_load((run.path / stage / "config.yaml").read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(c, dict):
+            configs[stage] = c
+    return configs
+
+
+def provenance(run: RunDir, export_dir: Path) -> dict:
+    """draftsmith's version, every stage's resolved config, the sha256 of each input file (module doc)."""
+    configs = stage_configs(run)
+    inputs: dict[str, str | None] = {}
+    for stage, key in (("generate", "prompts"), ("eval", "prompts")):
+        spec = (configs.get(stage) or {}).get(stage, {}).get(key) if isinstance(configs.get(stage), dict) else None
+        if isinstance(spec, str) and os.path.isfile(spec):
+            inputs[f"{stage}.prompts"] = _sha256(Path(spec))
+    target = (run.read_manifest("export") or {}).get("settings", {}).get("target")
+    cj = _json(export_dir / "config.json")
+    ds = cj.get("draftsmith") or {}
+    inputs["target config.json"] = ds.get("target_config_sha256")
+    for name in ("config.json", "model.safetensors"):
+        inputs[f"export/{name}"] = _sha256(export_dir / name)
+    for stage, name in (("generate", "samples.jsonl"), ("prepare", "samples.jsonl"), ("vocab", "vocab.safetensors")):
+        inputs[f"{stage}/{name}"] = _sha256(run.path / stage / name)
+    return scrub_paths({"draftsmith": __version__, "target": ds.get("target_id") or target,
+                        "target_fingerprint": ds.get("target_fingerprint"), "configs": configs, "sha256": inputs},
+                       run.path)
+
+
+def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> None:
+    """README.md and provenance.json into `export_dir` (atomically; refused if a path of this machine got in);
+    `reports` as card_facts'."""
+    facts = scrub_paths(card_facts(run, export_dir, serve, repo_id, reports), run.path)
+    text = scrub_paths(render_card(facts), run.path)
+    prov = provenance(run, export_dir)
+    for name, body in ((CARD, text), (PROVENANCE, json.dumps(prov))):
+        if has_absolute_path(body):  # scrub_paths covers every string; this guards what it could miss
+            raise ValueError(f"{export_dir / name}: would name a path of this machine")
+    atomic_write_text(export_dir / CARD, text)
+    atomic_write_json(export_dir / PROVENANCE, prov)
+
+
+def front_matter(text: str) -> dict:
+    """The YAML front matter of a model card (the text between the first two `---` lines)."""
+    parts = text.split("---\n", 2)
+    if len(parts) < 3 or parts[0].strip():
+        raise ValueError("no YAML front matter")
+    data = yaml.safe_load(parts[1])
+    if not isinstance(data, dict):
+        raise ValueError("front matter is not a mapping")
+    return data

@@ -1,0 +1,223 @@
+"""Three measurements of one drafter, held against each other: the validation tau it left training with, the local
+engine's tau and vLLM's served tau, on the same prompts, K and temperature.
+
+`predicted`: the validation figures the export carries (config.json's draftsmith block, from the checkpoint) at
+the eval's K: 1 + the sum of the first K acceptances per position (train/objective.chain_acceptance), a figure of
+T=0 greedy verification on held-out answers of the training distribution.
+`measured`: this eval's report and those of the run's other eval folders (eval/, eval-vllm/) of the same export,
+prompts, K and temperature.
+`differences`: what is found different between training, the export and what eval ran, by checking files and
+logs, never by guessing: the aux layers (training's, the export's, the ones vLLM logged it uses), the draft
+vocabulary (the export's d2t/t2d against the vocab stage's), the chat template (its sha256 at prepare and at eval),
+the dtype of the target states (training's against eval's), the kind and its serving method (what training
+recorded, what the export says, what the server was started with), K against the trained steps, the temperature,
+and the prompts (the eval set against the training set's source, and any prompt trained on).
+
+When a measured tau falls short of the prediction by more than TOLERANCE, `verdict` is the one line eval prints:
+the gap and everything found different (or that nothing was). TOLERANCE is calibrated in docs/benchmarks.md
+("Validation tau against served tau"): the largest gap between validation and vLLM-CPU's tau on held-out prompts
+of the training distribution, plus the spread of a 16-prompt tau.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file as load_numpy
+
+from draftsmith.generate.samples import prompt_id_of
+from draftsmith.rundir import RunDir
+
+TOLERANCE = 0.15  # tau; see the module doc and docs/benchmarks.md
+AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
+
+
+def predicted(drafter_config: dict, K: int) -> dict | None:
+    """The validation figures at K from an export's config.json (None when it carries none, or K is past them)."""
+    val = (drafter_config.get("draftsmith") or {}).get("validation") or {}
+    per_pos = val.get("acceptance_per_position")
+    if not isinstance(per_pos, list) or not per_pos or any(not isinstance(a, (int, float)) for a in per_pos):
+        return None
+    if K > len(per_pos):
+        return None
+    return {"acceptance_length": 1.0 + sum(per_pos[:K]), "acceptance_per_position": per_pos[:K],
+            "step": val.get("step"), "samples": val.get("samples"), "positions": val.get("positions")}
+
+
+def measured(run: RunDir, report: dict, folder: str) -> dict[str, dict]:
+    """{engine: {acceptance_length, acceptance_per_position, folder}}: this report, and the run's other eval reports
+    of the same export on the same prompts, K and temperature."""
+    same = ("export_fingerprint", "prompts_source", "offset", "limit", "num_speculative_tokens", "temperature",
+            "max_tokens")
+    out = {}
+    for d in sorted([run.path / "eval", *run.path.glob("eval-*")]):
+        if d.name == folder:
+            continue
+        try:
+            other = json.loads((d / "report.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(other, dict) and all(other.get(k) == report.get(k) for k in same) and other.get("acceptance_length"):
+            out[other["engine"]] = {"acceptance_length": other["acceptance_length"],
+                                    "acceptance_per_position": other.get("acceptance_per_position"), "folder": d.name}
+    out[report["engine"]] = {"acceptance_length": report.get("acceptance_length"),
+                             "acceptance_per_position": report.get("acceptance_per_position"), "folder": folder}
+    return out
+
+
+def _export_aux(cj: dict) -> list[int] | None:
+    return (cj.get("eagle_aux_hidden_state_layer_ids") or cj.get("aux_hidden_state_layer_ids")
+            or (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+
+
+def served_spec(engine_info: dict) -> dict | None:
+    """The --speculative-config the vllm engine's own server was started with (engine.json), else None."""
+    args = ((engine_info or {}).get("server") or {}).get("args") or []
+    if "--speculative-config" in args and args.index("--speculative-config") + 1 < len(args):
+        try:
+            return json.loads(args[args.index("--speculative-config") + 1])
+        except ValueError:
+            return None
+    return None
+
+
+def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stage_dir: Path, engine_info: dict,
+                eval_template_sha256: str | None, eval_prompt_ids: list[str]) -> list[str]:
+    """What is different between training, the export and this eval (module doc), one phrase each."""
+    found = []
+    ds = cj.get("draftsmith") or {}
+    own_export = Path(export_dir).resolve() == (run.path / "export").resolve()
+    train = (run.read_manifest("train") or {}) if own_export else {}
+
+    # aux layers: training's, the export's, vLLM's
+    trained = ds.get("aux_layers_trained") or train.get("aux_layers")
+    exported = _export_aux(cj)
+    if trained and exported and list(trained) != list(exported):
+        found.append(f"aux layers: the export says {list(exported)}, training used {list(trained)}")
+    log = stage_dir / "vllm.log"
+    if report.get("engine") == "vllm" and log.is_file():
+        m = AUX_LOG.search(log.read_text(errors="replace"))
+        used = [int(x) for x in m.group(1).replace(" ", "").split(",") if x] if m else None
+        if used is not None and trained and used != list(trained):
+            found.append(f"aux layers: vLLM used {used} (its log), training used {list(trained)}")
+
+    # the draft vocabulary: the export's maps against the vocab stage's
+    vocab = run.path / "vocab" / "vocab.safetensors"
+    weights = Path(export_dir) / "model.safetensors"
+    if own_export and vocab.is_file() and weights.is_file():
+        try:
+            a, b = load_numpy(str(vocab)), load_numpy(str(weights))
+            stale = [k for k in ("d2t", "t2d") if k in a and k in b and not np.array_equal(a[k], b[k])]
+        except Exception:  # an unreadable file is export's or vocab's error to report, not this check's
+            stale = []
+        if stale:
+            found.append(f"draft vocabulary: the export's {'/'.join(stale)} differ from vocab/vocab.safetensors "
+                         "(a stale vocabulary map)")
+
+    # the chat template: at prepare and at eval (a served --chat-template file instead of the target's)
+    prep = (run.read_manifest("prepare") or {}).get("chat_template_sha256")
+    args = ((engine_info or {}).get("server") or {}).get("args") or []
+    used_template = eval_template_sha256
+    if "--chat-template" in args and args.index("--chat-template") + 1 < len(args):
+        p = Path(args[args.index("--chat-template") + 1])
+        used_template = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "?"
+    if prep and used_template and prep != used_template:
+        found.append(f"chat template: sha256 {used_template[:12]} at eval, {prep[:12]} at prepare")
+
+    # the dtype of the target states: training's against eval's
+    extract_meta = run.path / "extract" / "meta.json"
+    trained_dtype = None
+    if own_export and (train.get("settings") or {}).get("train", {}).get("mode", "offline") != "online":
+        try:
+            trained_dtype = json.loads(extract_meta.read_text()).get("compute_dtype")
+        except (OSError, ValueError):
+            trained_dtype = None
+    if trained_dtype and report.get("dtype") and trained_dtype != report["dtype"]:
+        found.append(f"dtype: the drafter trained on {trained_dtype} target states, eval ran the target in "
+                     f"{report['dtype']}")
+
+    # the kind and how it was served
+    kind = ds.get("kind") or ((train.get("settings") or {}).get("train") or {}).get("method")
+    exported_kind = cj.get("speculators_model_type") or ("eagle3" if "Eagle3Deepseek" in str(cj.get("architectures"))
+                                                         else None)
+    if kind and exported_kind and kind != exported_kind:
+        found.append(f"kind: training made a {kind} drafter, the export says {exported_kind}")
+    spec = served_spec(engine_info) if report.get("engine") == "vllm" else None
+    if spec is not None and kind:
+        want_method = "dflash" if kind == "dflash" else "eagle3"
+        want_parallel = kind == "peagle"
+        if spec.get("method") != want_method or bool(spec.get("parallel_drafting")) != want_parallel:
+            found.append(f"method: served with method {spec.get('method')}"
+                         f"{', parallel_drafting' if spec.get('parallel_drafting') else ''}; a {kind} drafter needs "
+                         f"method {want_method}{' with parallel_drafting' if want_parallel else ''}")
+    elif report.get("engine") == "vllm" and cfg.eval.server:
+        found.append("method: the server's own --speculative-config is unknown (eval.server); check its method")
+
+    # K, temperature
+    trained_k = ds.get("ttt_steps")
+    if trained_k and report.get("num_speculative_tokens", 0) > trained_k:
+        found.append(f"K: {report['num_speculative_tokens']} drafts served, {trained_k} trained")
+    if (report.get("temperature") or 0) > 0:
+        found.append(f"temperature: {report['temperature']} at eval; validation predicts T=0 (greedy) verification")
+
+    # the prompts: the training set's source and overlap
+    gen = ((run.read_manifest("generate") or {}).get("settings") or {}).get("generate") or {}
+    train_source = gen.get("prompts")
+    if train_source and report.get("prompts_source") and _source(train_source) != _source(report["prompts_source"]):
+        found.append(f"prompts: eval's `{_source(report['prompts_source'])}` is not the training distribution "
+                     f"(`{_source(train_source)}`); validation predicts prompts like the training ones")
+    trained_ids = _generated_prompt_ids(run)
+    overlap = sum(1 for i in eval_prompt_ids if i in trained_ids)
+    if overlap:
+        found.append(f"prompts: {overlap} of the {len(eval_prompt_ids)} eval prompts were trained on")
+    return found
+
+
+def _source(spec: str) -> str:
+    return Path(spec).name if ("/" in spec or "\\" in spec) else spec
+
+
+def _generated_prompt_ids(run: RunDir) -> set[str]:
+    """The prompt ids generate answered (resampled answers as their prompt's), read from generate/samples.jsonl."""
+    out: set[str] = set()
+    try:
+        with open(run.path / "generate" / "samples.jsonl", "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "id" in rec:
+                    out.add(prompt_id_of(rec["id"]))
+    except OSError:
+        pass
+    return out
+
+
+def agreement(pred: dict | None, engines: dict[str, dict], found: list[str], K: int, trained_k: int | None) -> dict:
+    """report.json's `agreement`: the three figures, the gaps, what was found different and the one-line verdict."""
+    out = {"validation": pred, "local": engines.get("local"), "vllm": engines.get("vllm"), "tolerance": TOLERANCE,
+           "differences": found, "verdict": None}
+    if pred is None:
+        out["note"] = ("no validation figure in the export (train.validation was 0, or the drafter comes from "
+                       "elsewhere)" if not trained_k or K <= trained_k else
+                       f"K={K} is past the {trained_k} steps validation measured")
+        return out
+    short = []
+    for name in ("vllm", "local"):
+        m = engines.get(name)
+        if m and m.get("acceptance_length") is not None:
+            gap = pred["acceptance_length"] - m["acceptance_length"]
+            out[f"{name}_gap"] = gap
+            if gap > TOLERANCE:
+                short.append(f"{name} tau {m['acceptance_length']:.2f} is {gap:.2f} under")
+    if short:
+        why = "; ".join(found) if found else ("nothing found different (layers, vocabulary, template, dtype, method, "
+                                              "K, prompts): suspect the serving engine itself")
+        out["verdict"] = (f"{' and '.join(short)} the validation tau {pred['acceptance_length']:.2f} (K={K}, tolerance "
+                          f"{TOLERANCE}): {why}")
+    return out
