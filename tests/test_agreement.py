@@ -1,0 +1,158 @@
+"""The drafter folder says what it is, and eval holds its tau against the validation tau training left.
+
+A whole tiny pipeline (tests/tiny_pipeline.py) with a validation split: the model card's front matter parses as
+YAML, neither it nor provenance.json nor config.json names a path of this machine, and eval rewrites it with each
+report. Eval's one-line verdict stays quiet for a good export and names a wrong aux layer id, a stale draft
+vocabulary and a wrong kind, each made on purpose in a copy of the export; a server's log and its
+--speculative-config are read for the layers and the method vLLM used."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from draftsmith.card import front_matter, has_absolute_path
+from draftsmith.config import load_config
+from draftsmith.eval import run_eval
+from draftsmith.eval.agreement import TOLERANCE, agreement, differences, predicted
+from draftsmith.export import run_export
+from draftsmith.pipeline import run_pipeline
+from draftsmith.rundir import RunDir
+from draftsmith.train import run_train
+from tiny_pipeline import build_talkative_target, write_config, write_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SETS = ["train.validation=6", "train.max_steps=60", "eval.limit=3", "export.repo_id=acme/tiny-eagle3"]
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory):
+    """(run, config, prompts, target) of a finished tiny pipeline with a validation split."""
+    root = tmp_path_factory.mktemp("agree")
+    target = build_talkative_target(root / "target")
+    prompts = write_prompts(root / "prompts.jsonl", 40)
+    config = write_config(root / "cfg.yaml", target, prompts)
+    run = RunDir(root / "run")
+    run_pipeline(run, load_config(config, SETS))
+    return run, config, prompts, target
+
+
+def copy_run(src: RunDir, dst) -> RunDir:
+    shutil.copytree(src.path, dst, ignore=shutil.ignore_patterns("eval", ".locks"))
+    return RunDir(dst)
+
+
+def report(run: RunDir) -> dict:
+    return json.loads((run.path / "eval" / "report.json").read_text())
+
+
+def test_the_model_card_says_what_the_drafter_is_and_names_no_path(piped):
+    run, config, prompts, target = piped
+    export = run.path / "export"
+    card = (export / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == target.name and meta["library_name"] == "vllm"
+    assert {"speculative-decoding", "eagle3"} <= set(meta["tags"]) and "license" not in meta
+    v = json.loads((export / "config.json").read_text())["draftsmith"]["validation"]
+    assert f"acceptance length {v['acceptance_length']:.3f}" in card
+    assert "[2, 4, 5]" in card and "64 of 384 tokens" in card and "40 samples from `prompts.jsonl`" in card
+    assert "vllm serve target --speculative-config" in card and '"model": "acme/tiny-eagle3"' in card
+    assert "hf upload acme/tiny-eagle3 RUN/export --include config.json" in card
+    # eval added its report: the card lists it, with the machine it ran on
+    rep = report(run)
+    assert f"| local | 3 | 0.0 | 3 of `prompts.jsonl` | {rep['acceptance_length']:.3f}" in card
+    assert rep["machine"] in card
+    prov = json.loads((export / "provenance.json").read_text())
+    assert set(prov["configs"]) >= {"generate", "prepare", "vocab", "extract", "train", "export", "eval"}
+    assert len(prov["sha256"]["generate.prompts"]) == 64 and len(prov["sha256"]["export/model.safetensors"]) == 64
+    for name in ("README.md", "provenance.json", "config.json"):
+        text = (export / name).read_text()
+        assert not has_absolute_path(text), name
+        assert str(run.path.parent) not in text and str(target) not in text, name
+
+
+def test_a_good_export_is_quiet_and_the_three_figures_sit_in_the_report(piped):
+    run, *_ = piped
+    rep = report(run)
+    ag = rep["agreement"]
+    assert ag["verdict"] is None
+    assert ag["validation"]["acceptance_length"] > 2 and ag["local"]["acceptance_length"] == rep["acceptance_length"]
+    assert any(d.startswith("prompts: 3 of the 3 eval prompts were trained on") for d in ag["differences"])
+    md = (run.path / "eval" / "report.md").read_text()
+    assert "## Validation, local engine, vLLM" in md and "| validation (predicted) |" in md
+
+
+def _edit_export(run: RunDir, **changes) -> None:
+    path = run.path / "export" / "config.json"
+    cj = json.loads(path.read_text())
+    cj.update(changes)
+    path.write_text(json.dumps(cj))
+
+
+@pytest.mark.parametrize("broken", ["aux layer", "vocabulary"])
+def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys):
+    run, config, *_ = piped
+    bad = copy_run(run, tmp_path / "bad")
+    if broken == "aux layer":
+        _edit_export(bad, eagle_aux_hidden_state_layer_ids=[1, 4, 5])
+        expect = "aux layers: the export says [1, 4, 5], training used [2, 4, 5]"
+    else:  # another build's vocabulary map: the draft ids shifted by one
+        path = bad.path / "export" / "model.safetensors"
+        sd = load_file(str(path))
+        t2d = sd["t2d"].roll(1)
+        d2t = t2d.nonzero().squeeze(1) - __import__("torch").arange(int(t2d.sum()))
+        save_file({**sd, "t2d": t2d, "d2t": d2t}, str(path))
+        expect = "draft vocabulary: the export's d2t/t2d differ from vocab/vocab.safetensors"
+    run_eval(bad, load_config(config, SETS))
+    ag = report(bad)["agreement"]
+    assert ag["verdict"] and expect in ag["verdict"]
+    warned = [x for x in capsys.readouterr().out.splitlines() if "warning:" in x]
+    assert len(warned) == 1 and expect in warned[0]
+
+
+def test_a_wrong_kind_is_named_and_so_is_a_wrong_serving_method(piped, tmp_path):
+    run, config, *_ = piped
+    par = copy_run(run, tmp_path / "peagle")
+    shutil.rmtree(par.path / "train")
+    shutil.rmtree(par.path / "export")
+    cfg = load_config(config, [*SETS, "train.method=peagle", "train.max_steps=20"])
+    run_train(par, cfg)
+    run_export(par, cfg)
+    cj = json.loads((par.path / "export" / "config.json").read_text())
+    assert cj["speculators_model_type"] == "peagle" and cj["draftsmith"]["kind"] == "peagle"
+    rep = {"engine": "vllm", "num_speculative_tokens": 3, "temperature": 0.0, "dtype": "bfloat16",
+           "prompts_source": str(config)}
+    d = tmp_path / "eval"
+    d.mkdir()
+    # a server started with eagle3's method for a P-EAGLE drafter, whose log says it read layers 1, 4, 5
+    (d / "vllm.log").write_text("INFO x Using auxiliary layers from speculative config: (1, 4, 5)\n")
+    info = {"server": {"args": ["--dtype", "bfloat16", "--speculative-config",
+                                json.dumps({"method": "eagle3", "model": "x", "num_speculative_tokens": 3})]}}
+    found = differences(par, cfg, rep, cj, par.path / "export", d, info, None, [])
+    assert "aux layers: vLLM used [1, 4, 5] (its log), training used [2, 4, 5]" in found
+    assert "method: served with method eagle3; a peagle drafter needs method eagle3 with parallel_drafting" in found
+    # the export edited to another kind than training made
+    found = differences(par, cfg, rep, {**cj, "speculators_model_type": "eagle3"}, par.path / "export", d, {}, None,
+                        [])
+    assert "kind: training made a peagle drafter, the export says eagle3" in found
+    ag = agreement(predicted(cj, 3), {"vllm": {"acceptance_length": 1.0}}, found, 3, 3)
+    assert "kind: training made a peagle drafter" in ag["verdict"]
+
+
+def test_the_verdict_fires_past_the_tolerance_and_hard_differences_fire_alone():
+    cj = {"draftsmith": {"validation": {"acceptance_per_position": [0.6, 0.3, 0.1], "step": 10, "samples": 4}}}
+    pred = predicted(cj, 3)
+    assert pred["acceptance_length"] == pytest.approx(2.0) and predicted(cj, 2)["acceptance_length"] == 1.9
+    assert predicted(cj, 4) is None and predicted({}, 3) is None
+    close = agreement(pred, {"vllm": {"acceptance_length": 2.0 - TOLERANCE + 0.01}}, [], 3, 3)
+    assert close["verdict"] is None
+    far = agreement(pred, {"vllm": {"acceptance_length": 1.5}, "local": {"acceptance_length": 1.52}},
+                    ["prompts: eval's `mt-bench` is not the training distribution (`sharegpt`)"], 3, 3)
+    assert far["verdict"].startswith("vllm tau 1.50 is 0.50 under and local tau 1.52 is 0.48 under the validation tau")
+    assert "mt-bench" in far["verdict"]
+    unexplained = agreement(pred, {"vllm": {"acceptance_length": 1.5}}, [], 3, 3)
+    assert "nothing found different" in unexplained["verdict"]
+    hard = agreement(pred, {"vllm": {"acceptance_length": 2.1}}, ["aux layers: the export says [1], training used [2]"],
+                     3, 3)
+    assert hard["verdict"] and "aux layers" in hard["verdict"]
