@@ -7,11 +7,63 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# -------------------------------------------------------------------------------------------------
+# The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than
+# this on the machine CI runs on (2 cores), printing its slowest tests, so that the next feature pays for its own
+# tests instead of pushing CI past its limit. DRAFTSMITH_SUITE_BUDGET_S overrides it; DRAFTSMITH_SUITE_BUDGET_ALWAYS=1
+# applies it to any selection (the check's own test).
+SUITE_BUDGET_S = 45 * 60.0
+
+
+def _suite_budget(config) -> float | None:
+    """The budget that applies to this pytest run, in seconds, or None (a selection of the suite)."""
+    budget = float(os.environ.get("DRAFTSMITH_SUITE_BUDGET_S", SUITE_BUDGET_S))
+    if os.environ.get("DRAFTSMITH_SUITE_BUDGET_ALWAYS") == "1":
+        return budget
+    opt = config.option
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not opt.keyword and not opt.markexpr
+             and not getattr(opt, "lf", False) and not getattr(opt, "deselect", None))
+    return budget if whole else None
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_T0] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    budget = _suite_budget(session.config)
+    t0 = session.config.stash.get(_T0, None)
+    if budget is None or t0 is None or time.monotonic() - t0 <= budget:
+        return
+    took = time.monotonic() - t0
+    per_test: dict[str, float] = {}
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for reports in (reporter.stats.values() if reporter else []):
+        for r in reports:
+            if getattr(r, "nodeid", None) and isinstance(getattr(r, "duration", None), float):
+                per_test[r.nodeid] = per_test.get(r.nodeid, 0.0) + r.duration
+    slowest = sorted(per_test.items(), key=lambda kv: -kv[1])[:15]
+    lines = [f"the suite took {took / 60:.1f} min, past its budget of {budget / 60:.0f} min on this machine "
+             "(tests/conftest.py SUITE_BUDGET_S): make the slowest tests smaller or share what they start:"]
+    lines += [f"  {sec:7.1f}s  {nodeid}" for nodeid, sec in slowest]
+    if reporter:
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line, red=True)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_T0 = pytest.StashKey[float]()
 
 # A ChatML template like SmolLM2's, with {% generation %} markers left out on purpose: draftsmith
 # must find assistant spans itself.

@@ -1,0 +1,34 @@
+"""The suite's own rules: it fails past its time budget, naming its slowest tests, and it gives the same result
+however its runner was started (a background job or `nohup` inherits SIGINT ignored)."""
+
+import signal
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def pytest_run(*args: str, env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
+                          preexec_fn=preexec_fn)
+
+
+def test_the_suite_fails_past_its_budget_and_names_its_slowest_tests():
+    node = "tests/test_validation.py::test_the_split_depends_on_prompt_ids_alone"
+    p = pytest_run(node, env={"DRAFTSMITH_SUITE_BUDGET_S": "0", "DRAFTSMITH_SUITE_BUDGET_ALWAYS": "1"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "past its budget of 0 min" in p.stdout and node in p.stdout.split("past its budget")[1]
+    # a selection of the suite is not held to the whole suite's budget
+    p = pytest_run(node, env={"DRAFTSMITH_SUITE_BUDGET_S": "0"})
+    assert p.returncode == 0 and "past its budget" not in p.stdout, p.stdout + p.stderr
+
+
+def test_ctrl_c_tests_pass_when_the_runner_ignores_sigint():
+    """As under `nohup cmd &`: the runner starts with SIGINT ignored; the children the tests stop with Ctrl-C still
+    see it (tests/conftest.py stop_signals_default)."""
+    p = pytest_run("tests/test_signals.py::test_stopped_command_exits_nonzero_and_status_says_interrupted",
+                   "-k", "Ctrl-C", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
