@@ -265,7 +265,7 @@ def three_measurements(reports: list[dict], k: int) -> list[str]:
         d = abs(taus["local"] - taus["vllm"])
         lines.append(f"The two engines are {d:.2f} apart: " + ("draftsmith's engine and vLLM verify the same drafts, "
                                                              "so the export serves as it was trained."
-                     if d <= 0.05 else "more than their usual 0.05; compare eval/report.md and eval-vllm/report.md."))
+                     if round(d, 2) <= 0.05 else "more than their usual 0.05; compare eval/report.md and eval-vllm/report.md."))
     gap = v["acceptance_length"] - min(taus.values())
     prompts = [x for x in ag.get("differences") or [] if x.startswith("prompts:")]
     lines.append(f"Served sits {gap:+.2f} under validation" if gap > 0 else

@@ -76,11 +76,17 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
     tau / speedup (measured, not assumed), the break-even tau is that cost, and where the drafter and reports are."""
     run = RunDir(tmp_path / "run").ensure()
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: ["eval", "eval-vllm"])  # this drafter's reports
+    # the vLLM report holds the validation tau beside both engines' (eval/agreement.py)
+    agreement = {"validation": {"acceptance_length": 1.45, "samples": 12},
+                 "differences": ["prompts: eval's `mt-bench` is not the training distribution (`sharegpt`); "
+                                 "validation predicts prompts like the training ones"],
+                 "verdict": "vllm tau 1.31 is 0.14 under ..."}
     for folder, engine, tau, speedup in (("eval", "local", 1.26, 0.70), ("eval-vllm", "vllm", 1.31, 0.95),
                                          ("eval-old", "vllm", 3.0, 9.9)):  # an earlier drafter's: not explained
         (run.path / folder).mkdir()
         (run.path / folder / "report.json").write_text(json.dumps(
-            {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup}))
+            {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup,
+             **({"agreement": agreement} if folder == "eval-vllm" else {})}))
     (run.path / "export").mkdir()
     (run.path / "export" / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     text = explain(run)
@@ -91,6 +97,11 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
     assert "costs 1.38 plain steps" in text  # 1.31 / 0.95
     assert str(run.path / "export") in text and str(run.path / "eval-vllm" / "report.md") in text
     assert "3.00" not in text and "eval-old" not in text
+    # the three measurements and what their gaps mean
+    assert "- validation: tau 1.45 on 12 held-out training answers" in text
+    assert "- local engine: tau 1.26 on the eval prompts;" in text and "- vllm engine: tau 1.31" in text
+    assert "The two engines are 0.05 apart: draftsmith's engine and vLLM verify the same drafts" in text
+    assert "Served sits +0.19 under validation: eval's `mt-bench` is not the training distribution" in text
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: [])
     assert explain(RunDir(tmp_path / "empty").ensure()) == ""
 

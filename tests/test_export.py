@@ -68,10 +68,13 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
     sc = cj["speculators_config"]
     assert sc["algorithm"] == "eagle3"
     assert sc["proposal_methods"][0]["speculative_tokens"] == 3  # the checkpoint's ttt_steps
-    # the verifier as the config names it (never this machine's resolved path), plus what identifies it
-    assert sc["verifier"]["name_or_path"] == str(tiny_target)
+    # the verifier by a name that holds elsewhere (the folder's, with no target_id; never a path of this machine),
+    # plus what identifies it
+    assert sc["verifier"]["name_or_path"] == tiny_target.name
     assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
-    assert cj["draftsmith"]["target_spec"] == str(tiny_target)
+    assert cj["draftsmith"]["target_id"] == tiny_target.name and "target_spec" not in cj["draftsmith"]
+    assert cj["draftsmith"]["checkpoint"] == "train/final" and cj["draftsmith"]["kind"] == "eagle3"
+    assert str(tiny_target.parent) not in (out / "config.json").read_text()
     assert cj["draftsmith"]["target_architecture"] == "LlamaForCausalLM"
     assert len(cj["draftsmith"]["target_config_sha256"]) == 64
     assert cj["draftsmith"]["target"] == info.name and cj["draftsmith"]["target_fingerprint"] == info.fingerprint

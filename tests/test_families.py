@@ -134,7 +134,7 @@ def check_mla_export(run: RunDir, family: str, target: Path, cj: dict) -> dict:
     assert cj["intermediate_size"] == text["intermediate_size"] and cj["draft_vocab_size"] == DRAFT_VOCAB
     assert cj["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cj["norm_before_residual"] is False and cj["rope_parameters"]["rope_type"] == "default"
-    assert cj["draftsmith"]["verifier"] == str(target) and cj["draftsmith"]["target_fingerprint"] == info.fingerprint
+    assert cj["draftsmith"]["verifier"] == target.name and cj["draftsmith"]["target_fingerprint"] == info.fingerprint
     drafter, meta = load_exported(run.path / "export", target_info=info)
     assert meta["aux_layers"] == [2, 4, 5] and drafter.config.attention == "mla"
     assert drafter.layers[0].self_attn.kv_a_proj_with_mqa.weight.shape == (512 + 64, 2 * 128)
