@@ -93,7 +93,8 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
     assert dtypes["d2t"] == "I64" and dtypes["t2d"] == "BOOL"
     assert {dtypes[k] for k in keys - {"d2t", "t2d"}} == {"BF16"}
 
-    assert m["counts"]["done"] == 1 and sorted(m["outputs"]) == ["config.json", "model.safetensors"]
+    assert m["counts"]["done"] == 1 and sorted(m["outputs"]) == ["README.md", "config.json", "model.safetensors",
+                                                                 "provenance.json"]
     # unchanged checkpoint, target and settings: up to date, nothing rewritten (what `run` relies on)
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     assert run_export(run, cfg_for(tiny_target)) == m
