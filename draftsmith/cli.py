@@ -2,7 +2,9 @@
 
 Every stage command takes `--run DIR`, `--config FILE.yaml` and any number of `--set key=value`.
 User errors (bad input, bad config, missing upstream stage) print one line on stderr and exit 2;
-a traceback means a bug in draftsmith.
+any other exception is a bug in draftsmith: one line too (exit 1), naming the stage and where its
+traceback was written (the stage's stage.log, else a file in the temporary folder), never a
+traceback on the terminal.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typer._click import exceptions as click_exc  # typer vendors its own click
 from draftsmith import DraftsmithError, Terminated, one_line
 from draftsmith.estimate import HARDWARE, estimate_config, render
 from draftsmith.journal import env_rank
-from draftsmith.progress import log
+from draftsmith.progress import log, write_traceback
 from draftsmith.rundir import RunDir, is_disk_full
 from draftsmith.status import render_table, run_status
 from draftsmith.status import watch as watch_run
@@ -527,7 +529,13 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(e, OSError) and e.errno in REFUSED_BY_THE_SYSTEM and where:
             print(f"draftsmith: error: {where}{e.strerror}", file=sys.stderr)
             sys.exit(2)
-        raise
+        # Anything else is a bug: one line saying what failed where, the traceback in a log, never on the terminal
+        # (a stage wrote it into its stage.log on the way out; elsewhere it goes to a file of its own)
+        log_path = write_traceback(e, None)
+        stage = getattr(e, "traceback_stage", None)
+        print(f"draftsmith: error: {f'{stage}: ' if stage else ''}{type(e).__name__}: {one_line(e)[:300]} (a bug in "
+              f"draftsmith, please report it; the traceback is in {log_path})", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -40,15 +40,17 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line, scrub
 from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate,
                                journal_name, journal_state, rate_and_eta, read_journal)
-from draftsmith.rundir import DiskFull, RunDir, append_bytes
+from draftsmith.rundir import DiskFull, RunDir, append_bytes, is_disk_full
 
 
 SETTLE_S = 0.25  # a burst of completions is over once no unit has completed for this long
@@ -422,9 +424,38 @@ def _log_line(path: Path, stage: str, msg: str) -> None:
         f.write(f"{time.strftime('%H:%M:%S')} [{stage}] {msg}\n")
 
 
+def is_known_failure(exc: BaseException) -> bool:
+    """An error that says itself in one line (a user error, a stop, a full disk, a path the system refuses):
+    anything else is a bug in draftsmith, whose traceback goes to a log (write_traceback)."""
+    return isinstance(exc, (DraftsmithError, KeyboardInterrupt, Terminated)) or is_disk_full(exc) or (
+        isinstance(exc, OSError) and getattr(exc, "filename", None) is not None)
+
+
+def write_traceback(exc: BaseException, log_path: Path | None, stage: str | None = None) -> Path:
+    """The full traceback of `exc`, appended to `log_path` (a stage's stage.log; a file of its own in the
+    temporary folder when None or unwritable), remembered on the exception (`traceback_log`) so that the one line
+    the CLI prints names where it went. Returns the file."""
+    if getattr(exc, "traceback_log", None):
+        return exc.traceback_log
+    text = scrub("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    head = f"{time.strftime('%H:%M:%S')} [{stage or 'draftsmith'}] the traceback of {type(exc).__name__}:\n"
+    for path in ([log_path] if log_path is not None else []) + [
+            Path(tempfile.gettempdir()) / f"draftsmith-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"]:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(head + text)
+        except OSError:
+            continue
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attributes
+            exc.traceback_log, exc.traceback_stage = path, stage
+        return path
+    return Path("(nowhere: no log could be written)")
+
+
 def journal_failures(stage: str):
     """Decorator for `run_<stage>(run, cfg, ...)`: an exception it raises is recorded in the
-    stage's journal (see record_failure) and re-raised unchanged."""
+    stage's journal (see record_failure) and re-raised unchanged; one that is not a known failure
+    (is_known_failure: a bug) has its traceback written to the stage's stage.log first."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -436,7 +467,10 @@ def journal_failures(stage: str):
                 with contextlib.suppress(Exception):  # journaling must never hide the error itself
                     rd = run if isinstance(run, RunDir) else RunDir(run)
                     # a stage run into another folder (eval's `folder=`) journals there
-                    record_failure(rd, kwargs.get("folder", stage), e, since=since, rank=kwargs.get("rank"),
+                    folder = kwargs.get("folder", stage)
+                    if not is_known_failure(e) and rd.is_run():
+                        write_traceback(e, rd.path / folder / "stage.log", folder)
+                    record_failure(rd, folder, e, since=since, rank=kwargs.get("rank"),
                                    world_size=kwargs.get("world_size"))
                 raise
 

@@ -1045,6 +1045,7 @@ def test_two_ranks_match_one_rank_at_double_batch_with_ddp_and_fsdp(tiny8, tmp_p
     ddp = copy_run(base, tmp_path / "ddp")  # 2 ranks, batch b
     p = torchrun(ddp, tiny8, 2, batch_tokens=64, **sets)
     assert p.stdout.count("step 4/4 |") == 1  # rank 0 logs, rank 1 does not
+    assert "Warning" not in p.stdout + p.stderr, p.stderr[-2000:]  # e.g. DDP's deprecated broadcast_buffers
     assert sorted(x.name for x in (ddp.path / "train").glob("progress*.jsonl")) == ["progress.rank0.jsonl", "progress.rank1.jsonl"]
     fsdp = copy_run(base, tmp_path / "fsdp")
     torchrun(fsdp, tiny8, 2, batch_tokens=64, fsdp="true", **sets)

@@ -551,6 +551,10 @@ def _log_window(ts: TrainState, window: Window, grad_norm: float, stop_now: bool
         ts.planned = min(ts.total_steps, ts.step + int(left_s * window.steps / dt)) if dt > 0 else ts.planned
         prog.set_total(ts.planned)
     tau, per_pos = window.chain()
+    if loss_k[0] is None and ts.ranks.rank == 0:
+        say(f"warning: steps up to {ts.step} had no trained token: the answers of their samples lie past "
+            f"train.seq_len ({ts.packing.row_len} tokens) or outside train.loss_on; their loss is n/a and nothing "
+            "was learnt from them (raise train.seq_len, or lower prepare.max_length)")
     ts.metrics = {
         "step": ts.step, "total_steps": ts.planned, "epoch": ts.position[0], "loss": loss_k, "acc": acc_k,
         "acceptance_length": tau, "acceptance_per_position": per_pos, "lr": ts.scheduler.get_last_lr()[0],

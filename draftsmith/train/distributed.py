@@ -98,9 +98,17 @@ def distribute(objective, ranks: Ranks, fsdp: bool, precision: str = "fp32"):
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce bucket instead of a
         # second copy of every gradient; accumulation under no_sync and clip_grad_norm_'s in-place
         # scaling write into the same memory
-        return DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False,
-                                       gradient_as_bucket_view=True)
+        return DistributedDataParallel(objective, device_ids=device_ids, gradient_as_bucket_view=True,
+                                       **NO_BUFFER_SYNC)
     return objective
+
+
+# the buffers (the frozen target head, fc's input scale) are the same on every rank: no copy from rank 0 before
+# each forward. torch 2.13 renamed the switch (`broadcast_buffers` now warns, a FutureWarning on every rank); the
+# GPU machines' torch 2.11 may only know the old name
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                  else {"broadcast_buffers": False})
 
 
 def sum_by_name(values: dict, ranks: Ranks) -> dict:

@@ -22,9 +22,8 @@ METRICS = "metrics.jsonl"
 STEP_PARTS = ("data", "forward", "backward", "optimizer")  # where a step's time goes
 
 
-def is_validation(rec: dict) -> bool:
-    """Whether a metrics.jsonl row is a validation pass's (the others are training windows)."""
-    return rec.get("split") == "validation"
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def _json_step(line: str) -> int | None:
@@ -76,15 +75,15 @@ class Window:
         when the time budget makes this step the last (`last`)."""
         return time.time() - self.last_log >= self.tc.log_every_s or step + 1 == total_steps or last
 
-    def summary(self, world: int) -> tuple[list[float], list[float], float]:
+    def summary(self, world: int) -> tuple[list[float | None], list[float | None], float]:
         """(loss per TTT step in nats, accuracy per TTT step, seconds of the window) over all ranks
-        (every rank must call it); NaN for a step without positions."""
+        (every rank must call it); None for a step without positions (JSON has no NaN)."""
         if world > 1:
             dist.all_reduce(self.stats)
         # the window's statistics accumulate on the device (no read per step); this is their one read
         s = self._read = self.stats.tolist()
-        loss_k = [kl / n if n > 0 else float("nan") for kl, n, _, _, _ in s]
-        acc_k = [c / m if m > 0 else float("nan") for _, _, c, m, _ in s]
+        loss_k = [kl / n if n > 0 else None for kl, n, _, _, _ in s]
+        acc_k = [c / m if m > 0 else None for _, _, c, m, _ in s]
         return loss_k, acc_k, time.perf_counter() - self.t0
 
     def chain(self) -> tuple[float | None, list[float | None]]:
@@ -99,17 +98,18 @@ class Window:
         append_text(self.metrics_path, json.dumps(metrics) + "\n")
         if self.tb is not None:
             for k in range(len(loss_k)):
-                self.tb.add_scalar(f"loss/step{k}", loss_k[k], step)
-                self.tb.add_scalar(f"acc/step{k}", acc_k[k], step)
+                if loss_k[k] is not None:
+                    self.tb.add_scalar(f"loss/step{k}", loss_k[k], step)
+                    self.tb.add_scalar(f"acc/step{k}", acc_k[k], step)
             for key in ("acceptance_length", "lr", "grad_norm", "tokens_per_s"):
                 if metrics[key] is not None:
                     self.tb.add_scalar(f"train/{key}", metrics[key], step)
             self.tb.flush()
         tau = metrics["acceptance_length"]
         val = validation or {}
-        self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(f"{x:.3f}" for x in loss_k)
-                 + " nats | acc " + " ".join(f"{x:.1%}" for x in acc_k)
-                 + f" | tau train {'n/a' if tau is None else format(tau, '.2f')}"
+        self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(_fmt(x, ".3f") for x in loss_k)
+                 + " nats | acc " + " ".join(_fmt(x, ".1%") for x in acc_k)
+                 + f" | tau train {_fmt(tau, '.2f')}"
                  + (f", val {val['acceptance_length']:.2f} (step {val['step']})"
                     if val.get("acceptance_length") is not None else "")
                  + f" | {metrics['tokens_per_s']:,.0f} tok/s | lr {metrics['lr']:.2e} "
@@ -125,7 +125,7 @@ class Window:
         """Rank 0: a validation pass's row in metrics.jsonl and its line in the log."""
         append_text(folder / METRICS, json.dumps({"split": "validation", **row}) + "\n")
         tau, per_pos = row["acceptance_length"], row["acceptance_per_position"]
-        say(f"validation at step {row['step']}: tau {'n/a' if tau is None else format(tau, '.3f')} "
-            f"(acceptance per position {' '.join('n/a' if a is None else format(a, '.3f') for a in per_pos)}) over "
+        say(f"validation at step {row['step']}: tau {_fmt(tau, '.3f')} "
+            f"(acceptance per position {' '.join(_fmt(a, '.3f') for a in per_pos)}) over "
             f"{row['samples']} held-out samples, {row['positions']:,} drafting positions; loss "
-            + " ".join("n/a" if x is None else format(x, ".3f") for x in row["loss"]) + f" nats; {row['seconds']:.1f}s")
+            + " ".join(_fmt(x, ".3f") for x in row["loss"]) + f" nats; {row['seconds']:.1f}s")

@@ -1,0 +1,58 @@
+"""Reliability by mechanism (docs/reliability.md, fourth pass): an exception that is not a known user error is one
+line naming the stage and where its traceback went, never a traceback on the terminal; training whose answers all
+lie past the row length says so and writes valid JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from test_train import cfg_for, cycle_samples, make_run, metrics  # noqa: F401
+from draftsmith.target import target_info
+from draftsmith.train import run_train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_bug_is_one_line_and_its_traceback_goes_to_the_stage_log(tiny8, tmp_path):
+    run = make_run(tmp_path / "run", tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 8), extract=False)
+    # a bug inside the vocab stage, as if select_draft_vocab had one
+    code = ("import draftsmith.vocab as v\n"
+            "def boom(*a, **k): raise ZeroDivisionError('a synthetic bug')\n"
+            "v.select_draft_vocab = boom\n"
+            "from draftsmith.cli import main\n"
+            f"main(['vocab', '--run', {str(run.path)!r}, '--set', 'target={tiny8}', '--set', 'vocab.draft_vocab_size=32'])\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr + p.stdout, p.stderr
+    lines = p.stderr.strip().splitlines()
+    log = run.path / "vocab" / "stage.log"
+    assert len(lines) == 1 and lines[0] == (f"draftsmith: error: vocab: ZeroDivisionError: a synthetic bug (a bug in "
+                                            f"draftsmith, please report it; the traceback is in {log})"), p.stderr
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "in boom" in text and "FAILED: ZeroDivisionError" in text
+    status = subprocess.run([sys.executable, "-m", "draftsmith", "status", str(run.path), "--json"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    row = {s["name"]: s for s in json.loads(status.stdout)["stages"]}["vocab"]
+    assert row["state"] == "failed" and "a synthetic bug" in row["error"]
+    # outside a stage (status itself): the traceback goes to a file of its own
+    code = ("import draftsmith.cli as c\n"
+            "def boom(*a, **k): raise ValueError('a bug in status')\n"
+            "c.run_status = boom\n"
+            f"c.main(['status', {str(run.path)!r}, '--json'])\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    path = p.stderr.strip().rsplit("the traceback is in ", 1)[1].rstrip(")")
+    assert "ValueError: a bug in status" in open(path).read()
+
+
+def test_answers_all_past_the_row_length_say_so_and_metrics_stay_json(tiny8, tmp_path, capsys):
+    # prompts of 70-80 tokens, rows of 64: no answer token is ever inside a row
+    samples = cycle_samples(target_info(str(tiny8)).vocab_size, 8, lengths=(90, 100), prompt=(70, 80))
+    run = make_run(tmp_path / "run", tiny8, samples)
+    m = run_train(run, cfg_for(tiny8, max_steps=3, loss_on="assistant"))
+    rows = metrics(run)  # json.loads of every line: a bare NaN would not parse
+    assert rows and all(r["loss"][0] is None and r["acceptance_length"] is None for r in rows)
+    assert m["counts"]["acceptance_length"] is None
+    assert "had no trained token" in capsys.readouterr().out
