@@ -20,7 +20,6 @@ replaced by `***` first, so it never reaches a log line, a failures file or a me
 from __future__ import annotations
 
 import asyncio
-import base64
 import random
 import re
 import threading
@@ -30,7 +29,8 @@ from typing import Any, Callable
 
 import httpx
 
-from draftsmith import DraftsmithError, scrub
+from draftsmith import DraftsmithError
+from draftsmith.redact import redact_secrets, register_secret, scrub
 
 RETRY_STATUS = {408, 409, 425, 429} | set(range(500, 600))
 FATAL_STATUS = {401, 403}  # a wrong or missing key fails every request: stop at once
@@ -62,51 +62,10 @@ def health_ok(root: str, timeout_s: float, client: httpx.Client | None = None) -
         return False
 
 
-def _secret_pattern(secret: str) -> re.Pattern:
-    """The secret in any encoding a server might echo it in: each character as itself, escaped by
-    any number of backslashes (JSON writing a slash as backslash-slash, an escape of an escape), as
-    a backslash-u escape, or percent-encoded (URL, form: `+` for a space); hex digits in either
-    case."""
-    parts = []
-    for ch in secret:
-        forms = [re.escape(ch), f"u{ord(ch):04x}"]
-        if ord(ch) < 128:
-            forms.append(f"%{ord(ch):02x}")
-        if ch == " ":
-            forms.append(r"\+")
-        parts.append(r"\\*(?:" + "|".join(forms) + ")")
-    return re.compile("".join(parts), re.IGNORECASE)
-
-
-_B64_RUN = r"[A-Za-z0-9+/_=\\-]*"  # a base64 or base64url run, `/` possibly JSON-escaped as `\/`
-_B64_MIN_CORE = 8  # a shorter core would match unrelated base64 text
-
-
-def _base64_pattern(secret: str) -> re.Pattern | None:
-    """The secret base64- or base64url-encoded inside any text (`Bearer <key>`, a whole header):
-    at each of the three byte alignments, the characters that only the secret's bytes decide, and
-    the whole base64 run around them; None for a secret too short to tell apart."""
-    raw, cores = secret.encode(), []
-    for k in range(3):  # the secret starts k bytes into a 3-byte group of the encoded text
-        enc = base64.b64encode(b"\0" * k + raw + b"\0\0").decode()
-        core = enc[-(-8 * k // 6): (8 * (k + len(raw))) // 6]  # chars whose 6 bits are all the secret's
-        if len(core) >= _B64_MIN_CORE:
-            cores += [core, core.translate(str.maketrans("+/", "-_"))]
-    if not cores:
-        return None
-    alternatives = ("".join(r"\\*/" if c == "/" else re.escape(c) for c in core) for core in dict.fromkeys(cores))
-    return re.compile(_B64_RUN + "(?:" + "|".join(alternatives) + ")" + _B64_RUN)
-
-
 def redact(text: str, secret: str | None) -> str:
-    """`text` with `secret` replaced by *** in every encoding a reply could carry it in (as text,
-    escaped, percent-encoded, base64 and base64url, alone or inside `Bearer <key>`), and with
-    anything shaped like a credential (a Bearer token, an sk- key) replaced as well."""
-    if secret:
-        text = _secret_pattern(secret).sub("***", text)
-        if (b64 := _base64_pattern(secret)) is not None:
-            text = b64.sub("***", text)
-    return scrub(text)
+    """`text` with `secret` replaced by *** in every encoding a reply could carry it in (draftsmith/redact.py), and
+    with anything shaped like a credential (a Bearer token, an sk- key) replaced as well."""
+    return scrub(redact_secrets(text, secret))
 
 
 def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -> float:
@@ -253,6 +212,7 @@ class OpenAIClient:
         self.retried = 0  # attempts sent again, over all requests
         self.closing = False  # set by close(): no new attempt starts
         self._api_key = api_key
+        register_secret(api_key)  # from here on, nothing this process writes or prints holds it (redact.py)
         n = concurrency + len(self.servers)
         self._options = dict(headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
                              timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),

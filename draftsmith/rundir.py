@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from draftsmith import DraftsmithError, __version__
+from draftsmith.redact import has_secrets, redact_secrets
 
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
 MANIFEST = "manifest.json"
@@ -99,8 +100,11 @@ def append_bytes(fd: int, data: bytes, path: str | os.PathLike) -> None:
     One os.write when the OS takes it all (lines of concurrent writers never interleave; a crash
     cuts at most the last line); a short write is continued. When the disk fills part-way, the
     file is cut back to where it was, so no torn line is left behind for the next append to
-    glue onto, and DiskFull names `path`.
+    glue onto, and DiskFull names `path`. Text, so that a registered secret (redact.py: the API key, if a server
+    echoed it into an answer, an id or an error) is written as *** whatever it came in.
     """
+    if has_secrets():
+        data = redact_secrets(data.decode("utf-8", "surrogatepass")).encode("utf-8", "surrogatepass")
     size = os.fstat(fd).st_size
     try:
         while data:
@@ -375,7 +379,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """A text file, atomically (atomic_path), with every registered secret redacted (redact.py)."""
+    atomic_write_bytes(path, redact_secrets(text).encode("utf-8") if has_secrets() else text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -170,6 +170,14 @@ class EchoingServer(FakeOpenAIServer):
             escaped = json.dumps(auth).replace("/", "\\/")
             uni = "".join(f"\\u{ord(c):04x}" for c in auth)
             return 500, {"error": {"message": f"auth {escaped}; query ?auth={urllib.parse.quote(auth, safe='')}; {uni}"}}
+        key = headers.get("Authorization", "").removeprefix("Bearer ")
+        if "[echo-hex]" in text:  # the key as hex (both cases) and reversed, in an error
+            return 500, {"error": {"message": f"trace {key.encode().hex()} {key.encode().hex().upper()} "
+                                              f"rev {key[::-1]}"}}
+        if "[echo-200]" in text:  # a successful answer that carries the key: stored as the target's text
+            reply = super().answer(body, headers)
+            reply[1]["choices"][0]["message"]["content"] += f" key {key} hex {key.encode().hex()} rev {key[::-1]}"
+            return reply
         if "[echo-b64]" in text:  # the header and the key alone, base64 and base64url, inside more text
             auth = headers.get("Authorization", "")
             key = auth.removeprefix("Bearer ")
@@ -192,7 +200,7 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     wrong = "sk-wrong-" + secrets.token_hex(8)
     run = tmp_path / "run"
     prompts = _prompts(tmp_path / "p.jsonl", ["[bad-request] please", "[echo-500] please", "[echo-escaped] please",
-                                              "[echo-b64] please"])
+                                              "[echo-b64] please", "[echo-hex] please"])
     base = ["generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
             "--backend", "openai", "--set", "generate.retries=1", "--set", "generate.backoff_s=0.01"]
     outputs = []
@@ -204,22 +212,24 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     assert not run.exists()
 
     base += ["--set", "generate.api_key_env=DS_SECRET_KEY"]
-    with EchoingServer(api_key=secret) as srv:
+    # the served model's id carries the key too (reversed): the manifest and samples record the model
+    with EchoingServer(api_key=secret, model="model-" + secret[::-1]) as srv:
         base += ["--server", srv.base_url]
         # Two samples fail with server errors that quote the Authorization header.
         p = run_cli(*base, env={"DS_SECRET_KEY": secret})
         outputs.append(p)
-        assert p.returncode == 2 and "4 samples failed" in p.stderr
+        assert p.returncode == 2 and "5 samples failed" in p.stderr
         errors = {f["id"]: f["error"] for f in map(json.loads, (run / "generate" / "failures.jsonl").read_text().splitlines())}
-        assert set(errors) == {"p4", "p5", "p6", "p7"} and all("Bearer ***" in errors[i] for i in ("p4", "p5"))
+        assert set(errors) == {"p4", "p5", "p6", "p7", "p8"} and all("Bearer ***" in errors[i] for i in ("p4", "p5"))
         assert errors["p6"].count("***") >= 3  # each encoding of the echoed key redacted
         assert errors["p7"].count("***") == 3 and "bad auth" in errors["p7"]  # the base64 forms too
+        assert errors["p8"].count("***") == 3 and "trace" in errors["p8"]  # hex, HEX and reversed
         # A wrong key: one line naming the variable, not the key.
         p = run_cli(*base, "--retry-failed", env={"DS_SECRET_KEY": wrong})
         outputs.append(p)
         assert p.returncode == 2 and "HTTP 401" in p.stderr and "$DS_SECRET_KEY" in p.stderr
-        # Without the bad prompts the stage completes.
-        _prompts(prompts, [])
+        # Without the bad prompts the stage completes; a 200 answer that carries the key is stored without it.
+        _prompts(prompts, ["[echo-200] please"])
         p = run_cli(*base, env={"DS_SECRET_KEY": secret})
         outputs.append(p)
         assert p.returncode == 0, p.stderr
@@ -231,15 +241,21 @@ def test_api_key_never_in_files_logs_or_messages(tmp_path, tiny_target):
     files = [f for f in run.rglob("*") if f.is_file()]
     assert {"config.yaml", "manifest.json", "stage.log", "progress.jsonl", "samples.jsonl"} <= {f.name for f in files}
     body = secret[len("sk-test/"):-len("+k=")]  # the key's random part: in no encoding anywhere
+    answers = [json.loads(x) for x in (run / "generate" / "samples.jsonl").read_text().splitlines()]
+    echoed = next(a for a in answers if "[echo-200]" in json.dumps(a))
+    assert echoed["messages"][-1]["content"].count("***") == 3  # the answer kept, the key out of it
+    hexes = [body.encode().hex()[4:-4], body[::-1]]  # the random part as hex, and reversed
     # the key's base64 forms: the middle of each encoding, which no surrounding bytes change
     b64 = [base64.b64encode(pad + secret.encode()).decode()[4:-4] for pad in (b"", b"x", b"xy")]
     b64 += [f.replace("+", "-").replace("/", "_") for f in b64]
     for f in files:
         data = f.read_bytes()
         assert body.encode() not in data.lower() and wrong.encode() not in data, f"API key leaked into {f}"
+        assert not any(h.encode() in data.lower() for h in hexes), f"hex or reversed key leaked into {f}"
         assert not any(form.encode() in data.replace(b"\\/", b"/") for form in b64), f"base64 key leaked into {f}"
     for p in outputs:
         assert body not in (p.stdout + p.stderr).lower() and wrong not in p.stdout + p.stderr
+        assert not any(h in (p.stdout + p.stderr).lower() for h in hexes)
         assert not any(form in p.stdout + p.stderr for form in b64)
     assert os.environ.get("DS_SECRET_KEY") is None  # the tests passed the key to the child processes only
 
