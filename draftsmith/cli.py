@@ -246,9 +246,10 @@ def train(
     m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
     if rank == 0:
         c = m.get("counts", {})
-        tau = c.get("acceptance_length")
+        val = (c.get("validation") or {}).get("acceptance_length")
         print(f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
-              + (f", implied acceptance length {tau:.2f}" if tau else "") + f" -> {m.get('final')}")
+              + (f", validation acceptance length {val:.2f}" if isinstance(val, (int, float)) else "")
+              + f" -> {RunDir(run).path / 'train' / 'final'}")
 
 
 @app.command(epilog="""Examples:

@@ -48,7 +48,7 @@ from draftsmith.card import CARD, PROVENANCE, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import Eagle3Config
 from draftsmith.model.drafters import drafter_class, drafter_method
-from draftsmith.progress import Progress, journal_failures
+from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook, one_process
 from draftsmith.target import config_sha256, target_info, verifier_name
@@ -693,13 +693,15 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     train_manifest = run.read_manifest("train")
     settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
     settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k != "repo_id"}  # the card's alone: rewritten below
-    inputs = {"checkpoint": str(ckpt), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
+    # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
+    inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
     if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
         write_card(run, dest, speculative_config(dest, _served_tokens(meta)), cfg.export.repo_id)  # export.repo_id
+        log(f"up to date (step {old['counts'].get('step')}); nothing to do", stage=STAGE)
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
     book.begin()
 
@@ -763,4 +765,4 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     _swap_into_place(built, dest)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
-                       extra={"checkpoint": str(ckpt), "aux_layers": aux, "dtype": dtype_name})
+                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name})

@@ -172,7 +172,8 @@ class Progress:
             "stage": self.stage, "rank": self.rank, "world_size": self.world_size,
             "total": self.total, "unit": self.unit, "done": self.done,
             "stall_after_s": self.stall_after_s, "heartbeat_s": self.heartbeat_s,
-            "log": str(self.log_path), "argv": sys.argv[1:3], **({"shared": True} if self.shared else {}),
+            # the log by its name in the stage's folder: a moved run still names its own (status resolves it)
+            "log": self.log_path.name, "argv": sys.argv[1:3], **({"shared": True} if self.shared else {}),
             **({"attempt": self.attempt} if self.attempt else {}),
         })
         _current_log.append(self.log_path)
@@ -414,7 +415,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException, *, since: float,
     t = round(now, 3)
     append_event(path, {"ev": "start", "t": round(since, 3), "pid": os.getpid(), "host": socket.gethostname(),
                         "stage": stage, "rank": rank, "world_size": world_size, "total": None, "unit": None,
-                        "done": None, "log": str(log_path), "argv": sys.argv[1:3]})
+                        "done": None, "log": log_path.name, "argv": sys.argv[1:3]})
     append_event(path, {"ev": "error", "t": t, "done": None, "pt": t, "error": msg, **interrupted})
     _log_line(log_path, stage, f"{'INTERRUPTED' if interrupted else 'FAILED'} before the stage started: {msg}")
 

@@ -205,7 +205,7 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["heartbeat_age_s"] = min(r["heartbeat_age_s"] for r in ranks)
         row["pid"] = ranks[0]["pid"]
         row["error"] = next((r["error"] for r in ranks if r["error"]), None)
-        row["log"] = ranks[0]["log"]
+        row["log"] = stage_log(d, ranks[0]["log"])
         row["phase"] = worst.get("phase")
         row["bad_journal_lines"] = sum(r["bad_journal_lines"] for r in ranks)
         if len(ranks) > 1:
@@ -230,6 +230,15 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
     if stage == "train":
         row["validation"] = last_validation(d / "metrics.jsonl")
     return row
+
+
+def stage_log(stage_dir: Path, recorded: str | None) -> str | None:
+    """The stage's log as a journal records it: a name in the stage's folder (or, in journals written before, an
+    absolute path: a moved run names the log in its own folder then)."""
+    if not recorded:
+        return None
+    p = Path(recorded)
+    return str(p if p.is_absolute() and p.exists() else stage_dir / p.name)
 
 
 def extra_evals(run: RunDir) -> list[str]:

@@ -233,6 +233,29 @@ def drafter_checkpoint():
     return write_drafter_checkpoint
 
 
+# the settings of the session's tiny finished run (tiny_run): commands on a copy of it pass them again
+TINY_RUN_SETS = ["train.validation=6", "train.max_steps=60", "eval.limit=3", "export.repo_id=acme/tiny-eagle3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A whole tiny pipeline (tests/tiny_pipeline.py: the talkative tiny target, 40 prompts, a validation split),
+    run once per session for the tests that read its outputs or stop a stage of a copy of it:
+    (run, config path, prompt file, target folder). Never modify it: copy it first."""
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import run_pipeline
+    from draftsmith.rundir import RunDir
+    from tiny_pipeline import build_talkative_target, write_config, write_prompts  # (it imports this module)
+
+    root = tmp_path_factory.mktemp("tiny-run")
+    target = build_talkative_target(root / "target")
+    prompts = write_prompts(root / "prompts.jsonl", 40)
+    config = write_config(root / "cfg.yaml", target, prompts)
+    run = RunDir(root / "run")
+    run_pipeline(run, load_config(config, TINY_RUN_SETS))
+    return run, config, prompts, target
+
+
 @pytest.fixture(scope="session")
 def lively_target(tmp_path_factory) -> Path:
     """The tiny target with larger random weights (std 0.2): the default one repeats a single token

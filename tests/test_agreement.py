@@ -12,30 +12,23 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from conftest import TINY_RUN_SETS
 from draftsmith.card import front_matter, has_absolute_path
 from draftsmith.config import load_config
 from draftsmith.eval import run_eval
 from draftsmith.eval.agreement import TOLERANCE, agreement, differences, predicted
 from draftsmith.export import run_export
-from draftsmith.pipeline import run_pipeline
 from draftsmith.rundir import RunDir
 from draftsmith.train import run_train
-from tiny_pipeline import build_talkative_target, write_config, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SETS = ["train.validation=6", "train.max_steps=60", "eval.limit=3", "export.repo_id=acme/tiny-eagle3"]
+SETS = TINY_RUN_SETS
 
 
 @pytest.fixture(scope="module")
-def piped(tmp_path_factory):
-    """(run, config, prompts, target) of a finished tiny pipeline with a validation split."""
-    root = tmp_path_factory.mktemp("agree")
-    target = build_talkative_target(root / "target")
-    prompts = write_prompts(root / "prompts.jsonl", 40)
-    config = write_config(root / "cfg.yaml", target, prompts)
-    run = RunDir(root / "run")
-    run_pipeline(run, load_config(config, SETS))
-    return run, config, prompts, target
+def piped(tiny_run):
+    """(run, config, prompts, target) of the session's finished tiny pipeline, with its validation split."""
+    return tiny_run
 
 
 def copy_run(src: RunDir, dst) -> RunDir:

@@ -163,7 +163,7 @@ def test_checkpoint_choice(tmp_path, tiny_target):
         find_checkpoint(run, str(tmp_path / "nowhere"))
 
     m = run_export(run, cfg_for(tiny_target))
-    assert m["checkpoint"] == str((ck / "step_40").resolve())
+    assert m["checkpoint"] == "train/checkpoints/step_40"  # relative to the run: a moved run names itself
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV, step=100)
     assert find_checkpoint(run) == (run.path / "train" / "final").resolve()
 

@@ -56,3 +56,33 @@ def test_answers_all_past_the_row_length_say_so_and_metrics_stay_json(tiny8, tmp
     assert rows and all(r["loss"][0] is None and r["acceptance_length"] is None for r in rows)
     assert m["counts"]["acceptance_length"] is None
     assert "had no trained token" in capsys.readouterr().out
+
+
+def test_a_moved_run_names_itself(tiny_run, tmp_path):
+    """`mv` of a finished run: its stages stay up to date, and what draftsmith prints or `status` names is in the
+    new place (manifests and journals record paths relative to the run)."""
+    import shutil
+
+    from conftest import TINY_RUN_SETS, run_cli
+
+    run, config, *_ = tiny_run
+    first = tmp_path / "first"
+    shutil.copytree(run.path, first, ignore=shutil.ignore_patterns(".locks"))
+    sets = [x for kv in TINY_RUN_SETS for x in ("--set", kv)]
+    bad = run_cli("export", "--run", str(first), "--config", str(config), *sets, "--set", "export.checkpoint=nowhere")
+    assert bad.returncode == 2
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    p = run_cli("train", "--run", str(moved), "--config", str(config), *sets, env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "up to date" in p.stdout and f"-> {moved / 'train' / 'final'}" in p.stdout, p.stdout
+    assert str(first) not in p.stdout + p.stderr
+    p = run_cli("status", str(moved), "--json")
+    row = {s["name"]: s for s in json.loads(p.stdout)["stages"]}["export"]
+    assert row["state"] == "failed" and row["log"] == str(moved / "export" / "stage.log")
+    text = run_cli("status", str(moved)).stdout
+    assert str(first) not in text and str(moved / "export" / "stage.log") in text
+    # the export is still up to date: its recorded checkpoint is the run's own, wherever the run is
+    p = run_cli("export", "--run", str(moved), "--config", str(config), *sets)
+    assert p.returncode == 0 and "up to date" in p.stdout + p.stderr, p.stdout + p.stderr
+    for manifest in moved.glob("*/manifest.json"):
+        assert str(run.path) not in manifest.read_text(), manifest

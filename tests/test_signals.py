@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import stop_signals_default  # noqa: E402
+from conftest import TINY_RUN_SETS, stop_signals_default  # noqa: E402
 from openai_fakes import FakeOpenAIServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,19 +105,10 @@ STAGE_SIGNALS = [(stage, sig, code) for stage in ("prepare", "vocab", "extract",
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A whole tiny pipeline (tests/tiny_pipeline.py), run once: every stage's inputs, to stop each stage in."""
-    from draftsmith.config import load_config
-    from draftsmith.pipeline import run_pipeline
-    from draftsmith.rundir import RunDir
-    from tiny_pipeline import build_talkative_target, write_config
-    from tiny_pipeline import write_prompts as write_tiny_prompts
-
-    root = tmp_path_factory.mktemp("sig")
-    target = build_talkative_target(root / "target")
-    config = write_config(root / "cfg.yaml", target, write_tiny_prompts(root / "prompts.jsonl", 12))
-    run_pipeline(RunDir(root / "run"), load_config(config, ["train.max_steps=20"]))
-    return root / "run", config
+def finished_run(tiny_run):
+    """The session's whole tiny pipeline (conftest.tiny_run), run once: every stage's inputs, to stop each stage in a
+    copy of."""
+    return tiny_run[0].path, tiny_run[1]
 
 
 @pytest.mark.parametrize("stage, sig, code", STAGE_SIGNALS,
@@ -132,7 +123,7 @@ def test_every_stage_stopped_by_a_signal_exits_130_or_143_and_resumes(finished_r
     run = tmp_path / "run"
     shutil.copytree(finished_run[0], run)
     args = [sys.executable, "-m", "draftsmith", stage, "--run", str(run), "--config", str(finished_run[1]),
-            "--set", "train.max_steps=20"]
+            *[x for kv in TINY_RUN_SETS for x in ("--set", kv)]]
     journal = run / stage / "progress.jsonl"
     for _ in range(8):
         shutil.rmtree(run / stage)  # the stage from scratch, so that it has work to be stopped in

@@ -185,7 +185,8 @@ def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config
         "target": info.name, "target_fingerprint": info.fingerprint,
         # what "auto" resolved to on this machine
         "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
-        "drafter": str(Path(eval_cfg.drafter).expanduser().resolve() if eval_cfg.drafter else run.path / "export"),
+        # the run's own export by its place in the run (a moved run names itself); a drafter from elsewhere by its path
+        "drafter": str(Path(eval_cfg.drafter).expanduser().resolve()) if eval_cfg.drafter else "export",
         "aux_layers": drafter_config.get("eagle_aux_hidden_state_layer_ids"),
         "export_fingerprint": export_manifest.get("fingerprint"), "seed": eval_cfg.seed,
         "machine": machine_summary(f"{torch.cuda.get_device_name(device)} x{torch.cuda.device_count()}"

@@ -119,7 +119,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         if unsealed:
             run.invalidate(STAGE)  # files are about to change: the store is not complete meanwhile
             _extract(run, cfg, target, info, layers, prepared, unsealed, todo, prog)
-        manifest = _try_finish(book, meta, shards, samples_path)
+        manifest = _try_finish(book, meta, shards)
         if manifest is None:
             prog.log(f"rank {rank}: its shards are complete; other ranks' shards are still missing "
                      "(the last rank to finish writes extract/manifest.json)")
@@ -232,7 +232,7 @@ def _extract(run: RunDir, cfg, target, info, layers: list[int], prepared: Prepar
                               "rerun `draftsmith extract` to retry the missing ones")
 
 
-def _try_finish(book: StageBook, meta: dict, shards: list[tuple[int, int]], samples_path) -> dict | None:
+def _try_finish(book: StageBook, meta: dict, shards: list[tuple[int, int]]) -> dict | None:
     """Write the manifest if every shard (of every rank) is complete; else None."""
     d = book.run.stage_dir(STAGE)
     with store.ranks_lock(d):
@@ -246,4 +246,4 @@ def _try_finish(book: StageBook, meta: dict, shards: list[tuple[int, int]], samp
             counts={"done": n, "total": n, "unit": "samples", "tokens": sum(meta["lengths"]),
                     "shards": len(shards), "bytes": sum(r["bytes"] for r in records)},
             outputs=[store.META] + [f"{shard_name(*s)}/{SHARD_RECORD}" for s in shards],
-            inputs={"samples": str(samples_path)})
+            inputs={"samples": "prepare/samples.jsonl"})  # relative to the run: a moved run names itself

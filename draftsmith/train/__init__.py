@@ -612,7 +612,7 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
-                                  extra={"aux_layers": ts.meta["aux_layers"], "final": str(final_dir),
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": f"{STAGE}/final",
                                          "world_size": ts.ranks.world, "peak_memory_bytes": peak})
     prog.end(steps=ts.step, tokens=ts.tokens_seen)
     return manifest
