@@ -61,7 +61,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     check_target(run, "prepare", prep, info)
     layers = info.check_layers(list(extract_cfg.layers) if extract_cfg.layers is not None
                                else info.default_aux_layers())
-    samples_path = prepared_path(run, by="draftsmith extract")
+    prepared_path(run, by="draftsmith extract")  # refuses a missing prepare/samples.jsonl before anything starts
     compute_dtype = _compute_dtype(cfg, target)
     settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size,
                 "backend": extract_cfg.backend, "compute_dtype": compute_dtype}
