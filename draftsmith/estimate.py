@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.bounds import model_config
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -206,13 +207,11 @@ def target_shape(config_json: Path, name: str | None = None, attention: str = "a
     """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention."""
     try:
         c = json.loads(config_json.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise DraftsmithError(f"{config_json}: cannot read the model config ({e})") from None
-    top, c = c, c.get("text_config") or c  # multimodal wrappers keep the language model's config inside
-    try:
-        h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
-    except KeyError as e:
-        raise DraftsmithError(f"{config_json}: no {e.args[0]} in the model config") from None
+    # multimodal wrappers keep the language model's config inside; every size checked (bounds.py)
+    top, c = model_config(c, str(config_json), required=("hidden_size", "num_hidden_layers", "vocab_size"))
+    h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     inter = c.get("intermediate_size", 4 * h)
     d_q, d_kv, d_inter = drafter_widths(c)
     view = SimpleNamespace(**c)

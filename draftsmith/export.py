@@ -44,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError, __version__
+from draftsmith.bounds import check_model_numbers
 from draftsmith.card import CARD, PROVENANCE, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import Eagle3Config
@@ -475,6 +476,10 @@ def _mla_config_from_export(cj: dict, where: str):
 def _config_from_export(config_json: dict, where: str):
     """(Eagle3Config, aux ids, speculative tokens, verifier) from an exported config.json, checking what
     vLLM and draftsmith need."""
+    # every size within what a model has, whatever the kind (bounds.py): an edited config.json is refused here
+    check_model_numbers(config_json, where, drafter=True)
+    if isinstance(config_json.get("transformer_layer_config"), dict):
+        check_model_numbers(config_json["transformer_layer_config"], f"{where}: transformer_layer_config", drafter=True)
     if config_json.get("architectures") == [MLA_ARCHITECTURE]:
         return _mla_config_from_export(config_json, where)
     if config_json.get("speculators_model_type") == "dflash":
@@ -765,4 +770,5 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     _swap_into_place(built, dest)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
-                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name})
+                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name},
+                       checked=[CONFIG_FILE, WEIGHTS_FILE])  # the card is rewritten by eval: not the drafter

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.bounds import env_int
 from draftsmith.rundir import append_json_line
 
 TAIL_BYTES = 64 * 1024
@@ -41,14 +42,7 @@ def env_rank() -> tuple[int, int]:
     rendezvous address torchrun gives each) are a one-line error naming them, before any stage
     starts, instead of a traceback from deep in torch.distributed."""
     def integer(name: str, default: int) -> int:
-        raw = os.environ.get(name)
-        if raw is None:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise DraftsmithError(f"${name}={raw!r}: not an integer (torchrun sets it; unset it outside torchrun)"
-                                  ) from None
+        return env_int(name, default, -(1 << 20), 1 << 20, " (torchrun sets it; unset it outside torchrun)")
 
     rank, world = integer("RANK", 0), integer("WORLD_SIZE", 1)
     integer("LOCAL_RANK", 0)

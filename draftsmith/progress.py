@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError, Terminated, one_line, scrub
+from draftsmith.bounds import env_number
 from draftsmith.journal import (RATE_MAX_WINDOW_S, append_event, attempt_id, env_rank, fmt_duration, fmt_rate,
                                journal_name, journal_state, rate_and_eta, read_journal)
 from draftsmith.rundir import DiskFull, RunDir, append_bytes, is_disk_full
@@ -100,7 +101,7 @@ class Progress:
         # Seconds between plain progress lines; DRAFTSMITH_LOG_INTERVAL_S overrides the default.
         # (at least 0.05 s: 0 would spin the heartbeat thread and print a line on every pass)
         self.interval_s = max(0.05, interval_s if interval_s is not None
-                              else float(os.environ.get("DRAFTSMITH_LOG_INTERVAL_S", 10.0)))
+                              else env_number("DRAFTSMITH_LOG_INTERVAL_S", 10.0, 0.05, 86400.0))
         # Heartbeat often enough that a healthy stage is never near its stall threshold.
         self.heartbeat_s = heartbeat_s or max(0.2, min(5.0, stall_after_s / 10))
         self.rank = env_r if rank is None else rank

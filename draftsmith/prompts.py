@@ -172,6 +172,8 @@ def _iter_json_array(path: Path, text: str, tolerate_cut_tail: bool) -> Iterator
             return
         try:
             obj, end = dec.raw_decode(text, pos)
+        except RecursionError:
+            raise PromptError(f"{path}:{line}: nested deeper than any conversation") from None
         except json.JSONDecodeError as e:
             if tolerate_cut_tail and text.find("\n", pos) == -1 or tolerate_cut_tail and e.pos >= n - 1:
                 return
@@ -199,6 +201,8 @@ def iter_records(path: Path, tolerate_cut_tail: bool = False) -> Iterator[tuple[
             continue
         try:
             yield i, json.loads(line)
+        except RecursionError:
+            yield i, PromptError(f"{path}:{i}: nested deeper than any conversation")
         except json.JSONDecodeError as e:
             if tolerate_cut_tail and i == len(lines):
                 return
@@ -210,8 +214,15 @@ def iter_records(path: Path, tolerate_cut_tail: bool = False) -> Iterator[tuple[
 
 
 def _text(value: object, where: str, key: str) -> str:
+    """A record's text field, checked where records enter: a string of valid Unicode (JSON can carry a lone
+    surrogate escape, `"\\ud800"`, that no tokenizer or server can encode)."""
     if not isinstance(value, str):
         raise PromptError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{where}: field '{key}' is not valid Unicode (a lone surrogate at character {e.start})"
+                          ) from None
     return value
 
 
@@ -283,7 +294,7 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
                           "(expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
     if not turns or not any(x.strip() for x in turns):
         raise PromptError(f"{where}: empty conversation (no user turn)")
-    return Prompt(id=pid, turns=turns, system=system, answers=answers)
+    return Prompt(id=_text(pid, where, "id"), turns=turns, system=system, answers=answers)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -302,6 +313,7 @@ def load_prompts(
     max_chars: int | None = None,
     require_answers: bool = False,
     stats: LoadStats | None = None,
+    invalid: list[PromptError] | None = None,
 ) -> list[Prompt]:
     """Read prompts from a file or short name; filter; take a deterministic subset.
 
@@ -311,6 +323,10 @@ def load_prompts(
 
     Without `seed`, the first `limit` prompts (after `offset`) in file order; with `seed`, a
     seeded shuffle of all valid prompts first.
+
+    An invalid record is skipped and counted with `skip_invalid`; otherwise, when `invalid` is a list, its error
+    (naming the file and line) goes there and the valid records are read on (generate keeps each such record as
+    a failure of that record, not of the stage); else it is raised.
     """
     path, packaged = resolve_source(source)
     stats = stats if stats is not None else LoadStats()
@@ -325,8 +341,11 @@ def load_prompts(
                 raise rec
             p = parse_record(rec, where, fallback_id=f"{path.name.split('.')[0]}-{line}")
         except PromptError as e:
-            if not skip_invalid:
+            if not skip_invalid and invalid is None:
                 raise
+            if not skip_invalid:
+                invalid.append(e)
+                continue
             stats.skipped_invalid += 1
             if len(stats.invalid_examples) < 5:
                 stats.invalid_examples.append(str(e))

@@ -559,11 +559,15 @@ class RunDir:
         started: float,
         outputs: list[str] | None = None,
         extra: dict[str, Any] | None = None,
+        checked: list[str] | None = None,
     ) -> dict:
         """Write `<stage>/manifest.json`: the record that the stage completed.
 
         `fingerprint` covers the stage's inputs and settings; `run` compares it to decide what to
-        skip. `outputs` are paths relative to the stage folder (default: every file in it).
+        skip. `outputs` are paths relative to the stage folder (default: every file in it). `files`
+        records the size and sha256 of each of `checked` (default: the outputs that are files) as
+        written, so that a file edited, emptied or removed since is found by what it is (check_files),
+        not trusted because a manifest says the stage completed.
         """
         d = self.stage_dir(stage)
         if outputs is None:
@@ -573,6 +577,7 @@ class RunDir:
                 if p.is_file() and p.name != MANIFEST and not is_temp_name(p.name)
                 and not p.name.startswith("progress") and p.name != "stage.log"
             )
+        files = {rel: file_record(d / rel) for rel in (outputs if checked is None else checked) if (d / rel).is_file()}
         now = time.time()
         manifest = {
             "stage": stage,
@@ -584,12 +589,47 @@ class RunDir:
             "finished": now,
             "seconds": round(now - started, 3),
             "outputs": outputs,
+            "files": files,
             "host": socket.gethostname(),
             "draftsmith": __version__,
             **(extra or {}),
         }
         atomic_write_json(self.manifest_path(stage), manifest)
         return manifest
+
+
+HASH_WHOLE_BYTES = 2 << 30  # a file up to 2 GiB is hashed whole; a larger one by its size and its first and last MiB
+_ENDS = 1 << 20
+
+
+def file_record(path: Path) -> dict:
+    """{size, sha256, whole}: what a stage's output file is as written (sha256 of its ends only when it is larger
+    than HASH_WHOLE_BYTES: a multi-GB optimizer state is checked by size and ends, not read through every time)."""
+    size = path.stat().st_size
+    if size <= HASH_WHOLE_BYTES:
+        return {"size": size, "sha256": file_sha256(path), "whole": True}
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_ENDS))
+        f.seek(size - _ENDS)
+        h.update(f.read(_ENDS))
+    return {"size": size, "sha256": h.hexdigest(), "whole": False}
+
+
+def check_files(manifest: dict, stage_dir: Path) -> str | None:
+    """The first of a manifest's recorded files (`files`) that is no longer what the stage wrote: "PATH: missing",
+    "PATH: N bytes, written with M" or "PATH: its content changed since"; None when all check (or none is
+    recorded: a manifest written before the record)."""
+    for rel, rec in (manifest.get("files") or {}).items():
+        path = stage_dir / rel
+        if not isinstance(rec, dict) or not path.is_file():
+            return f"{path}: missing"
+        size = path.stat().st_size
+        if size != rec.get("size"):
+            return f"{path}: {size} bytes, written with {rec.get('size')}"
+        if file_record(path)["sha256"] != rec.get("sha256"):
+            return f"{path}: its content changed since it was written"
+    return None
 
 
 def write_stage_config(run: RunDir, stage: str, config) -> Path:

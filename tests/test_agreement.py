@@ -10,7 +10,6 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from conftest import TINY_RUN_SETS
 from draftsmith.card import front_matter, has_absolute_path
@@ -76,27 +75,34 @@ def test_a_good_export_is_quiet_and_the_three_figures_sit_in_the_report(piped):
     assert "## Validation, local engine, vLLM" in md and "| validation (predicted) |" in md
 
 
-def _edit_export(run: RunDir, **changes) -> None:
-    path = run.path / "export" / "config.json"
-    cj = json.loads(path.read_text())
-    cj.update(changes)
-    path.write_text(json.dumps(cj))
-
-
 @pytest.mark.parametrize("broken", ["aux layer", "vocabulary"])
-def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys):
+def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys, monkeypatch):
+    """An exporter broken on purpose (what it writes is what the manifest records: eval does not refuse it as an edited
+    file) writes a wrong aux layer id, or another build's draft vocabulary: eval names it in one warning line."""
+    import torch
+
+    from draftsmith import export as export_module
+
     run, config, *_ = piped
     bad = copy_run(run, tmp_path / "bad")
+    shutil.rmtree(bad.path / "export")
     if broken == "aux layer":
-        _edit_export(bad, eagle_aux_hidden_state_layer_ids=[1, 4, 5])
+        write = export_module.speculators_config
+        monkeypatch.setattr(export_module, "speculators_config",
+                            lambda *a, **k: {**write(*a, **k), "eagle_aux_hidden_state_layer_ids": [1, 4, 5]})
         expect = "aux layers: the export says [1, 4, 5], training used [2, 4, 5]"
     else:  # another build's vocabulary map: the draft ids shifted by one
-        path = bad.path / "export" / "model.safetensors"
-        sd = load_file(str(path))
-        t2d = sd["t2d"].roll(1)
-        d2t = t2d.nonzero().squeeze(1) - __import__("torch").arange(int(t2d.sum()))
-        save_file({**sd, "t2d": t2d, "d2t": d2t}, str(path))
+        save = export_module.save_file
+
+        def shifted(tensors, path, **kw):
+            t2d = tensors["t2d"].roll(1)
+            d2t = t2d.nonzero().squeeze(1) - torch.arange(int(t2d.sum()))
+            return save({**tensors, "t2d": t2d, "d2t": d2t}, path, **kw)
+        monkeypatch.setattr(export_module, "save_file", shifted)
         expect = "draft vocabulary: the export's d2t/t2d differ from vocab/vocab.safetensors"
+    run_export(bad, load_config(config, SETS))
+    monkeypatch.undo()
+    capsys.readouterr()
     run_eval(bad, load_config(config, SETS))
     ag = report(bad)["agreement"]
     assert ag["verdict"] and expect in ag["verdict"]

@@ -132,7 +132,9 @@ def test_states_match_one_sample_hf_forward(tmp_path, tiny8, monkeypatch, batch_
 def test_states_match_hf_forward_smollm2(tmp_path, smol_target):
     from draftsmith.target import load_target
 
-    target = load_target(smol_target)
+    # float32: bf16 kernels differ between CPUs (with AMX the padded and unpadded forwards drift apart by ~4 %
+    # at layer 27); the bf16 path is held to the forward by the tiny target's test above
+    target = load_target(smol_target, dtype="float32")
     texts = ["Hi!", "Explain speculative decoding in two sentences, please.",
              "Write a Python function that reverses a linked list, then explain its complexity step by step. " * 2]
     samples = []
@@ -146,7 +148,7 @@ def test_states_match_hf_forward_smollm2(tmp_path, smol_target):
     refs = reference_states(smol_target, samples, layers, model=target.model)
     for bt in (1, 4096):  # one sample per batch; all three (right-padded) in one batch
         run = make_run(tmp_path, smol_target, samples, name=f"run{bt}")
-        run_extract(run, cfg_for(smol_target, f"extract.batch_tokens={bt}"), target=target)
+        run_extract(run, cfg_for(smol_target, f"extract.batch_tokens={bt}", "dtype=float32"), target=target)
         check_against_reference(run, samples, refs, tol=0.02)
 
 

@@ -86,3 +86,38 @@ def test_a_moved_run_names_itself(tiny_run, tmp_path):
     assert p.returncode == 0 and "up to date" in p.stdout + p.stderr, p.stdout + p.stderr
     for manifest in moved.glob("*/manifest.json"):
         assert str(run.path) not in manifest.read_text(), manifest
+
+
+def test_artifacts_are_checked_by_what_they_are(tiny_run, tmp_path):
+    """Up to date means the files check, not only the manifest: an export edited after the fact is refused by eval
+    in one line naming it (and redone by export), an emptied weights file in train/final is trained... written again;
+    a drafter folder from elsewhere with an impossible size is refused before anything is allocated."""
+    import shutil
+
+    from conftest import TINY_RUN_SETS, run_cli
+
+    run, config, *_ = tiny_run
+    copy = tmp_path / "run"
+    shutil.copytree(run.path, copy, ignore=shutil.ignore_patterns(".locks"))
+    sets = [x for kv in TINY_RUN_SETS for x in ("--set", kv)]
+    cfg_path = copy / "export" / "config.json"
+    cj = json.loads(cfg_path.read_text())
+    cj["transformer_layer_config"]["num_hidden_layers"] = 1000000000
+    cfg_path.write_text(json.dumps(cj))
+    p = run_cli("eval", "--run", str(copy), "--config", str(config), *sets)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"{cfg_path}:" in p.stderr and "rerun `draftsmith export" in p.stderr
+    # the same folder evaluated as a drafter from elsewhere: its sizes are refused, nothing is allocated
+    foreign = tmp_path / "foreign"
+    shutil.copytree(copy / "export", foreign)
+    p = run_cli("eval", "--run", str(tmp_path / "other"), "--config", str(config), *sets, "--drafter", str(foreign))
+    assert p.returncode == 2 and "'num_hidden_layers' is 1000000000, more than any drafter has" in p.stderr, p.stderr
+    # export redoes what was edited
+    p = run_cli("export", "--run", str(copy), "--config", str(config), *sets)
+    assert p.returncode == 0 and "done again" in p.stdout, p.stdout + p.stderr
+    assert json.loads(cfg_path.read_text())["transformer_layer_config"]["num_hidden_layers"] == 1
+    # an emptied final weights file: train writes final/ again from its last checkpoint instead of "up to date"
+    weights = copy / "train" / "final" / "model.safetensors"
+    weights.write_bytes(b"")
+    p = run_cli("train", "--run", str(copy), "--config", str(config), *sets, env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "done again" in p.stdout and weights.stat().st_size > 0, p.stdout + p.stderr

@@ -138,7 +138,8 @@ def vllm(tmp_path_factory):
     path = target_info("smollm2-135m").path
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     # --enforce-eager: about 50 s to start instead of 2-3 min (no compilation), same decode speed here.
-    with VLLMServer(path, python=vllm_python(), log_path=log, extra_args=["--enforce-eager"]) as srv:
+    # float32: SmolLM2's greedy answers are the same on every CPU (bf16 kernels differ with AMX, and so do answers)
+    with VLLMServer(path, python=vllm_python(), log_path=log, extra_args=["--enforce-eager"], dtype="float32") as srv:
         pgid = srv.pid
         yield srv
     assert group_members(pgid) == []  # stopped: nothing of its process group is left
@@ -220,8 +221,9 @@ def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
 
     run = tmp_path / "run"
     d = run / "generate"
+    # float32: the greedy answer checked below is the same on every CPU (bf16 kernels differ with AMX)
     args = ["generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--backend", "vllm",
-            "--max-tokens", "24", "--set", "generate.vllm_args=[--enforce-eager]"]
+            "--max-tokens", "24", "--set", "generate.vllm_args=[--enforce-eager]", "--set", "dtype=float32"]
     p = cli(*args)
     assert p.returncode == 0, p.stderr
     # concurrency auto: what the server's KV cache holds (its start-up line) over a conversation's mean need
@@ -240,7 +242,7 @@ def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
     assert "Paris" in recs["capital"]["messages"][-1]["content"] and len(recs["two-turns"]["finish_reasons"]) == 2
     assert all(r["backend"] == "vllm" and 0 < r["completion_tokens"] for r in recs.values())
     # The server ran in the dtype the stage fingerprints, with the configured arguments, and is gone.
-    dtype = served_dtype(Config())
+    dtype = served_dtype(Config(dtype="float32"))
     state = json.loads((d / "state.json").read_text())["settings"]
     assert state["dtype"] == dtype and state["backend"] == "vllm"
     cmd = (d / "vllm.log").read_text().splitlines()[0]
@@ -384,6 +386,16 @@ def test_an_mla_target_is_never_served_eager_on_the_cpu(tmp_path, monkeypatch):
     srv = VLLMServer(mla, port=1, python="py", extra_args=["--enforce-eager"], say=said.append)
     assert "--enforce-eager" not in srv.command() and "wrongly with --enforce-eager" in srv.notes[0]
     assert "--enforce-eager" in VLLMServer(gqa, port=1, python="py", extra_args=["--enforce-eager"]).command()
+    # float32 MLA on a CPU with AMX: vLLM's AMX MLA kernels take bf16 only, so the reference backend, said in a line
+    monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: True)
+    f32 = VLLMServer(mla, port=1, python="py", dtype="float32")
+    cmd = f32.command()
+    assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA" and "bf16/fp16 weights only" in f32.notes[0]
+    for kept in (VLLMServer(mla, port=1, python="py", dtype="bfloat16"), VLLMServer(gqa, port=1, python="py",
+                                                                                    dtype="float32")):
+        assert "--attention-backend" not in kept.command()
+    monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: False)
+    assert "--attention-backend" not in VLLMServer(mla, port=1, python="py", dtype="float32").command()
     monkeypatch.setattr(vllm_server, "on_cuda_machine", lambda: True)
     assert "--enforce-eager" in VLLMServer(mla, port=1, python="py", extra_args=["--enforce-eager"]).command()
 

@@ -158,5 +158,5 @@ def test_vocab_detects_prepared_file_changed_after_completion(tiny_target, tmp_p
     path = run.path / "prepare" / "samples.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:-1]))
-    with pytest.raises(DraftsmithError, match="the file changed after prepare finished"):
+    with pytest.raises(DraftsmithError, match=r"samples.jsonl: \d+ bytes, written with \d+ \(changed since prepare finished"):
         run_vocab(run, cfg_for(tiny_target, "vocab.draft_vocab_size=32"))

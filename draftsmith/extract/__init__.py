@@ -246,4 +246,6 @@ def _try_finish(book: StageBook, meta: dict, shards: list[tuple[int, int]]) -> d
             counts={"done": n, "total": n, "unit": "samples", "tokens": sum(meta["lengths"]),
                     "shards": len(shards), "bytes": sum(r["bytes"] for r in records)},
             outputs=[store.META] + [f"{shard_name(*s)}/{SHARD_RECORD}" for s in shards],
-            inputs={"samples": "prepare/samples.jsonl"})  # relative to the run: a moved run names itself
+            inputs={"samples": "prepare/samples.jsonl"},  # relative to the run: a moved run names itself
+            # the shard records (each file's size and hash within its shard); meta.json is rewritten by --verify
+            checked=[f"{shard_name(*s)}/{SHARD_RECORD}" for s in shards])

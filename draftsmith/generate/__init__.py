@@ -146,10 +146,11 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         return old
     book.begin()
     stats = LoadStats()
+    invalid: list = []  # records that cannot be prompts: each a failure of its own, the others are generated
     prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
                            skip_invalid=gen.skip_invalid, first_turn_only=gen.first_turn_only,
                            min_chars=gen.min_chars, max_chars=gen.max_chars,
-                           require_answers=gen.backend == "dataset", stats=stats)
+                           require_answers=gen.backend == "dataset", stats=stats, invalid=invalid)
     n_prompts = len(prompts)
     prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
     _check_state(d, _sample_settings(gen, info, source, dtype), say)
@@ -161,7 +162,12 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         already = sum(1 for p in prompts if p.id in store.done)
         earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
         pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
-        say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}, "
+        for e in invalid:  # by where it is (the file's name and line): a record that cannot be read has no id
+            where = str(e).split(": ", 1)[0]
+            store.add_failure({"id": f"record {Path(where.rsplit(':', 1)[0]).name}:{where.rsplit(':', 1)[-1]}",
+                               "error": str(e), "attempts": 0, "time": round(time.time(), 3), "turn": None})
+        say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}"
+            + (f", invalid kept as failures {len(invalid)}" if invalid else "") + ", "
             f"filtered {stats.filtered}"
             + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
             + ")"
@@ -181,6 +187,10 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
                               not_retried=earlier_failed if not retry_failed else 0, decoded=bool(pending), prog=prog)
             if sel_failed:
                 raise GenerateFailed(len(sel_failed), run)
+            if invalid:
+                raise DraftsmithError(f"{len(invalid)} prompt record(s) invalid, the first {invalid[0]}; every other "
+                                      f"prompt is generated; they are in {d / FAILURES}: fix them, or set "
+                                      "generate.skip_invalid=true to leave them out")
             _keep_selection(d, store, selected, say)
             store.close()
             prog.end(**summary)

@@ -80,7 +80,13 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
                 if k >= len(p.turns) or p.id in failed:
                     continue
                 convs[p.id].append({"role": "user", "content": p.turns[k]})
-                text = tok.apply_chat_template(convs[p.id], tokenize=False, add_generation_prompt=True)
+                try:  # one conversation the template or tokenizer cannot take fails alone, not the batch
+                    text = tok.apply_chat_template(convs[p.id], tokenize=False, add_generation_prompt=True)
+                except Exception as e:
+                    failed.add(p.id)
+                    on_fail(p, SampleFailed(f"the chat template cannot render it ({type(e).__name__}: "
+                                            f"{str(e)[:200]})", 1, k))
+                    continue
                 room = None if max_pos is None else max_pos - gen.max_tokens  # prompt tokens that fit
                 if prefix_exceeds(tok, text, room):
                     failed.add(p.id)
