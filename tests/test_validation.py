@@ -162,3 +162,21 @@ def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8,
         assert [r["step"] for r in again] == [8, 16, 20]
         for a, b in zip(rows, again):
             assert a["acceptance_per_position"] == b["acceptance_per_position"] and a["loss"] == b["loss"]
+
+
+def test_the_serving_walk_counts_as_a_greedy_verifier_does():
+    from draftsmith.train.objective import serving_walk
+
+    # one answer whose chains start at positions 2..9 (8 tokens: the first comes from the prefill, never drafted)
+    starts = torch.zeros(1, 12, dtype=torch.bool)
+    starts[0, 2:10] = True
+    runs = torch.tensor([[0, 0, 3, 0, 3, 0, 0, 2, 1, 0, 0, 0]])
+    # served: from 3 (run 0: emit 1, next 4), from 4 (run 3: emit 4, next 8), from 8 (run 1: emit 2, next 10, past
+    # the answer): 3 drafts, 4 accepted; the mean over every position would count the run of 3 at position 2 too
+    drafts, accepted, *per_pos = serving_walk(starts, runs, 3)
+    assert (drafts, accepted, per_pos) == (3, 4, [2, 1, 1])
+    # two rows, a second answer span in the first row (a multi-turn sample): each span skips its own first start
+    starts = torch.zeros(2, 12, dtype=torch.bool)
+    starts[0, 1:4] = starts[0, 7:10] = starts[1, 0:3] = True
+    runs = torch.tensor([[0, 9, 2, 2, 0, 0, 0, 9, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    assert serving_walk(starts, runs, 3)[:2] == [1 + 2 + 1, 2 + 0 + 0 + 1]  # runs capped at K = 3

@@ -76,8 +76,13 @@ class DFlashObjective(nn.Module):
         self.steps = drafter.config.block_size - 1
         self.gamma, self.max_anchors = gamma, max_anchors
         self.teacher_temperature, self.feature_noise, self.mix = teacher_temperature, feature_noise, mix
+        # validation sets keep_runs: every candidate is an anchor, and forward keeps (starts, runs) [R, T] in `runs`
+        self.keep_runs, self.runs = False, None
 
     def _blocks(self, batch: Batch) -> Blocks:
+        if self.keep_runs:  # all anchors: serving drafts a block after every emitted token it visits
+            return draw_blocks(batch.input_ids, batch.loss_mask, batch.doc_ids, self.drafter.t2d,
+                               self.drafter.config.block_size, batch.input_ids.shape[1])
         if isinstance(batch.layout, Blocks):  # drawn in the data thread (layouts)
             return batch.layout.to(batch.input_ids.device)
         return draw_blocks(batch.input_ids, batch.loss_mask, batch.doc_ids, self.drafter.t2d,
@@ -143,5 +148,13 @@ class DFlashObjective(nn.Module):
         valid = blocks.valid.sum(dim=(0, 1)).double()
         masked = blocks.masked.sum(dim=(0, 1)).double()
         # a block's draft of slot k counts when slots 1..k are all right (TTTObjective's chain, per anchor)
-        chain = (hits & blocks.masked[:, :, :1]).cumprod(dim=2).sum(dim=(0, 1)).double()
+        alive = (hits & blocks.masked[:, :, :1]).cumprod(dim=2)  # [R, M, S-1]
+        chain = alive.sum(dim=(0, 1)).double()
+        if self.keep_runs:  # per anchor position: whether a block starts there, and its drafts right in a row
+            starts = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+            runs = torch.zeros_like(batch.input_ids)
+            ok = blocks.anchor_ok
+            starts[rows[:, :, 0].expand_as(blocks.anchors)[ok], blocks.anchors[ok]] = blocks.masked[:, :, 0][ok]
+            runs[rows[:, :, 0].expand_as(blocks.anchors)[ok], blocks.anchors[ok]] = alive.sum(-1)[ok]
+            self.runs = (starts, runs)
         return loss, torch.stack([torch.stack(kls), valid, torch.stack(correct), masked, chain], dim=1)

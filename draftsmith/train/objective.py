@@ -31,6 +31,7 @@ bounds, the SDPA path's key blocks) is a TTTLayout computed where the batch is s
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -317,6 +318,8 @@ class TTTObjective(nn.Module):
         self.mix = mix
         self.chunk_tokens = (max(1, LOSS_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None
                              else chunk_tokens)
+        # validation sets keep_runs: forward then keeps (starts [R, T] bool, runs [R, T] int64) in `runs`
+        self.keep_runs, self.runs = False, None
 
     def counts(self, batch: Batch):
         """[steps] float64: positions where step k's loss is taken in this micro-batch (the denominators)."""
@@ -385,12 +388,15 @@ class TTTObjective(nn.Module):
         masked = torch.stack([m.sum() for m, _ in masks]).double()
         # the chain: step k's hits scattered back to their drafting positions [R*T], and-ed over steps 0..k
         alive = masks[0][0].flatten()
-        chain = []
+        chain, run = [], torch.zeros(R * T, dtype=torch.long, device=input_ids.device)
         for vi, hit in zip(vis, hits):
             at = torch.zeros(R * T, dtype=torch.bool, device=input_ids.device)
             alive = alive & at.index_put_((vi,), hit)
             chain.append(alive.sum())
+            run += alive
         chain = torch.stack(chain).double()
+        if self.keep_runs:  # validation: where chains start and how many drafts each gets right (serving_walk)
+            self.runs = (masks[0][0], run.view(R, T))
         return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked, chain], dim=1)
 
     def _unchunked(self, xs, vis, row_of, teacher, flat_ids, weights):
@@ -438,6 +444,34 @@ def fc_input_scale(batch: Batch, eps: float = 1e-3):
         keep = batch.doc_ids >= 0
     x = batch.aux_hidden[keep].float()  # [N, 3H]
     return 1.0 / x.pow(2).mean(0).sqrt().clamp_min(eps)
+
+
+def serving_walk(starts, runs, K: int) -> list[int]:
+    """[drafts, accepted, accepted at position 0..K-1]: how a greedy verifier (vLLM at T=0) counts on these answers.
+    starts [R, T] bool: positions where a chain of K drafts can start (the drafted token is an answer token), each
+    answer a contiguous span of them; runs [R, T] int: the drafts right in a row from there (the objective's chain).
+    Serving visits positions, not all of them: the first answer token comes from the prefill (the span's first start
+    is never drafted from), then each step drafts at the position after the last emitted token and emits the run of
+    accepted drafts plus one more, so the next step is r + 1 positions on. Visited positions are biased toward where
+    drafts fail (a long run skips what follows it), which is why this, not the mean over all positions
+    (chain_acceptance), is what serving reaches."""
+    starts, runs = np.asarray(starts, dtype=bool), np.asarray(runs, dtype=np.int64)
+    out = [0] * (K + 2)
+    for r in range(starts.shape[0]):
+        pos = np.flatnonzero(starts[r])
+        if pos.size == 0:
+            continue
+        breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+        for seg in np.split(pos, breaks):
+            i, end = int(seg[0]) + 1, int(seg[-1])
+            while i <= end:
+                n = min(int(runs[r, i]), K)
+                out[0] += 1
+                out[1] += n
+                for k in range(n):
+                    out[2 + k] += 1
+                i += n + 1
+    return out
 
 
 def chain_acceptance(chain: list[float], starts: float) -> tuple[float | None, list[float | None]]:

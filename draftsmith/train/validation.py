@@ -13,9 +13,11 @@ Pass (`Validation.run`). Every train.validate_every optimizer steps and after th
 objective's own forward (TTT for eagle3/peagle, the anchored blocks for DFlash: exactly the numbers training
 computes), each rank its share of the micro-batches (FSDP needs every rank in every forward, so the shares are
 padded to equal counts with passes whose numbers are dropped), the statistics summed over the ranks.
-The figures (`figures`): per step the loss and marginal accuracy, and the chain acceptance
-(objective.chain_acceptance): the acceptance length a greedy verifier gets on these answers at K = the trained
-steps, and per position. They are taken where serving drafts: on the answers (the assistant tokens, whatever
+The figures (`figures`): per step the loss and marginal accuracy; the acceptance length and acceptance per position
+a greedy verifier gets on these answers at K = the trained steps, counted as serving counts them
+(objective.serving_walk: drafts from the positions serving visits, each step r + 1 tokens on) — the prediction of
+vLLM's tau; and, as `position_mean`, the chain's mean over every position (objective.chain_acceptance, what the
+train line shows for the batches it fits), which runs ahead of serving where easy and hard stretches alternate. They are taken where serving drafts: on the answers (the assistant tokens, whatever
 train.loss_on and loss_skip_tokens train on), and on the target's greedy answers only: a held-out prompt's
 resampled answers (generate.answers_per_prompt) stay out of training but are not measured, since served at T=0
 the target's greedy answer is what is verified. When every answer was sampled (generate.temperature > 0) the
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from draftsmith.generate.samples import prompt_id_of
 from draftsmith.train.data import pack_epoch
-from draftsmith.train.objective import chain_acceptance
+from draftsmith.train.objective import chain_acceptance, serving_walk
 
 def split_key(sample_id: str) -> str:
     """The key a sample is held out by: its prompt's id (all answers of one prompt fall on one side)."""
@@ -69,16 +71,20 @@ def split(ids: list[str], share: float, max_samples: int) -> list[int]:
     return out if len(out) < len(ids) else out[:-1]
 
 
-def figures(stats: list[list[float]]) -> dict:
-    """Figures of summed statistics [steps][5] (KL sum, valid, correct, masked, chain; objective.forward):
-    loss and marginal accuracy per step (None where a step has no position), the chain acceptance length and
-    acceptance per position (chain_acceptance), and the positions chains start at."""
+def figures(stats: list[list[float]], walk: list[float]) -> dict:
+    """Figures of summed statistics [steps][5] (KL sum, valid, correct, masked, chain; objective.forward) and of the
+    serving walk [drafts, accepted, accepted per position] (objective.serving_walk): loss and marginal accuracy per
+    step (None where a step has no position), the acceptance length and per position as served (the walk), the
+    drafts it made and the positions chains start at, and the chain's mean over every position (`position_mean`)."""
     loss = [kl / n if n > 0 else None for kl, n, _, _, _ in stats]
     acc = [c / m if m > 0 else None for _, _, c, m, _ in stats]
     starts = stats[0][3] if stats else 0.0
-    tau, per_pos = chain_acceptance([row[4] for row in stats], starts)
+    mean_tau, mean_pos = chain_acceptance([row[4] for row in stats], starts)
+    drafts = walk[0] if walk else 0.0
+    tau, per_pos = chain_acceptance(walk[2:], drafts) if walk else (None, [])
     return {"loss": loss, "acc": acc, "acceptance_length": tau, "acceptance_per_position": per_pos,
-            "positions": int(starts)}
+            "drafts": int(drafts), "positions": int(starts),
+            "position_mean": {"acceptance_length": mean_tau, "acceptance_per_position": mean_pos}}
 
 
 class Validation:
@@ -109,9 +115,10 @@ class Validation:
         seconds it took. `prepare`: the loop's host-side step (loss mask, layout); `busy`: the stage's
         Progress.busy, so `status` shows the phase."""
         t0 = last = time.perf_counter()
-        stats = None
+        stats, walk = None, [0] * (objective.steps + 2)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         objective.eval()
+        objective.keep_runs = True
         try:
             with busy("validation"), torch.no_grad(), autocast:
                 for j, (rows, counted) in enumerate(self.batches):
@@ -120,15 +127,20 @@ class Validation:
                     stats = torch.zeros_like(s) if stats is None else stats
                     if counted:
                         stats += s
+                        starts, runs = objective.runs
+                        walk = [x + y for x, y in zip(walk, serving_walk(starts.cpu(), runs.cpu(), objective.steps))]
                     if time.perf_counter() - last >= log_every_s and ranks.rank == 0:
                         last = time.perf_counter()
                         say(f"validation: {j + 1}/{len(self.batches)} micro-batches, {last - t0:.0f}s")
         finally:
             objective.train()
+            objective.keep_runs, objective.runs = False, None
         if stats is None:  # no batch on any rank (an empty split never gets here)
             stats = torch.zeros(objective.steps, 5, dtype=torch.float64, device=device)
+        walked = torch.tensor(walk, dtype=torch.float64, device=device)
         if ranks.world > 1:
             dist.all_reduce(stats)
-        out = figures(stats.tolist())
+            dist.all_reduce(walked)
+        out = figures(stats.tolist(), walked.tolist())
         out.update(samples=len(self.measured), tokens=self.tokens, seconds=round(time.perf_counter() - t0, 3))
         return out
