@@ -15,6 +15,10 @@
 4. The table: predicted (validation at K) vs local vs served per drafter and set, with the served tau's spread
    (the standard error over prompts, by bootstrap) and |predicted - served|. Written as JSON (--out) and printed.
 
+--revalidate: the validation figures measured again on each drafter's exported weights by train/validation.py
+(the same held-out samples, the same pass training runs, in the training's precision), for drafters trained
+before the current validation code; the export's own figure is kept beside it (`exported`).
+
 Meaningful on a quiet machine; every figure of one run of this script comes from the same machine.
 """
 
@@ -60,6 +64,51 @@ def heldout_prompts(cfg, out: Path, limit: int) -> Path:
     return out
 
 
+def revalidate(base: Path, run: Path, validation: str) -> dict:
+    """train/validation.py's pass over the held-out samples of `base`'s store, on the drafter exported in `run`
+    (module doc, --revalidate): its figures."""
+    import contextlib
+    from dataclasses import replace
+
+    import torch
+
+    from draftsmith.export import load_exported
+    from draftsmith.extract.store import ExtractStore
+    from draftsmith.rundir import RunDir
+    from draftsmith.target import load_target
+    from draftsmith.train import loss_positions
+    from draftsmith.train.data import OfflineSource
+    from draftsmith.train.dflash import DFlashObjective
+    from draftsmith.train.distributed import Ranks
+    from draftsmith.train.objective import TTTObjective
+    from draftsmith.train.validation import Validation, split
+
+    manifest = RunDir(run).read_manifest("train")
+    precision = manifest["settings"]["precision_used"]
+    share = float(validation)
+    target = load_target("smollm2-135m", device="cpu", dtype="float32", log=lambda *a: None)
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    head = target.model.get_output_embeddings().weight.detach().float()
+    drafter, _ = load_exported(run / "export", embed_weight=embed, dtype=torch.float32)
+    w = head[drafter.draft_ids()]
+    tc = manifest["settings"]["train"]
+    obj = (DFlashObjective(drafter, w, tc.get("gamma", 0.8), 64) if getattr(drafter.config, "block_size", None)
+           else TTTObjective(drafter, w, int(tc.get("ttt_steps", 3)), tc.get("gamma", 0.8)))
+    source = OfflineSource(ExtractStore(RunDir(base)))
+    ids = source.sample_ids()
+    row = min(int(tc.get("seq_len", 2048)), int(tc.get("batch_tokens", 4096)))
+    val = Validation(split(ids, share, int(tc.get("validation_max_samples", 256))), ids, source.lengths, row,
+                     max(1, int(tc.get("batch_tokens", 4096)) // row), 0, 1)
+    layout_of = obj.layouts()
+
+    def prepare(b):
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, "assistant", 0))
+        return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
+    return val.run(obj, source, prepare, torch.device("cpu"), torch.float32, precision,
+                   Ranks(rank=0, world=1, device=torch.device("cpu")), lambda m: None, 3600.0,
+                   lambda phase: contextlib.nullcontext())
+
+
 def bootstrap_se(answers: list[dict], n: int = 2000, seed: int = 0) -> float:
     """Standard error of 1 + accepted/drafts over the prompts, by resampling the prompts."""
     rng = random.Random(seed)
@@ -81,6 +130,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=16, help="prompts per evaluation set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--set", action="append", default=[], help="more --set overrides for every stage")
+    ap.add_argument("--revalidate", action="store_true", help="measure the validation figures again on each "
+                    "export (module doc)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -96,7 +147,7 @@ def main() -> None:
                log=log)
     prompt_sets = {"sharegpt-heldout": heldout_prompts(cfg, root / "heldout-sharegpt.jsonl", args.limit),
                    "mt-bench": "mt-bench"}
-    rows = []
+    rows, revalidated = [], {}
     for kind in args.kinds.split(","):
         for minutes in args.minutes.split(","):
             name = f"{kind}-{minutes}"
@@ -131,7 +182,9 @@ def main() -> None:
                        for e in ("local", "vllm")}
                 answers = [json.loads(x) for x in (run / f"eval-vllm-{set_name}" / "answers.jsonl").read_text()
                            .splitlines()]
-                val = cj["draftsmith"].get("validation") or {}
+                exported = cj["draftsmith"].get("validation") or {}
+                val = revalidated.setdefault(name, revalidate(base, run, args.validation)) if args.revalidate \
+                    else exported
                 per_pos = val.get("acceptance_per_position") or []
                 pred = 1 + sum(per_pos[:K]) if per_pos else None
                 served, local = rep["vllm"]["acceptance_length"], rep["local"]["acceptance_length"]
@@ -141,6 +194,8 @@ def main() -> None:
                              "served_se": bootstrap_se(answers), "gap": None if pred is None else pred - served,
                              "served_per_position": rep["vllm"]["acceptance_per_position"],
                              "predicted_per_position": per_pos[:K],
+                             "predicted_position_mean": (val.get("position_mean") or {}).get("acceptance_length"),
+                             "exported": exported.get("acceptance_length"),
                              "verdict": (rep["vllm"].get("agreement") or {}).get("verdict"),
                              "differences": (rep["vllm"].get("agreement") or {}).get("differences")})
                 r = rows[-1]

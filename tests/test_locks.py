@@ -90,7 +90,7 @@ def test_run_is_refused_while_a_stage_or_another_run_lives(live_run, tiny_target
     ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0: must be 1 or more"),
     ({"WORLD_SIZE": "-1"}, "$WORLD_SIZE=-1: must be 1 or more"),
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "$RANK=2: must be in 0..1"),
-    ({"RANK": "one"}, "$RANK='one': not an integer"),
+    ({"RANK": "one"}, "$RANK='one': not a whole number"),
 ], ids=["no-torchrun", "zero", "negative", "rank-outside", "not-a-number"])
 @pytest.mark.parametrize("command", ["train", "extract", "run"])
 def test_distributed_variables_torchrun_cannot_have_set_are_refused_before_any_work(tmp_path, tiny_target, env,
