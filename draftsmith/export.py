@@ -712,7 +712,10 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
 
     dtype_name = cfg.export.dtype
     out_dtype = getattr(torch, dtype_name)
-    for stale in run.path.glob(f".{STAGE}.*.tmp"):  # left by a crash mid-export
+    # RUN/export may be a link to another disk: the folder is built beside where it points (a rename stays on one
+    # file system) and swapped in there, so the link is kept and the export lands where the user put it
+    home = dest.resolve() if dest.is_symlink() else dest
+    for stale in [*run.path.glob(f".{STAGE}.*.tmp"), *home.parent.glob(f".{home.name}.*.tmp")]:  # a crash's
         shutil.rmtree(stale, ignore_errors=True)
 
     with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
@@ -750,7 +753,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                         "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
                         "exported": time.time()},
         )
-        built = Path(tempfile.mkdtemp(prefix=f".{STAGE}.", suffix=".tmp", dir=run.path))
+        home.parent.mkdir(parents=True, exist_ok=True)
+        built = Path(tempfile.mkdtemp(prefix=f".{home.name}.", suffix=".tmp", dir=home.parent))
         try:
             save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
             (built / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
@@ -767,7 +771,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         size = (built / WEIGHTS_FILE).stat().st_size
         prog.end(checkpoint=str(ckpt), bytes=size)
     # after the journal is closed: its file moves with the other bookkeeping into the new folder
-    _swap_into_place(built, dest)
+    _swap_into_place(built, home)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
                        extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name},

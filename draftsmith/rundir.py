@@ -401,9 +401,13 @@ def replace_dir(built: str | os.PathLike, dest: str | os.PathLike) -> None:
         os.chmod(sub, 0o777 & ~umask)
         for name in files:
             os.chmod(os.path.join(sub, name), 0o666 & ~umask)
+    if dest.is_symlink():
+        raise ValueError(f"replace_dir: {dest} is a link; replace the folder it points to")
+    # parked copies a crash left between the two renames (this process's or an earlier one's): never read, removed
+    for stale in dest.parent.glob(f".{dest.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     if dest.exists():
         old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
         os.replace(built, dest)
         shutil.rmtree(old, ignore_errors=True)

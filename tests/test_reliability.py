@@ -121,3 +121,30 @@ def test_artifacts_are_checked_by_what_they_are(tiny_run, tmp_path):
     weights.write_bytes(b"")
     p = run_cli("train", "--run", str(copy), "--config", str(config), *sets, env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0 and "done again" in p.stdout and weights.stat().st_size > 0, p.stdout + p.stderr
+
+
+def test_export_into_a_linked_folder_keeps_the_link_and_stale_parked_folders_go(tiny_run, tmp_path):
+    import shutil
+
+    from conftest import TINY_RUN_SETS, run_cli
+
+    run, config, *_ = tiny_run
+    copy = tmp_path / "run"
+    shutil.copytree(run.path, copy, ignore=shutil.ignore_patterns(".locks", "export"))
+    other = tmp_path / "other-disk" / "drafter"
+    other.mkdir(parents=True)
+    (other / "old.txt").write_text("what was there")
+    (copy / "export").symlink_to(other)
+    sets = [x for kv in TINY_RUN_SETS for x in ("--set", kv)]
+    p = run_cli("export", "--run", str(copy), "--config", str(config), *sets)
+    assert p.returncode == 0, p.stderr
+    assert (copy / "export").is_symlink() and (copy / "export").resolve() == other.resolve()
+    assert (other / "model.safetensors").is_file() and (other / "manifest.json").is_file()
+    assert not list(copy.glob(".export*")) and not list(other.parent.glob(".drafter*"))
+    # a parked folder a crash left between the two renames is removed by the next export
+    (copy / "export").unlink()
+    shutil.copytree(other, copy / "export")
+    (copy / ".export.old-12345").mkdir()
+    (copy / "export" / "manifest.json").unlink()  # not done: exported again
+    p = run_cli("export", "--run", str(copy), "--config", str(config), *sets)
+    assert p.returncode == 0 and not list(copy.glob(".export*")), p.stderr
