@@ -469,6 +469,14 @@ def _quiet_leftovers() -> None:
     logging.getLogger("asyncio").disabled = True
 
 
+def _stderr(line: str) -> None:
+    """The one line a failed command prints; a stderr that went away (a launcher killed) is not a second error."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     # Logs must reach a file at once under `nohup cmd > log 2>&1 &`: line-buffer both streams
     # before anything is printed (Python block-buffers them when they are not a terminal).
@@ -490,12 +498,12 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except DraftsmithError as e:
-        print(f"draftsmith: error: {one_line(e)}", file=sys.stderr)
+        _stderr(f"draftsmith: error: {one_line(e)}")
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
-        print("draftsmith: aborted", file=sys.stderr)
+        _stderr("draftsmith: aborted")
         sys.exit(130)
     except click_exc.NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx is not None else "draftsmith --help")
@@ -505,15 +513,15 @@ def main(argv: list[str] | None = None) -> None:
         msg = e.format_message().replace("\n", " ")
         ctx = getattr(e, "ctx", None)
         where = f" ({ctx.command_path})" if ctx is not None else ""
-        print(f"draftsmith: error{where}: {msg} (see --help)", file=sys.stderr)
+        _stderr(f"draftsmith: error{where}: {msg} (see --help)")
         sys.exit(2)
     except Terminated:
         _quiet_leftovers()
-        print("draftsmith: terminated (SIGTERM); the same command resumes from the finished work", file=sys.stderr)
+        _stderr("draftsmith: terminated (SIGTERM); the same command resumes from the finished work")
         sys.exit(143)
     except KeyboardInterrupt:
         _quiet_leftovers()
-        print("draftsmith: interrupted (Ctrl-C); the same command resumes from the finished work", file=sys.stderr)
+        _stderr("draftsmith: interrupted (Ctrl-C); the same command resumes from the finished work")
         sys.exit(130)
     except BrokenPipeError:
         # `draftsmith status RUN | head`: the reader left; not an error worth a traceback.
@@ -524,18 +532,18 @@ def main(argv: list[str] | None = None) -> None:
         # where a file should be), where no stage code named it: still one line, not a traceback.
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         if is_disk_full(e):
-            print(f"draftsmith: error: {where}no space left on device ({type(e).__name__}: {one_line(e)}); "
-                  "free some space and run the same command again", file=sys.stderr)
+            _stderr(f"draftsmith: error: {where}no space left on device ({type(e).__name__}: {one_line(e)}); "
+                    "free some space and run the same command again")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno in REFUSED_BY_THE_SYSTEM and where:
-            print(f"draftsmith: error: {where}{e.strerror}", file=sys.stderr)
+            _stderr(f"draftsmith: error: {where}{e.strerror}")
             sys.exit(2)
         # Anything else is a bug: one line saying what failed where, the traceback in a log, never on the terminal
         # (a stage wrote it into its stage.log on the way out; elsewhere it goes to a file of its own)
         log_path = write_traceback(e, None)
         stage = getattr(e, "traceback_stage", None)
-        print(f"draftsmith: error: {f'{stage}: ' if stage else ''}{type(e).__name__}: {one_line(e)[:300]} (a bug in "
-              f"draftsmith, please report it; the traceback is in {log_path})", file=sys.stderr)
+        _stderr(f"draftsmith: error: {f'{stage}: ' if stage else ''}{type(e).__name__}: {one_line(e)[:300]} (a bug "
+                f"in draftsmith, please report it; the traceback is in {log_path})")
         sys.exit(1)
 
 

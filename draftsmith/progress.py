@@ -61,13 +61,24 @@ _current_log: list[Path] = []  # stage.log of the innermost active Progress
 _log_lock = threading.Lock()  # the heartbeat thread prints too: one whole line at a time
 
 
+def console_line(line: str) -> None:
+    """Print a line, flushed. A terminal or pipe that went away (a launcher killed, `| head` done) must not kill the
+    process mid-work (a rank about to write the checkpoint it announced): stdout then goes to /dev/null, and the
+    stage log, written beside it, keeps every line."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def log(msg: str, *, stage: str | None = None, console: bool = True) -> None:
     """One log line, flushed at once, mirrored into the active stage's stage.log."""
     rank, _ = env_rank()
     line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + scrub(msg)
     with _log_lock:
         if console and rank == 0:
-            print(line, flush=True)
+            console_line(line)
         if _current_log:
             with contextlib.suppress(OSError), open(_current_log[-1], "a", encoding="utf-8") as f:
                 f.write(line + "\n")

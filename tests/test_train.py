@@ -1192,18 +1192,29 @@ def test_a_stop_signal_mid_run_checkpoints_that_step_and_the_rerun_continues_fro
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_to_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8, tmp_path):
-    """train.processes=2: the SIGTERM reaches the launcher, torchrun passes it on; both ranks agree
-    on the step in the step's all-reduce, save it together and exit; the rerun resumes from it."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL-of-the-launcher"])
+def test_a_stop_of_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8, tmp_path, sig):
+    """train.processes=2: the SIGTERM reaches the launcher, torchrun passes it on; both ranks agree on the step in
+    the step's all-reduce, save it together and exit; the rerun resumes from it. The launcher SIGKILLed: torchrun
+    dies with it (its SIGTERM goes on to the ranks), and the ranks, whose output pipe is gone, still write the
+    checkpoint they announce; `status` says interrupted, and the ranks' config file the kill left behind is gone
+    after the rerun."""
     sets = dict(max_steps=600, checkpoint_every=500, log_every_s=0.2, processes=2)
     run = copy_run(synth_run, tmp_path / "run")
-    p, err = _stop_mid_run([sys.executable, "-m", "draftsmith", *cli_args(run, tiny8, **sets)], run, signal.SIGTERM, 5)
-    assert p.returncode == 143 and "Traceback" not in err, err
+    p, err = _stop_mid_run([sys.executable, "-m", "draftsmith", *cli_args(run, tiny8, **sets)], run, sig, 5)
+    assert p.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL) and "Traceback" not in err, err
     ck = run.path / "train" / "checkpoints"
+    if sig == signal.SIGKILL:  # the ranks go on a little after their launcher: until `status` has them stopped
+        deadline = time.time() + 120
+        while time.time() < deadline and run_cli("status", str(run.path), "--json").stdout.count('"running"'):
+            time.sleep(0.5)
+        row = {s["name"]: s for s in json.loads(run_cli("status", str(run.path), "--json").stdout)["stages"]}
+        assert row["train"]["state"] == "interrupted", row["train"]
     steps = sorted(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_") and (x / "state.json").exists())
     assert steps and 5 <= steps[-1] < 600 and steps[-1] % 500, steps
     r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
     assert f"resumed from {ck / f'step_{steps[-1]}'}" in r.stdout
+    assert not list(run.path.glob(".train-ranks-*")), "a launcher's config file is left behind"
 
 
 def test_a_longer_run_continues_from_the_last_checkpoint_and_nothing_finished_is_deleted(synth_run, tiny8, tmp_path,

@@ -16,12 +16,24 @@ import tempfile
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.journal import pid_alive
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir
 from draftsmith.target import pick_device, threads_per_rank
 from draftsmith.vllm_server import die_with_parent
 
 ERROR_PREFIX = "draftsmith: error: "  # how a rank's one-line error starts on its output
+RANK_CONFIG_PREFIX = ".train-ranks-"  # RUN/.train-ranks-<launcher pid>-<random>.yaml: the config the ranks read
+
+
+def remove_stale_rank_configs(run: RunDir) -> None:
+    """The ranks' config files of launchers that are gone (a SIGKILL leaves its file behind): removed at the next
+    start, so that a run holds none but a live launcher's."""
+    for path in run.path.glob(f"{RANK_CONFIG_PREFIX}*.yaml"):
+        pid = path.name[len(RANK_CONFIG_PREFIX):].split("-", 1)[0]
+        if not (pid.isdigit() and pid_alive(int(pid))) or int(pid) == os.getpid():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def launch_ranks(run, cfg, stage: str) -> dict:
@@ -33,10 +45,12 @@ def launch_ranks(run, cfg, stage: str) -> dict:
     if device.type == "cuda" and n > torch.cuda.device_count():
         raise DraftsmithError(f"train.processes: {n} ranks need {n} GPUs, this node has {torch.cuda.device_count()}")
     env = dict(os.environ)
+    remove_stale_rank_configs(rd)
     # torchrun would set OMP_NUM_THREADS=1 itself; each rank gets its share of the free cores instead
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.threads, n)[0]))
     # the ranks read the resolved config from a file: --set overrides are already applied in it
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".train-ranks-", dir=rd.path, delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{RANK_CONFIG_PREFIX}{os.getpid()}-", dir=rd.path,
+                                     delete=False) as f:
         f.write(cfg.to_yaml())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "draftsmith", "--", stage, "--run", str(rd.path), "--config", f.name]
