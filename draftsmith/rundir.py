@@ -241,10 +241,11 @@ def file_lock(path: str | os.PathLike, busy: str | None = None) -> Iterator[None
         except BlockingIOError:
             f.seek(0)
             raise DraftsmithError(f"{busy} (pid {f.read().strip() or '?'})") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
+        # the pid is the lock's first write: a disk already full names the lock file (written past Python's buffer,
+        # which would otherwise raise again, unnamed, when the file closes)
+        with naming_full_disk(path):
+            os.ftruncate(f.fileno(), 0)
+            os.pwrite(f.fileno(), str(os.getpid()).encode(), 0)
         try:
             yield
         finally:

@@ -253,6 +253,9 @@ def test_extract_preflight_then_a_disk_that_fills_then_resume(reference, small_d
     assert 0 < len(got) < len(want)
     assert all(got[k] == want[k] for k in got)  # every file under a final name is whole and right
     assert not temp_leftovers(run / "extract")
+    # the journal counts what is on disk: a sample is counted once its file is committed, never before
+    row = next(x for x in json.loads(run_cli("status", str(run), "--json").stdout)["stages"] if x["name"] == "extract")
+    assert row["done"] == row["on_disk"] == len(got), row
 
     # Space freed: the same command completes and equals an uninterrupted run.
     small_disk.release()
@@ -295,6 +298,22 @@ def test_train_disk_fills_between_checkpoints_then_resume(reference, small_disk)
     assert f"resumed from {complete[-1]}" in p.stdout
     assert_same_weights(load_weights(ref / "train" / "final" / "model.safetensors"),
                         load_weights(run / "train" / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("stage", ["prepare", "vocab", "extract", "train", "export"])
+def test_a_disk_full_when_a_stage_starts_names_a_file(reference, small_disk, stage):
+    """No room at all before the stage writes anything: the one line names the file it could not write (its lock,
+    its journal, its config), not just "no space left"."""
+    ref, config = reference
+    before = {"prepare": ["generate"], "vocab": ["generate", "prepare"], "extract": ["generate", "prepare", "vocab"],
+              "train": ["generate", "prepare", "vocab", "extract"],
+              "export": ["generate", "prepare", "vocab", "extract", "train"]}[stage]
+    run = copy_stages(ref, small_disk.path / "run", before)
+    small_disk.fill()
+    p = run_cli(stage, "--run", str(run), "--config", str(config), "--set", "extract.force=true", env=THREADS)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    m = FULL.match(p.stderr.strip().splitlines()[-1])
+    assert m and Path(m.group(1)).is_relative_to(run), p.stderr
 
 
 def test_generate_disk_fills_mid_run_then_resume(reference, small_disk):

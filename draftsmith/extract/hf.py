@@ -136,9 +136,10 @@ def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepar
         with prog.busy("loading target"):
             target = load_target(cfg.target, cfg.device, cfg.dtype, cfg.trust_remote_code, log=prog.log)
     capture = HiddenCapture(target.model, layers) if target is not None else None
-    # progress counts a sample once computed and queued (its file may still be committing: `status`'s
-    # on_disk counts the files); counted at commit, the extract ETA swung 15 s .. 4 min within 37 s
-    writer = ShardWriter(d, layers, threads=cfg.extract.writers, store_format=cfg.extract.store_format)
+    # progress counts a sample once its file is committed (fsynced and renamed: ShardWriter calls on_written from its
+    # committer thread, at least every COMMIT_S), so the journal never counts a file that is not on disk
+    writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
+                         store_format=cfg.extract.store_format)
     t0 = time.time()
     try:
         with torch.inference_mode():
@@ -159,7 +160,6 @@ def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepar
                     if len(keep) < len(batch):
                         aux, last = aux[keep], last[keep]
                     writer.write_batch(s, [batch[b] for b in keep], [rows[b] for b in keep], aux, last)
-                    prog.advance(len(keep))
                     stats["samples"] += len(keep)
                     stats["tokens"] += sum(len(rows[b]["input_ids"]) for b in keep)
                     stats["computed"] += sum(len(r["input_ids"]) for r in rows)

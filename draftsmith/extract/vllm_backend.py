@@ -432,10 +432,10 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
     stats = {"samples": 0, "tokens": 0, "padded": 0, "seconds": 0.0, "bytes": 0, "padding": 0.0, "failed": 0}
     remaining = {s: len(todo[s]) for s in shards}
     failed_shards: set = set()
-    # depth: one sample per request in flight, so that every writer thread has work
-    # progress counts a sample once its states are in hand and queued (hf.py says why)
-    writer = ShardWriter(d, layers, threads=cfg.extract.writers, depth=max(2, cfg.extract.concurrency),
-                         store_format=cfg.extract.store_format)
+    # depth: one sample per request in flight, so that every writer thread has work; progress counts a sample once
+    # its file is committed (hf.py says why)
+    writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
+                         depth=max(2, cfg.extract.concurrency), store_format=cfg.extract.store_format)
 
     def items():
         for s in shards:
@@ -469,7 +469,6 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
                     else:
                         aux, last = res  # [L, A, H], [L, H]
                         writer.write_batch(s, [i], [sample], aux[None], last[None])
-                        prog.advance()
                         stats["samples"] += 1
                         stats["tokens"] += len(sample["input_ids"])
                     remaining[s] -= 1
