@@ -1,9 +1,10 @@
-"""Property test of the command line: random configs, `--set` values, prompt lines and journal
-lines, drawn by a seeded generator, fed to the CLI entries in-process (draftsmith.cli.main). For
-every input: an exit code in {0, 1, 2}, at most one line on stderr, and no traceback, nothing
-escaping main. Nothing here names a case: the values are drawn from shapes that break parsers
-(wrong types, empty, huge, non-finite, NUL bytes, cut JSON, duplicate keys), so a new field or
-format is fuzzed without a new line of test."""
+"""Property test of the command line: random configs, `--set` values, prompt lines, journal lines,
+environment variables draftsmith reads, and edits of a target's and a drafter's config.json, drawn
+by a seeded generator, fed to the CLI entries in-process (draftsmith.cli.main). For every input: an
+exit code in {0, 1, 2}, at most one line on stderr, and no traceback, nothing escaping main. Nothing
+here names a case: the values are drawn from shapes that break parsers (wrong types, empty, huge,
+negative, non-finite, NUL bytes, lone surrogates, any code point, any depth, cut JSON, duplicate
+keys), so a new field or format is fuzzed without a new line of test."""
 
 from __future__ import annotations
 
@@ -27,9 +28,26 @@ NASTY_TEXT = ["", " ", "-1", "0", "1e309", "-1e309", "nan", "inf", "9" * 40, "0.
               "&a [*a]", "1:2", "-", "--run", "${HOME}", "%s", "[[[[[[[[[[1]]]]]]]]]]"]
 
 
-def nasty_value(rng: random.Random):
-    """A YAML-able value of a shape that breaks parsers and validators."""
+def any_text(rng: random.Random) -> str:
+    """Text of any code points, lone surrogates included (valid in JSON as escapes, not as Unicode)."""
+    return "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0xD800, 0xDFFF), rng.randint(0, 0x10FFFF)]))
+                   for _ in range(rng.randint(1, 12)))
+
+
+def deep(rng: random.Random):
+    """A list nested deeper than any chat (and than Python's recursion limit, sometimes)."""
+    v: list = []
+    for _ in range(rng.choice([50, 900, 5000])):
+        v = [v]
+    return v
+
+
+def nasty_value(rng: random.Random, json_only: bool = False):
+    """A value of a shape that breaks parsers and validators (YAML-able unless `json_only`: then also lone
+    surrogates, any depth, numbers past any float)."""
     pick = rng.random()
+    if json_only and pick < 0.15:
+        return rng.choice([any_text(rng), "Hi \ud800", deep(rng), 10 ** 400, -(10 ** 400), 1e9, -1e9])
     if pick < 0.5:
         return rng.choice(NASTY_TEXT)
     if pick < 0.7:
@@ -37,6 +55,14 @@ def nasty_value(rng: random.Random):
     if pick < 0.85:
         return rng.choice([0.0, -0.0, 1e-320, 1e308, -3.5, float("nan"), float("inf")])
     return rng.choice([[], [None], [1, "x"], {"k": None}, {"": 1}, None, True, False])
+
+
+def dumps(value) -> str:
+    """JSON of any value nasty_value draws (NaN and infinities as JSON5 writes them; too deep: cut to a marker)."""
+    try:
+        return json.dumps(value, allow_nan=True)
+    except (RecursionError, ValueError):
+        return "[" * 3000 + "]" * 3000
 
 
 def config_keys() -> list[str]:
@@ -132,10 +158,10 @@ def test_random_prompt_lines(capsys, tiny_target, tmp_path):
             rec = json.loads(json.dumps(good))
             shape = rng.random()
             if shape < 0.3:
-                rec[rng.choice(["id", "messages", "conversations", "system"])] = nasty_value(rng)
+                rec[rng.choice(["id", "messages", "conversations", "system"])] = nasty_value(rng, json_only=True)
             elif shape < 0.5:
-                rec["messages"][rng.randint(0, 1)][rng.choice(["role", "content"])] = nasty_value(rng)
-            line = json.dumps(rec, allow_nan=True)
+                rec["messages"][rng.randint(0, 1)][rng.choice(["role", "content"])] = nasty_value(rng, json_only=True)
+            line = dumps(rec)
             if rng.random() < 0.2:
                 line = line[: rng.randint(0, len(line))]
             if rng.random() < 0.1:
@@ -168,3 +194,88 @@ def test_random_journal_lines(capsys, tmp_path):
         for args in (("status", str(run)), ("status", str(run), "--json")):
             code, err = run_main(capsys, *args)
             assert code == 0 and not err.strip(), (err, lines)
+
+
+# what draftsmith reads from its environment (bounds.py bounds each where it is read)
+ENV_VARS = ["DRAFTSMITH_LOG_INTERVAL_S", "OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"]
+
+
+@pytest.fixture(scope="module")
+def prepared_run(tmp_path_factory, tiny_target) -> Path:
+    """A run with generate and prepare done on the tiny target (for vocab, the quickest stage that writes)."""
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import run_pipeline
+    from draftsmith.rundir import RunDir
+
+    root = tmp_path_factory.mktemp("fuzz-run")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"hi {i}"},
+                                                                       {"role": "assistant", "content": "hello"}]})
+                               + "\n" for i in range(3)))
+    cfg = load_config(None, [f"target={tiny_target}", f"generate.prompts={prompts}", "generate.backend=dataset",
+                             "vocab.draft_vocab_size=32"])
+    run_pipeline(RunDir(root / "run"), cfg, until_stage="prepare")
+    return root / "run"
+
+
+def test_random_environment(capsys, monkeypatch, prepared_run, tiny_target):
+    """vocab (a stage that writes) and status under random values of the variables draftsmith reads."""
+    for rng in rounds(SEED + 4):
+        with monkeypatch.context() as m:
+            for name in rng.sample(ENV_VARS, rng.randint(1, 3)):
+                value = nasty_value(rng)
+                m.setenv(name, (value if isinstance(value, str) else json.dumps(value, allow_nan=True)).replace(
+                    "\x00", ""))
+            for args in (("vocab", "--run", str(prepared_run), "--set", f"target={tiny_target}",
+                          "--set", f"vocab.draft_vocab_size={rng.choice([32, 33])}"), ("status", str(prepared_run))):
+                code, err = run_main(capsys, *args)
+                check(code, err, (args, {k: v for k, v in __import__("os").environ.items() if k in ENV_VARS}))
+
+
+def test_random_target_and_drafter_config_edits(capsys, tmp_path, tiny_target):
+    """estimate on a target config.json, and eval of a drafter folder, each edited at random: any field of the model
+    config (or its text_config) set to any value, the file cut or replaced by another JSON value."""
+    import shutil
+
+    from conftest import write_drafter_checkpoint
+    from draftsmith.bounds import MODEL_INTS
+    from draftsmith.config import load_config
+    from draftsmith.export import run_export
+    from draftsmith.rundir import RunDir
+
+    target_cfg = json.loads((Path(tiny_target) / "config.json").read_text())
+    run = RunDir(tmp_path / "run").ensure()
+    write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=[1, 3, 5], draft_vocab_size=32)
+    run_export(run, load_config(None, [f"target={tiny_target}"]))
+    drafter_cfg = json.loads((run.path / "export" / "config.json").read_text())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    fields = list(MODEL_INTS) + ["rms_norm_eps", "rope_theta", "architectures", "text_config",
+                                 "transformer_layer_config", "eagle_aux_hidden_state_layer_ids", "speculators_config"]
+    for i, rng in enumerate(rounds(SEED + 5)):
+        for which, base in (("target", target_cfg), ("drafter", drafter_cfg)):
+            data = json.loads(json.dumps(base))
+            for _ in range(rng.randint(1, 3)):
+                node = data.get("transformer_layer_config") if which == "drafter" and rng.random() < 0.5 else data
+                if isinstance(node, dict):
+                    node[rng.choice(fields)] = nasty_value(rng, json_only=True)
+            text = dumps(data)
+            if rng.random() < 0.1:
+                text = text[: rng.randint(0, len(text))]
+            elif rng.random() < 0.05:
+                text = dumps(nasty_value(rng, json_only=True))
+            if which == "target":
+                path = tmp_path / f"target{i}.json"
+                path.write_text(text)
+                args = ("estimate", str(REPO / "configs" / "llama-8b-1xh100.yaml"), "--hardware", "h100",
+                        "--target-config", str(path))
+            else:
+                folder = tmp_path / f"drafter{i}"
+                shutil.copytree(run.path / "export", folder)
+                (folder / "config.json").write_text(text)
+                args = ("eval", "--run", str(tmp_path / f"eval{i}"), "--drafter", str(folder), "--prompts",
+                        str(prompts), "--set", f"target={tiny_target}", "--max-tokens", "2", "--set",
+                        "eval.baseline=false")
+            code, err = run_main(capsys, *args)
+            check(code, err, (which, text[:300]))
