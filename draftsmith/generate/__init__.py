@@ -45,8 +45,8 @@ from draftsmith.generate.samples import (FAILURES, SAMPLES, SAMPLING, STAGE, STA
 from draftsmith.generate.vllm import own_server_seeds, served_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.progress import Progress, journal_failures, log
-from draftsmith.prompts import LoadStats, load_prompts, resolve_source
-from draftsmith.rundir import (RunDir, atomic_write_json, atomic_write_text, file_sha256, fingerprint, fingerprinted,
+from draftsmith.prompts import LoadStats, load_prompts, source_identity
+from draftsmith.rundir import (RunDir, atomic_write_json, atomic_write_text, fingerprint, fingerprinted,
                                jsonl_text)
 from draftsmith.stage import StageBook, one_process
 from draftsmith.target import target_info
@@ -71,8 +71,7 @@ class GenerateFailed(DraftsmithError):
 
 
 def _prompt_source(gen) -> dict:
-    path, _ = resolve_source(gen.prompts)
-    return {"source": gen.prompts, "file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return source_identity(gen.prompts)
 
 
 @dataclass
