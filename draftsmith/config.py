@@ -343,7 +343,15 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="How many checkpoints to keep.")
     log_every_s: float = Field(10.0, gt=0, description="Seconds between metric log lines.")
     seed: int = Field(0, description="Seed for initialisation and data order.")
-    tensorboard: bool = Field(False, description="Also write a TensorBoard log under train/tb.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list, description="Experiment trackers the training figures also go to (train/trackers.py): "
+        "`tensorboard` (train/tb), `wandb`, `mlflow`, `trackio`, each configured by its own environment (WANDB_MODE, "
+        "MLFLOW_TRACKING_URI, TRACKIO_DIR, ...); a restarted run goes on in the same tracker run; one that fails is a "
+        "warning line, never a lost step.")
+    tracker_project: str = Field("draftsmith", min_length=1, description="The project (W&B, trackio) or experiment "
+                                 "(MLflow) the trackers file the run under; the run is named after the run folder.")
+    tensorboard: bool = Field(False, description="Also write a TensorBoard log under train/tb (the same as "
+                              "report_to: [tensorboard]; kept for older configs).")
     fsdp: bool = Field(False, description="Use FSDP instead of DDP when distributed.")
     processes: int = Field(
         1, ge=1, description="Local ranks: N > 1 runs the stage under torchrun with N processes (DDP; gloo on the "

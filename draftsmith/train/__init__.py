@@ -56,6 +56,7 @@ from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation, split
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
 from draftsmith.train.stop import DeferredStop
+from draftsmith.train.trackers import Trackers
 from draftsmith.vocab import load_vocab
 
 STAGE = "train"
@@ -66,7 +67,7 @@ LENGTH_KEYS = ("max_steps", "epochs", "max_minutes")
 # Settings that change how a run is watched, stored or sharded, not what it computes: left out
 # of the fingerprint, so that changing one resumes the run instead of restarting it.
 NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
-                     "attention", "loss_chunk_tokens", "validate_every")
+                     "attention", "loss_chunk_tokens", "validate_every", "report_to", "tracker_project")
 # Train settings added after runs already existed, each with the default that keeps those older
 # runs' fingerprint unchanged: `fingerprinted` (its later_defaults) leaves a setting out while it
 # holds this value, so an older run stays current instead of training again.
@@ -111,6 +112,7 @@ class TrainState:
     metrics: dict | None = None  # the last log interval's metrics
     validation: Validation | None = None  # the held-out samples (None: train.validation 0, or too few samples)
     val_metrics: dict | None = None  # the last validation pass's figures (with its step)
+    trackers: Trackers | None = None  # train.report_to (rank 0; closed with the stage)
 
     @property
     def folder(self) -> Path:
@@ -298,6 +300,10 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
                     metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"))
+    names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
+    ts.trackers = Trackers(ts.folder, names, tc.tracker_project, cfg.model_dump(mode="json"), start_step, ranks.rank,
+                           say)
+    closing.callback(ts.trackers.close)
     if resume is not None:
         load_training_state(resume, objective, optimizer, scheduler, ranks)
         say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
@@ -352,7 +358,7 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     tc, device = ts.cfg.train, ts.ranks.device
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
                        prepare=_host_step(ts), feeder=DeviceFeeder(device, _act_dtype(ts), tc.grad_accum))
-    window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say)
+    window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say, ts.trackers)
     ts.budget.start()
     try:
         while ts.step < ts.total_steps:
@@ -390,7 +396,6 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
     finally:
         data.close()
-        window.close()
 
 
 def _act_dtype(ts: TrainState):
@@ -421,7 +426,7 @@ def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
         window.t0 += figs["seconds"]
     ts.val_metrics = {"step": ts.step, **figs}
     if ts.ranks.rank == 0:
-        Window.write_validation(ts.folder, ts.val_metrics, say)
+        Window.write_validation(ts.folder, ts.val_metrics, say, ts.trackers)
 
 
 def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):

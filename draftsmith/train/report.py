@@ -1,5 +1,5 @@
 """What a run shows while it trains, once per log interval (train.log_every_s): a line of
-metrics.jsonl, TensorBoard scalars under tb/ (train.tensorboard), and the step line in the log;
+metrics.jsonl, the same figures to the experiment trackers of train.report_to (trackers.py), and the step line in the log;
 all summing up the window of steps since the previous one. After each validation pass
 (train/validation.py), a row of its own in metrics.jsonl (`"split": "validation"`) and a log line; the
 step line shows the last validation figure beside the training one.
@@ -46,17 +46,12 @@ class Window:
     """The steps since the last log line, on every rank: TTT statistics, seconds per part of a
     step, tokens and steps; on rank 0 also where the lines go (`folder`: train/)."""
 
-    def __init__(self, folder: Path, tc, rank: int, device, start_step: int, say):
+    def __init__(self, folder: Path, tc, rank: int, device, start_step: int, say, trackers=None):
         self.tc, self.rank, self.say = tc, rank, say
         self.metrics_path = folder / METRICS
-        self.tb = None
+        self.trackers = trackers
         if rank == 0:
             trim_metrics(self.metrics_path, start_step)
-            if tc.tensorboard:
-                # tensorboard is optional (the dev extra): imported only when train.tensorboard asks for it
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(folder / "tb"), purge_step=start_step + 1)
         # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions, chain (drafts
         # 0..k all right); on the device, summed there every micro-batch and read only at log time (summary)
         self.stats = torch.zeros(tc.ttt_steps, 5, dtype=torch.float64, device=device)
@@ -92,19 +87,12 @@ class Window:
         return chain_acceptance([row[4] for row in s], s[0][3] if s else 0.0)
 
     def write(self, metrics: dict, eta_s: float, validation: dict | None = None) -> None:
-        """Rank 0: the metrics line, the TensorBoard scalars, the step line in the log (with the last validation
+        """Rank 0: the metrics line, the trackers' scalars, the step line in the log (with the last validation
         pass's tau when there is one)."""
         step, loss_k, acc_k = metrics["step"], metrics["loss"], metrics["acc"]
         append_text(self.metrics_path, json.dumps(metrics) + "\n")
-        if self.tb is not None:
-            for k in range(len(loss_k)):
-                if loss_k[k] is not None:
-                    self.tb.add_scalar(f"loss/step{k}", loss_k[k], step)
-                    self.tb.add_scalar(f"acc/step{k}", acc_k[k], step)
-            for key in ("acceptance_length", "lr", "grad_norm", "tokens_per_s"):
-                if metrics[key] is not None:
-                    self.tb.add_scalar(f"train/{key}", metrics[key], step)
-            self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
         tau = metrics["acceptance_length"]
         val = validation or {}
         self.say(f"step {step}/{metrics['total_steps']} | loss " + " ".join(_fmt(x, ".3f") for x in loss_k)
@@ -116,14 +104,12 @@ class Window:
                    f"| gnorm {metrics['grad_norm']:.2f}"
                  + f" | ETA {fmt_duration(eta_s)}")
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
     @staticmethod
-    def write_validation(folder: Path, row: dict, say) -> None:
-        """Rank 0: a validation pass's row in metrics.jsonl and its line in the log."""
+    def write_validation(folder: Path, row: dict, say, trackers=None) -> None:
+        """Rank 0: a validation pass's row in metrics.jsonl and the trackers, and its line in the log."""
         append_text(folder / METRICS, json.dumps({"split": "validation", **row}) + "\n")
+        if trackers is not None:
+            trackers.log(row["step"], row, prefix="validation/")
         tau, per_pos = row["acceptance_length"], row["acceptance_per_position"]
         say(f"validation at step {row['step']}: tau {_fmt(tau, '.3f')} "
             f"(acceptance per position {' '.join(_fmt(a, '.3f') for a in per_pos)}) over "
