@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -343,24 +344,76 @@ def render_table(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None) -> None:
-    """Refresh the table on a terminal until every stage is done or failed; snapshots when piped."""
+NOTIFY_STATES = ("running", "stalled", "dead", "failed", "interrupted", "done")
+NOTIFY_TIMEOUT_S = 60.0
+
+
+def notify_env(run: str, row: dict[str, Any], previous: str | None) -> dict[str, str]:
+    """What a --notify command is told of a stage's change (environment variables, all strings)."""
+    done = "" if row["done"] is None else str(row["done"])
+    total = "" if row["total"] is None else str(row["total"])
+    progress = f"{done}/{total} {row.get('unit') or ''}".strip() if done else ""
+    eta = "" if row["eta_s"] is None else str(round(row["eta_s"]))
+    message = (f"draftsmith {Path(run).name}: {row['name']} {previous or 'pending'} -> {row['state']}"
+               + (f", {progress}" if progress else "") + (f", ETA {fmt_duration(row['eta_s'])}" if eta else "")
+               + (f": {row['error']}" if row.get("error") else ""))
+    return {"DRAFTSMITH_RUN": str(run), "DRAFTSMITH_STAGE": row["name"], "DRAFTSMITH_STATE": row["state"],
+            "DRAFTSMITH_PREVIOUS_STATE": previous or "pending", "DRAFTSMITH_DONE": done, "DRAFTSMITH_TOTAL": total,
+            "DRAFTSMITH_UNIT": row.get("unit") or "", "DRAFTSMITH_ETA_S": eta, "DRAFTSMITH_ERROR": row.get("error") or "",
+            "DRAFTSMITH_MESSAGE": message}
+
+
+def run_notify(command: str, env: dict[str, str]) -> str | None:
+    """Run a --notify command (a shell line) with `env` added; None when it worked, else why not (one line)."""
+    try:
+        p = subprocess.run(command, shell=True, env={**os.environ, **env}, capture_output=True, text=True,
+                           timeout=NOTIFY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    if p.returncode != 0:
+        return f"exit {p.returncode}: {' '.join((p.stderr or p.stdout).split())[:200]}"
+    return None
+
+
+def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None, notify: str | None = None) -> None:
+    """Refresh the table on a terminal until every stage is done or failed; snapshots when piped (at most one per
+    10 s, and one at each change of a stage's state).
+
+    notify: a shell command run once per change of a stage's state to running, stalled, dead, failed, interrupted or
+    done (not for what the stages were when watching began), with the run, stage, state, progress and ETA in its
+    environment (notify_env: DRAFTSMITH_MESSAGE is a ready line for Slack or mail). With it, watching goes on through
+    a stage that died or failed, until every stage is done (a restarted stage is seen again); Ctrl-C ends it."""
     tty = sys.stdout.isatty()
     i = 0
+    seen: dict[str, str] | None = None
+    last_print = 0.0
     while True:
         st = run_status(path)
-        text = render_table(st)
-        if tty:
-            sys.stdout.write("\x1b[2J\x1b[H" + text + "\n")
-        else:
-            sys.stdout.write(f"--- {time.strftime('%H:%M:%S')}\n{text}\n")
-        sys.stdout.flush()
-        states = [s["state"] for s in st["stages"]]
+        states = {s["name"]: s["state"] for s in st["stages"]}
+        changed = seen is not None and any(states[n] != seen.get(n) for n in states)
+        if notify is not None and seen is not None:
+            for row in st["stages"]:
+                if row["state"] != seen.get(row["name"]) and row["state"] in NOTIFY_STATES:
+                    why = run_notify(notify, notify_env(path, row, seen.get(row["name"])))
+                    if why is not None:
+                        sys.stderr.write(f"draftsmith watch: warning: --notify for {row['name']} {row['state']} "
+                                         f"failed ({why})\n")
+                        sys.stderr.flush()
+        seen = states
+        now = time.monotonic()
+        if tty or changed or now - last_print >= 10.0 or i == 0:
+            text = render_table(st)
+            sys.stdout.write("\x1b[2J\x1b[H" + text + "\n" if tty else f"--- {time.strftime('%H:%M:%S')}\n{text}\n")
+            sys.stdout.flush()
+            last_print = now
         pipe = st.get("pipeline")
-        active = any(s in ("running", "stalled") for s in states) or (pipe is not None and pipe["state"] == "running")
-        if not active and any(s != "pending" for s in states):
+        active = any(s in ("running", "stalled") for s in states.values()) or (pipe is not None
+                                                                                 and pipe["state"] == "running")
+        if notify is None and not active and any(s != "pending" for s in states.values()):
+            return
+        if notify is not None and all(s == "done" for s in states.values()):
             return
         i += 1
         if max_iterations is not None and i >= max_iterations:
             return
-        time.sleep(interval_s if tty else max(interval_s, 10.0))
+        time.sleep(interval_s if (tty or notify is not None) else max(interval_s, 10.0))

@@ -383,3 +383,41 @@ def test_status_survives_any_journal_line(tmp_path, cli, bad):
         p = cli(*args, timeout=30)
         assert p.returncode == 0 and "Traceback" not in p.stderr, (args, p.stderr[-500:])
     assert "not valid events and were skipped" in cli("status", str(tmp_path)).stdout
+
+
+def test_watch_notify_runs_a_command_once_per_change_of_a_stage(tmp_path):
+    """`watch --notify CMD` runs CMD once each time a stage changes state (running, dead, running again, done), with
+    the run, stage, state, progress and ETA in its environment; it watches on through a stage that died."""
+    run = tmp_path / "run"
+    RunDir(run).ensure()
+    notes = tmp_path / "notes.txt"
+    cmd = (f'echo "$DRAFTSMITH_STAGE $DRAFTSMITH_PREVIOUS_STATE>$DRAFTSMITH_STATE $DRAFTSMITH_DONE/$DRAFTSMITH_TOTAL '
+           f'eta=$DRAFTSMITH_ETA_S | $DRAFTSMITH_MESSAGE" >> {notes}')
+    w = subprocess.Popen([sys.executable, "-m", "draftsmith", "watch", str(run), "--interval", "0.1", "--notify", cmd],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def noted(what: str) -> bool:
+        return notes.exists() and what in notes.read_text()
+    try:
+        time.sleep(1.0)  # watching began with every stage pending: nothing to say yet
+        assert not notes.exists()
+        p = start(run, "extract", 400, 0.05)
+        assert wait_for(lambda: noted("extract pending>running"))
+        assert wait_for(lambda: stage_row(run, "extract")["done"] and stage_row(run, "extract")["done"] >= 3)
+        p.kill()
+        p.wait()
+        assert wait_for(lambda: noted("extract running>dead"))
+        p = start(run, "extract", 6, 0.01)
+        assert wait_for(lambda: noted("extract dead>running") or noted("extract dead>done"))
+        p.wait()
+        assert wait_for(lambda: noted(">done"))
+        time.sleep(0.5)
+        assert w.poll() is None  # six stages still pending: it watches on
+    finally:
+        w.terminate()
+        w.wait(timeout=30)
+    lines = notes.read_text().splitlines()
+    assert [x.split(" ")[1] for x in lines][:2] == ["pending>running", "running>dead"]
+    assert lines[-1].startswith("extract ") and ">done 6/6 " in lines[-1] and "draftsmith run: extract" in lines[-1]
+    assert len(lines) == len(set(lines))  # once per change
+    assert "eta=" in lines[0] and "/400 " in lines[0]
