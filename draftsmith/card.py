@@ -209,7 +209,8 @@ def render_card(f: dict) -> str:
              + (f", {d['reasoning_turns']} with reasoning, kept" if d.get("reasoning_turns") else "") + ") |",
              f"| training | {t['mode']}, {t['steps']} steps of {t['ttt_steps']} drafting steps, {t['optimizer']} lr "
              f"{t['lr']}, {_num(t['tokens'], ',d')} tokens, {_num(t['minutes'], '.1f')} min of steps "
-             f"({_num((t['wall_s'] or 0) / 60 if t['wall_s'] else None, '.1f')} min wall) on {t['world_size']} rank(s) |",
+             f"({_num((t['wall_s'] or 0) / 60 if t['wall_s'] else None, '.1f')} min wall) on {t['world_size']} "
+             "rank(s) |",
              f"| validation (held-out samples, T=0, K={len(v.get('acceptance_per_position') or []) or 'n/a'}) | "
              + (f"acceptance length {_num(v.get('acceptance_length'), '.3f')}, per position "
                 f"{', '.join(_num(a, '.3f') for a in v.get('acceptance_per_position') or [])} over "
@@ -220,7 +221,8 @@ def render_card(f: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in f["reports"]:
             lines.append(f"| {r.get('engine')} | {r.get('num_speculative_tokens')} | {r.get('temperature')} | "
-                         f"{r.get('prompts')} of `{r.get('prompts_source')}` | {_num(r.get('acceptance_length'), '.3f')} "
+                         f"{r.get('prompts')} of `{r.get('prompts_source')}` | "
+                         f"{_num(r.get('acceptance_length'), '.3f')} "
                          f"| {', '.join(_num(a) for a in r.get('acceptance_per_position') or [])} | "
                          f"{_num(r.get('speedup'))}x | {r.get('machine') or 'n/a'} |")
         lines += ["", "The acceptance length is the tokens the target emits per verification step (1 + accepted "

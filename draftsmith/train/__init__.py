@@ -419,8 +419,8 @@ def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
     """A validation pass after step ts.step (every rank): its figures into ts.val_metrics, and on rank 0 a
     metrics.jsonl row and a log line. Its time counts neither in the time budget nor in the window's rate."""
     tc = ts.cfg.train
-    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts, validation=True), ts.ranks.device, _act_dtype(ts), ts.precision,
-                             ts.ranks, say, tc.log_every_s, prog.busy)
+    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts, validation=True), ts.ranks.device, _act_dtype(ts),
+                             ts.precision, ts.ranks, say, tc.log_every_s, prog.busy)
     ts.budget.loop_t0 += figs["seconds"]
     if window is not None:
         window.t0 += figs["seconds"]

@@ -1,5 +1,6 @@
 """What a run shows while it trains, once per log interval (train.log_every_s): a line of
-metrics.jsonl, the same figures to the experiment trackers of train.report_to (trackers.py), and the step line in the log;
+metrics.jsonl, the same figures to the experiment trackers of train.report_to (trackers.py), and the step line in
+the log;
 all summing up the window of steps since the previous one. After each validation pass
 (train/validation.py), a row of its own in metrics.jsonl (`"split": "validation"`) and a log line; the
 step line shows the last validation figure beside the training one.

@@ -17,8 +17,9 @@ The figures (`figures`): per step the loss and marginal accuracy; the acceptance
 a greedy verifier gets on these answers at K = the trained steps, counted as serving counts them
 (objective.serving_walk: drafts from the positions serving visits, each step r + 1 tokens on) — the prediction of
 vLLM's tau; and, as `position_mean`, the chain's mean over every position (objective.chain_acceptance, what the
-train line shows for the batches it fits), which runs ahead of serving where easy and hard stretches alternate. They are taken where serving drafts: on the answers (the assistant tokens, whatever
-train.loss_on and loss_skip_tokens train on), and on the target's greedy answers only: a held-out prompt's
+train line shows for the batches it fits), which runs ahead of serving where easy and hard stretches alternate.
+They are taken where serving drafts: on the answers (the assistant tokens, whatever train.loss_on and
+loss_skip_tokens train on), and on the target's greedy answers only: a held-out prompt's
 resampled answers (generate.answers_per_prompt) stay out of training but are not measured, since served at T=0
 the target's greedy answer is what is verified. When every answer was sampled (generate.temperature > 0) the
 chain is taken on sampled continuations and predicts greedy serving less closely (the train log says so).
