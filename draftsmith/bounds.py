@@ -87,30 +87,26 @@ def model_config(data: Any, where: str, required: tuple[str, ...] = ()) -> tuple
     return data, check_model_numbers(text, where, required)
 
 
-def env_number(name: str, default: float, lo: float, hi: float) -> float:
-    """$name as a finite number in [lo, hi], or `default` when unset or empty; anything else is a one-line error."""
+def _env(name: str, default, lo, hi, parse, kind: str, hint: str):
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
-        v = float(raw)
+        v = parse(raw)
     except ValueError:
-        raise DraftsmithError(f"${name}={raw[:40]!r}: not a number") from None
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise DraftsmithError(f"${name}={raw[:40]!r}: must be a number in {lo:g}..{hi:g}")
+        raise DraftsmithError(f"${name}={raw[:40]!r}: not {kind}{hint}") from None
+    if not (math.isfinite(v) and lo <= v <= hi):
+        span = f"{lo}..{hi}" if parse is int else f"{lo:g}..{hi:g}"
+        raise DraftsmithError(f"${name}={raw[:40]!r}: must be in {span}{hint}")
     return v
+
+
+def env_number(name: str, default: float, lo: float, hi: float) -> float:
+    """$name as a finite number in [lo, hi], or `default` when unset or empty; anything else is a one-line error."""
+    return _env(name, default, lo, hi, float, "a number", "")
 
 
 def env_int(name: str, default: int, lo: int, hi: int, hint: str = "") -> int:
     """$name as a whole number in [lo, hi], or `default` when unset or empty; anything else is a one-line error
     (`hint`: what to do about it, e.g. who sets the variable)."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise DraftsmithError(f"${name}={raw[:40]!r}: not a whole number{hint}") from None
-    if not lo <= v <= hi:
-        raise DraftsmithError(f"${name}={v}: must be in {lo}..{hi}{hint}")
-    return v
+    return _env(name, default, lo, hi, int, "a whole number", hint)
