@@ -85,6 +85,20 @@ def test_run_is_refused_while_a_stage_or_another_run_lives(live_run, tiny_target
             holder.close()
 
 
+def cli_in_process(capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of `draftsmith ARGS` run in this process (draftsmith.cli.main, as the console script
+    runs it): the refusals below come before any stage starts, so no interpreter start is worth paying for each."""
+    from draftsmith.cli import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("env, message", [
     ({"RANK": "0", "WORLD_SIZE": "2"}, "$WORLD_SIZE=2 without $MASTER_ADDR and $MASTER_PORT: start the ranks with torchrun"),
     ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0: must be 1 or more"),
@@ -94,29 +108,35 @@ def test_run_is_refused_while_a_stage_or_another_run_lives(live_run, tiny_target
 ], ids=["no-torchrun", "zero", "negative", "rank-outside", "not-a-number"])
 @pytest.mark.parametrize("command", ["train", "extract", "run"])
 def test_distributed_variables_torchrun_cannot_have_set_are_refused_before_any_work(tmp_path, tiny_target, env,
-                                                                                    message, command):
+                                                                                    message, command, capsys,
+                                                                                    monkeypatch):
     """Garbage in RANK/WORLD_SIZE: one line naming the variable, nothing started, and the finished
     stage's status untouched (it was shown `failed` after a torch traceback)."""
-    sim = Path(__file__).with_name("sim_stage.py")
-    assert subprocess.run([sys.executable, str(sim), str(tmp_path), "train", "3", "0.0", "ok", "300"]).returncode == 0
+    from draftsmith.progress import Progress
+
+    with Progress(RunDir(tmp_path).ensure(), "train", total=3, unit="steps", console=False) as prog:
+        prog.advance(3)  # a finished stage, as sim_stage.py leaves one
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {tiny_target}\n")
     args = ["run", str(recipe), "--run", str(tmp_path)] if command == "run" else [command, "--run", str(tmp_path)]
     before = snapshot(tmp_path)
-    p = run_cli(*args, "--set", f"target={tiny_target}", env=env, timeout=300)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith(f"draftsmith: error: {message}"), p.stderr
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        code, err = cli_in_process(capsys, *args, "--set", f"target={tiny_target}")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"draftsmith: error: {message}"), err
     assert snapshot(tmp_path) == before
     row = next(s for s in json.loads(run_cli("status", str(tmp_path), "--json").stdout)["stages"] if s["name"] == "train")
     assert row["state"] == "done"
 
 
 @pytest.mark.parametrize("stage", ["prepare", "vocab", "extract"])  # (train, export and eval make the folder first)
-def test_a_stage_on_a_run_that_does_not_exist_creates_nothing(tmp_path, tiny_target, stage):
+def test_a_stage_on_a_run_that_does_not_exist_creates_nothing(tmp_path, tiny_target, stage, capsys):
     """A mistyped --run: the stage's one line about its missing upstream, and no folder made for the
     lock (only generate, the stage that starts a run, creates it)."""
     missing = tmp_path / "typo"
-    p = run_cli(stage, "--run", str(missing), "--set", f"target={tiny_target}", timeout=300)
-    assert p.returncode == 2 and ("before" in p.stderr or "first" in p.stderr), p.stderr  # names what to run
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    code, err = cli_in_process(capsys, stage, "--run", str(missing), "--set", f"target={tiny_target}")
+    assert code == 2 and ("before" in err or "first" in err), err  # names what to run
+    assert len(err.strip().splitlines()) == 1, err
     assert not missing.exists()
