@@ -274,17 +274,19 @@ def provenance(run: RunDir, export_dir: Path) -> dict:
                        run.path)
 
 
-def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> None:
-    """README.md and provenance.json into `export_dir` (atomically; refused if a path of this machine got in);
-    `reports` as card_facts'."""
+def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> str | None:
+    """README.md and provenance.json into `export_dir` (atomically); `reports` as card_facts'. Returns None, or why
+    the card was not written (a path of this machine that got past scrub_paths: the files stay as they were, and
+    the stage goes on: the drafter does not depend on its card)."""
     facts = scrub_paths(card_facts(run, export_dir, serve, repo_id, reports), run.path)
     text = scrub_paths(render_card(facts), run.path)
     prov = provenance(run, export_dir)
     for name, body in ((CARD, text), (PROVENANCE, json.dumps(prov))):
         if has_absolute_path(body):  # scrub_paths covers every string; this guards what it could miss
-            raise ValueError(f"{export_dir / name}: would name a path of this machine")
+            return f"{export_dir / name} not written: it would name a path of this machine"
     atomic_write_text(export_dir / CARD, text)
     atomic_write_json(export_dir / PROVENANCE, prov)
+    return None
 
 
 def front_matter(text: str) -> dict:

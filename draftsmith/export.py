@@ -706,7 +706,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
     if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
-        write_card(run, dest, speculative_config(dest, _served_tokens(meta)), cfg.export.repo_id)  # export.repo_id
+        if why := write_card(run, dest, speculative_config(dest, _served_tokens(meta)), cfg.export.repo_id):
+            log(f"warning: {why}", stage=STAGE)  # (export.repo_id may have changed: the card is rewritten here)
         log(f"up to date (step {old['counts'].get('step')}); nothing to do", stage=STAGE)
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
     book.begin()
@@ -764,7 +765,9 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                     os.fsync(f.fileno())
             # read back through the same checks a user's load goes through
             load_exported(built, target_info=info)
-            write_card(run, built, speculative_config(built, _served_tokens(meta)), cfg.export.repo_id, reports=False)
+            if why := write_card(run, built, speculative_config(built, _served_tokens(meta)), cfg.export.repo_id,
+                                 reports=False):
+                prog.log(f"warning: {why}")
         except BaseException:
             shutil.rmtree(built, ignore_errors=True)
             raise

@@ -110,9 +110,9 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         if report["agreement"]["verdict"]:
             prog.log(f"warning: {report['agreement']['verdict']}")
         if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
-            write_card(run, export_dir, speculative_config(export_dir, int(exported_for.get("ttt_steps") or
-                                                                         eval_cfg.num_speculative_tokens)),
-                       cfg.export.repo_id)
+            trained_k = int(exported_for.get("ttt_steps") or eval_cfg.num_speculative_tokens)
+            if why := write_card(run, export_dir, speculative_config(export_dir, trained_k), cfg.export.repo_id):
+                prog.log(f"warning: {why}")
     return book.finish(
         counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
         inputs={"export": export_manifest.get("fingerprint"), "prompts": eval_cfg.prompts},
