@@ -37,6 +37,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.bounds import model_config
+from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -443,8 +444,6 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         stages["generate"].update(memory=1e9, seconds=samples / DATASET_SAMPLES_PER_S)
     stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
     stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
-
-    from draftsmith.extract import bytes_per_token as store_bytes  # the store's own rule; extract imports torch
 
     # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale
     # per row), + id and mask

@@ -75,6 +75,29 @@ def test_light_paths_stay_light(code, heavy):
     assert p.returncode == 0 and p.stdout.strip() == "", p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("args", [
+    ["estimate", "configs/llama-8b-1xh100.yaml", "--hardware", "h100", "--target-config",
+     "configs/targets/llama-3.1-8b-instruct.json"],
+    ["estimate", "configs/kimi-k2.5-8xh200.yaml", "--hardware", "h200", "--devices", "8", "--target-config",
+     "configs/targets/kimi-k2.5.json", "--json"],
+    ["status", "RUN"], ["status", "RUN", "--json"],
+], ids=["estimate", "estimate-kimi-json", "status", "status-json"])
+def test_light_commands_run_without_torch(args, tmp_path):
+    """The commands themselves, run to the end, not only their imports: estimate (given a target config) and status
+    never import torch or transformers (estimate reads the store's sizes from store_format.py)."""
+    run = tmp_path / "run"
+    (run / "generate").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    args = [str(run) if a == "RUN" else a for a in args]
+    probe = ("import sys\nfrom draftsmith.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    assert not e.code, e.code\nprint('HEAVY', ' '.join(m for m in ('torch', 'transformers') "
+             "if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120,
+                       cwd=PACKAGE.parent)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "HEAVY", p.stdout[-500:]
+
+
 def test_no_line_of_the_package_is_over_120_characters():
     long = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]

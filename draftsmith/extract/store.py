@@ -36,57 +36,31 @@ from draftsmith.prepare import Prepared
 from draftsmith.progress import log
 from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_lock, file_sha256, fsync_dir, fsync_paths,
                               is_disk_full, is_temp_name, write_hashed)
+# the layout and sizes live in a torch-free module (estimate reads them); the names are the store's API too
+from draftsmith.store_format import (FIELDS, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION,  # noqa: F401
+                                     STORE_DTYPE, STORE_FORMATS, bytes_per_token, sample_name, shard_name,
+                                     shard_ranges)
 
 STAGE = "extract"
 META = "meta.json"
 SHARD_RECORD = "shard.json"
 FAILURES = "failures.jsonl"  # backend vllm: samples that failed in the last attempt
 LOCK = ".extract.lock"  # ranks_lock's file (RunDir.stage_lock's .lock is another lock)
-FORMAT_VERSION = 1
-FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
-STORE_DTYPE = "bfloat16"
 # Meta keys that must match for files of two attempts to live in one store.
 COMPAT_KEYS = ("format", "store_format", "target_fingerprint", "layers", "hidden_size", "dtype", "compute_dtype",
                "prepare_fingerprint", "num_samples", "shard_size")
-FILE_OVERHEAD = 1024  # bytes per sample file beyond the tensors: safetensors header + metadata
 
 
 # -------------------------------------------------------------------------------------------------
 # Shards
 
 
-def shard_ranges(num_samples: int, shard_size: int) -> list[tuple[int, int]]:
-    """[(start, end)] covering 0..num_samples-1, end exclusive."""
-    return [(s, min(s + shard_size, num_samples)) for s in range(0, num_samples, shard_size)]
-
-
-def shard_name(start: int, end: int) -> str:
-    return f"rows_{start}-{end}"
-
-
-def sample_name(index: int) -> str:
-    return f"{index}.safetensors"
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, store_format: str = "bf16") -> int:
-    """Bytes on disk per token: (aux + last) states, an int32 id and a uint8 mask. bf16: 2 bytes
-    per value; fp8: 1 byte per value and a float32 scale per row (token and layer)."""
-    if store_format == "fp8":
-        return (num_aux + 1) * (hidden_size + 4) + 4 + 1
-    return (num_aux + 1) * hidden_size * 2 + 4 + 1
 
 
 # -------------------------------------------------------------------------------------------------
 # Store formats (extract.store_format; meta.json's `store_format`, absent in stores made before it: bf16)
 
 
-STORE_FORMATS = ("bf16", "fp8")
-FORMAT_FIELDS = {
-    "bf16": FIELDS,
-    # aux/last as float8 e4m3 with one float32 scale per row (per token and layer): x ~= q * scale
-    "fp8": ("input_ids", "loss_mask", "aux_hidden", "aux_scale", "last_hidden", "last_scale"),
-}
-FORMAT_DTYPE = {"bf16": STORE_DTYPE, "fp8": "float8_e4m3fn"}  # meta.json's `dtype`: what the state tensors hold
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
 
