@@ -390,10 +390,11 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
                                   "(auto_map); set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    # every size a real model can have (bounds.py): a config edited to nonsense is refused here, not later
+    # what kind of model it is first (a vision-only or encoder model is named as such), then every size a real model
+    # can have (bounds.py): a config edited to nonsense is refused here, not later
+    check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
     check_model_numbers(text_cfg.to_dict(), str(folder / "config.json"),
                         required=("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
-    check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
     has_template = False
     tc = folder / "tokenizer_config.json"
     if tc.is_file():

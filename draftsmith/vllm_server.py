@@ -363,6 +363,13 @@ class VLLMServer:
                             for a in self.extra_args)):
             self.extra_args += ["--attention-backend", "CPU_MLA"]
             self.notes.append(AMX_MLA_FLOAT32.format(model=Path(self.model_dir).name, dtype=served))
+            # the drafter picks its own backend (vLLM never lets it inherit the target's): an MLA drafter too
+            if "--speculative-config" in self.extra_args[:-1]:
+                at = self.extra_args.index("--speculative-config") + 1
+                with contextlib.suppress(ValueError, TypeError, OSError):
+                    spec = json.loads(self.extra_args[at])
+                    if uses_mla(spec["model"]) and "attention_backend" not in spec:
+                        self.extra_args[at] = json.dumps({**spec, "attention_backend": "CPU_MLA"}, sort_keys=True)
         self.startup_timeout_s = startup_timeout_s
         self.python = Path(python) if python else None
         self.kill_with_parent = kill_with_parent

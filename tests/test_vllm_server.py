@@ -388,9 +388,16 @@ def test_an_mla_target_is_never_served_eager_on_the_cpu(tmp_path, monkeypatch):
     assert "--enforce-eager" in VLLMServer(gqa, port=1, python="py", extra_args=["--enforce-eager"]).command()
     # float32 MLA on a CPU with AMX: vLLM's AMX MLA kernels take bf16 only, so the reference backend, said in a line
     monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: True)
-    f32 = VLLMServer(mla, port=1, python="py", dtype="float32")
+    drafter = tmp_path / "mla-drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                                     "kv_lora_rank": 512}))
+    spec = {"model": str(drafter), "method": "eagle3", "num_speculative_tokens": 3}
+    f32 = VLLMServer(mla, port=1, python="py", dtype="float32", extra_args=["--speculative-config", json.dumps(spec)])
     cmd = f32.command()
     assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA" and "bf16/fp16 weights only" in f32.notes[0]
+    # the MLA drafter picks its own backend in vLLM: it is told too
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {**spec, "attention_backend": "CPU_MLA"}
     for kept in (VLLMServer(mla, port=1, python="py", dtype="bfloat16"), VLLMServer(gqa, port=1, python="py",
                                                                                     dtype="float32")):
         assert "--attention-backend" not in kept.command()
