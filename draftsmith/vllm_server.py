@@ -366,9 +366,10 @@ class VLLMServer:
             # the drafter picks its own backend (vLLM never lets it inherit the target's): an MLA drafter too
             if "--speculative-config" in self.extra_args[:-1]:
                 at = self.extra_args.index("--speculative-config") + 1
-                with contextlib.suppress(ValueError, TypeError, OSError):
+                with contextlib.suppress(ValueError, TypeError, OSError, AttributeError):
                     spec = json.loads(self.extra_args[at])
-                    if uses_mla(spec["model"]) and "attention_backend" not in spec:
+                    # extract_hidden_states' config names no model: it runs no drafter of its own
+                    if spec.get("model") and uses_mla(spec["model"]) and "attention_backend" not in spec:
                         self.extra_args[at] = json.dumps({**spec, "attention_backend": "CPU_MLA"}, sort_keys=True)
         self.startup_timeout_s = startup_timeout_s
         self.python = Path(python) if python else None
