@@ -78,9 +78,10 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     from draftsmith.target import load_target
     from draftsmith.train import loss_positions
     from draftsmith.train.data import OfflineSource
-    from draftsmith.train.dflash import DFlashObjective
     from draftsmith.train.distributed import Ranks
-    from draftsmith.train.objective import TTTObjective
+    from draftsmith import kinds
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.objective import LossMix
     from draftsmith.train.validation import Validation, split
 
     manifest = RunDir(run).read_manifest("train")
@@ -92,8 +93,9 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     drafter, _ = load_exported(run / "export", embed_weight=embed, dtype=torch.float32)
     w = head[drafter.draft_ids()]
     tc = manifest["settings"]["train"]
-    obj = (DFlashObjective(drafter, w, tc.get("gamma", 0.8), 64) if getattr(drafter.config, "block_size", None)
-           else TTTObjective(drafter, w, int(tc.get("ttt_steps", 3)), tc.get("gamma", 0.8)))
+    # the kind's objective with the run's train settings (every later default filled in by TrainConfig)
+    train_cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.model_fields})
+    obj = kinds.get(drafter.config.kind).runtime().objective(drafter, w, train_cfg, None, "sdpa", LossMix())
     source = OfflineSource(ExtractStore(RunDir(base)))
     ids = source.sample_ids()
     row = min(int(tc.get("seq_len", 2048)), int(tc.get("batch_tokens", 4096)))

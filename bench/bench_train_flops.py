@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.model.config import Eagle3Config  # noqa: E402
+from draftsmith.model.config import DrafterConfig  # noqa: E402
 from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.train.data import Batch  # noqa: E402
 from draftsmith.train.objective import TTTObjective  # noqa: E402
@@ -37,7 +37,7 @@ H, MLP, HEADS, KV_HEADS, VOCAB, DRAFT_VOCAB = 576, 1536, 9, 3, 49152, 8192  # Sm
 
 def step_profile(row: int, doc: int, steps: int) -> dict:
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=H, intermediate_size=MLP, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=MLP, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                        vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, rope_theta=100000.0)
     drafter = Eagle3Drafter(cfg)
     draft_ids = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values

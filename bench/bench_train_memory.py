@@ -5,7 +5,7 @@
 What runs: the project's own training step as train._optimizer_step runs it on one GPU
 (TTTObjective: the drafter's TTT forward and the loss, under bf16 autocast; backward; gradient
 clipping; the fused AdamW step; zero_grad), with the recipes' shapes: a drafter sized by
-Eagle3Config.from_target_config from the target's config.json, fp32 master weights and the frozen
+DrafterConfig.from_target_config from the target's config.json, fp32 master weights and the frozen
 fp32 embedding as training keeps them, the frozen teacher head (bf16 under bf16, as
 train.distributed.distribute stores it), the micro-batch's bf16 target
 states, and for online training the target itself in bf16 (transformers' model built from the
@@ -59,7 +59,7 @@ from draftsmith.config import load_config  # noqa: E402
 from draftsmith.estimate import HARDWARE, _drafter_params, target_shape, train_memory  # noqa: E402
 # the module whose compiled_flex_attention FlexTTTMask calls: flex_without_compile patches it there
 import draftsmith.model.ttt as ttt_module  # noqa: E402
-from draftsmith.model.config import Eagle3Config  # noqa: E402
+from draftsmith.model.config import DrafterConfig  # noqa: E402
 from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.train.data import Batch  # noqa: E402
 from draftsmith.train.objective import TTTObjective, step_counts  # noqa: E402
@@ -181,7 +181,7 @@ def real_batch(rows: int, seq_len: int, draft_ids: torch.Tensor, aux, last) -> B
                  aux_hidden=aux, last_hidden=last, samples=[], tokens=rows * seq_len)
 
 
-def build(dcfg: Eagle3Config, tc, variant: dict, rows: int, seq_len: int, target_hf, mode, precision: str,
+def build(dcfg: DrafterConfig, tc, variant: dict, rows: int, seq_len: int, target_hf, mode, precision: str,
           device: str = "cpu"):
     """(objective, optimizer, trainable parameters, batch, resident tensors) for one step; the float
     tensors made under `mode` (a FakeTensorMode; a null context for real tensors; torch.device("cuda")
@@ -228,7 +228,7 @@ def train_step(objective, optimizer, params, batch: Batch, tc, precision: str) -
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(dcfg: Eagle3Config, tc, variant: str | dict, rows: int, seq_len: int, target_hf=None, fake: bool = True,
+def measure(dcfg: DrafterConfig, tc, variant: str | dict, rows: int, seq_len: int, target_hf=None, fake: bool = True,
             precision: str = "bf16") -> dict:
     """Bytes of one training step: `peak` (the second step's), `resident` (what lives between
     steps: weights, AdamW's moments, the batch, the online target). variant: a VARIANTS name or
@@ -249,7 +249,7 @@ def measure(dcfg: Eagle3Config, tc, variant: str | dict, rows: int, seq_len: int
 
 
 def target_config(row: Row) -> types.SimpleNamespace:
-    """The target's config.json as the attributes Eagle3Config.from_target_config reads (Kimi-K2's
+    """The target's config.json as the attributes DrafterConfig.from_target_config reads (Kimi-K2's
     own config class, remote code, has no head_dim: its drafter's heads are hidden // heads wide)."""
     return types.SimpleNamespace(**json.loads((REPO / row.target_config).read_text()))
 
@@ -260,7 +260,7 @@ def row_shapes(row: Row) -> tuple:
     batch_tokens // seq_len rows of seq_len tokens, the target beside it when training online."""
     cfg = row.config()
     hf = target_config(row)
-    dcfg = Eagle3Config.from_target_config(hf, draft_vocab_size=cfg.vocab.draft_vocab_size,
+    dcfg = DrafterConfig.from_target_config(hf, draft_vocab_size=cfg.vocab.draft_vocab_size,
                                            num_hidden_layers=cfg.train.num_layers,
                                            attention=cfg.train.drafter_attention)
     online = None

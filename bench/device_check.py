@@ -154,10 +154,10 @@ def pipeline(out: Path, work: Path, checks: Checks) -> dict:
 
 
 def _recipe_drafters():
-    """{name: Eagle3Config} of the drafters the GPU recipes train, at their real widths, one layer:
+    """{name: DrafterConfig} of the drafters the GPU recipes train, at their real widths, one layer:
     Llama-3.1-8B's (configs/llama-8b-1xh100.yaml) and Kimi-K2.5's MLA drafter (configs/kimi-k2.5-8xh200.yaml)."""
     from draftsmith.config import load_config
-    from draftsmith.model.config import Eagle3Config
+    from draftsmith.model.config import DrafterConfig
 
     out = {}
     for name, recipe, target in (("llama-8b", "llama-8b-1xh100.yaml", "llama-3.1-8b-instruct.json"),
@@ -165,7 +165,7 @@ def _recipe_drafters():
         cfg = load_config(REPO / "configs" / recipe, [])
         hf = json.loads((REPO / "configs" / "targets" / target).read_text())
         hf = hf.get("text_config") or hf  # a multimodal wrapper: its language model's config
-        out[name] = Eagle3Config.from_target_config(types.SimpleNamespace(**hf),
+        out[name] = DrafterConfig.from_target_config(types.SimpleNamespace(**hf),
                                                     draft_vocab_size=cfg.vocab.draft_vocab_size,
                                                     num_hidden_layers=1, attention=cfg.train.drafter_attention)
     return out

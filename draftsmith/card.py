@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith import __version__
+from draftsmith import __version__, kinds
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
 
 CARD = "README.md"
@@ -36,7 +36,6 @@ PROVENANCE = "provenance.json"
 # what `hf upload` publishes of RUN/export (the rest is the stage's bookkeeping, which names this machine)
 PUBLISHED = ("config.json", "model.safetensors", CARD, PROVENANCE)
 STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
-KIND_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)", "dflash": "DFlash (block drafting)"}
 REPO_PLACEHOLDER = "YOUR-ORG/YOUR-DRAFTER"  # the card's serve and upload lines until export.repo_id names the repo
 
 
@@ -124,8 +123,10 @@ def eval_reports(run: RunDir, export_fingerprint: str | None) -> list[dict]:
 
 
 def _kind(cj: dict) -> str:
-    return str((cj.get("draftsmith") or {}).get("kind") or cj.get("speculators_model_type")
-               or ("eagle3-mla" if "Eagle3Deepseek" in str(cj.get("architectures")) else "eagle3"))
+    """The kind the export says (draftsmith.kind), else the one whose format it is in."""
+    written = (cj.get("draftsmith") or {}).get("kind")
+    found = kinds.format_of(cj)
+    return str(written or (found.name if found else cj.get("speculators_model_type") or "?"))
 
 
 def _sizes(cj: dict) -> dict:
@@ -155,8 +156,7 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
         "target": ds.get("target_id") or (cj.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
         or ds.get("verifier") or ds.get("target"),
         "kind": _kind(cj), "sizes": _sizes(cj), "parameters": parameter_count(export_dir / "model.safetensors"),
-        "aux_layers": cj.get("eagle_aux_hidden_state_layer_ids") or cj.get("aux_hidden_state_layer_ids")
-        or (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+        "aux_layers": kinds.export_aux(cj),
         "draft_vocab_size": cj.get("draft_vocab_size"), "vocab_size": layer.get("vocab_size"),
         "coverage": (man["vocab"].get("counts") or {}).get("coverage", man["vocab"].get("coverage")),
         "data": {"prompts": gen_settings.get("prompts"), "backend": gen_settings.get("backend"),
@@ -191,7 +191,7 @@ def render_card(f: dict) -> str:
     sizes = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in s.items())
     d, t, v = f["data"], f["train"], f["validation"] or {}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-             f"# {KIND_NAMES.get(kind, kind)} drafter for {f['target']}", "",
+             f"# {kinds.get(kind).label if kind in kinds.names() else kind} drafter for {f['target']}", "",
              f"A draft model for speculative decoding of `{f['target']}` in vLLM, trained with draftsmith "
              f"{__version__}. It proposes tokens that the target verifies; the output is the target's own.", "",
              "| | |", "| --- | --- |",

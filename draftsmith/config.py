@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, kinds
 
 
 def _kinds(annotation: Any) -> set[type]:
@@ -187,19 +187,21 @@ class TrainConfig(_Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="`offline`: from extract/; `online`: nothing on disk, the target in-process (or vLLM "
         "server(s) with extract.backend=vllm).")
-    method: Literal["eagle3", "peagle", "dflash"] = Field(
-        "eagle3", description="The drafter: `eagle3` drafts K tokens in K sequential passes (trained with "
-        "training-time test over ttt_steps); `peagle` (parallel EAGLE, arXiv:2602.01469) proposes all K in one pass: "
-        "the bonus token, then K-1 mask slots (the mask token beside a learned stand-in for the target's states), "
-        "trained as TTT whose later steps read the mask slot instead of their own output; vLLM serves it with "
-        "parallel_drafting. Both take the EAGLE-3.1 norms below. `dflash` (arXiv:2602.06036): a block of "
-        "ttt_steps + 1 tokens (the bonus token, then ttt_steps mask tokens) drafted in one pass with attention both "
-        "ways inside the block, Qwen3 layers whose keys and values also read the target's states of every earlier "
-        "position; trained on train.dflash_anchors blocks per row, slot k's loss weighted gamma**(k-1); served with "
-        "exactly ttt_steps drafts (method dflash).")
+    method: str = Field(
+        "eagle3", description="The drafter kind, a package of draftsmith/kinds/ (eagle3, peagle, dflash, ...: "
+        "docs/kinds.md says what each drafts, how it trains and how vLLM serves it). Each is a chain drafter (K "
+        "tokens in K sequential passes, trained with training-time test over ttt_steps) or a block drafter (one pass "
+        "drafts block_size - 1 tokens after the bonus token; served with exactly that many).")
+    block_size: int | None = Field(
+        None, ge=2, le=64, description="Block kinds: tokens per drafted block, the bonus token then block_size - 1 "
+        "mask slots (the drafts served per step); unset: ttt_steps + 1 (the rule before this knob, which older runs "
+        "keep). Refused for chain kinds.")
+    drafter_options: dict[str, Any] = Field(
+        default_factory=dict, description="The kind's own options (docs/kinds.md: e.g. a Markov head's rank), "
+        "checked by the kind when the config loads: an unknown name or a wrong type is refused.")
     dflash_anchors: int = Field(
-        64, ge=1, description="dflash: blocks (anchors) trained per packed row, drawn among the positions whose next "
-        "token is trained; each costs block_size queries over the row's context. The peers draw 512 per 8k-token "
+        64, ge=1, description="Block kinds: blocks (anchors) trained per packed row, drawn among the positions whose "
+        "next token is trained; each costs block_size queries over the row's context. The peers draw 512 per 8k-token "
         "row.")
     norm_before_fc: bool = Field(
         False, description="EAGLE-3.1: an RMSNorm over the concatenated aux states before fc (vLLM's norm_before_fc). "
@@ -211,7 +213,8 @@ class TrainConfig(_Section):
         False, description="EAGLE-3.1: a draft step hands the next one the final norm of its output, not the raw "
         "residual sum, whose size grows step by step (vLLM's norm_output). Changes nothing for peagle.")
     mask_token_id: int | None = Field(
-        None, ge=0, description="peagle: the token id of the mask slots (its embedding row stays the target's). Any id "
+        None, ge=0, description="peagle and the block kinds: the token id of the mask slots (its embedding row stays "
+        "the target's). Any id "
         "serves, since a slot is told apart by its learned state; unset: the target config's pad_token_id, else its "
         "eos_token_id.")
     ttt_steps: int = Field(3, ge=1, le=32, description="Training-time-test steps (unrolled draft steps); at most 32 "
@@ -365,8 +368,31 @@ class TrainConfig(_Section):
             raise ValueError("a share below 1 (e.g. 0.02) or a whole count (e.g. 200), not " + format(v, "g"))
         return v
 
+    @field_validator("method")
+    @classmethod
+    def _a_kind(cls, v: str) -> str:
+        if v not in kinds.names():
+            raise ValueError(f"one of {', '.join(kinds.names())}")
+        return v
+
+    @field_validator("drafter_options")
+    @classmethod
+    def _the_kinds_options(cls, v: dict, info: ValidationInfo) -> dict:
+        """The kind's defaults filled in (the resolved config shows them); its check names the option."""
+        method = info.data.get("method")
+        if method not in kinds.names():
+            return v  # method's own error is the one to show
+        try:
+            return kinds.get(method).check_options(v, "")
+        except DraftsmithError as e:
+            raise ValueError(str(e)) from None
+
     @model_validator(mode="after")
     def _some_loss(self):
+        try:  # what the kind has no meaning for
+            kinds.get(self.method).check_train(self)
+        except DraftsmithError as e:
+            raise ValueError(str(e)) from None
         if self.loss_kl + self.loss_rkl + self.loss_tv + self.loss_top1 <= 0:
             raise ValueError("loss_kl, loss_rkl, loss_tv, loss_top1: at least one weight must be above 0")
         if self.fc_norm and self.norm_before_fc:

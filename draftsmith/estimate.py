@@ -35,7 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, kinds
 from draftsmith.bounds import model_config
 from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
@@ -168,7 +168,7 @@ def drafter_widths(c: dict) -> tuple[int, int, int]:
     read the config's fields by attribute)."""
     view = SimpleNamespace(**c)
     heads, kv_heads, head_dim = drafter_attention_shape(view)
-    head_dim = head_dim or int(c["hidden_size"]) // heads  # None: Eagle3Config's default
+    head_dim = head_dim or int(c["hidden_size"]) // heads  # None: DrafterConfig's default
     return heads * head_dim, kv_heads * head_dim, drafter_intermediate_size(view)
 
 
@@ -273,25 +273,14 @@ def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: i
     return concurrency / (max(mem_s, compute_s) + overhead)
 
 
-def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1) -> tuple[float, float]:
-    """(trainable parameters, parameters used per token per TTT step) of the drafter: the fc over
-    3 fused layers, a first decoder layer (Llama, or MLA beside an MLA target) at the target's widths whose q/k/v read
-    [embedding; hidden] (2h), num_layers - 1 plain ones (q/k/v read h), and the draft LM head."""
-    h, q = t.hidden_size, t.q_dim or t.hidden_size
-    mlp = 3 * h * t.intermediate_size
-    if t.drafter_mla:  # model/mla.py's projections (norms left out, as for the Llama layer)
-        heads, q_rank, kv_rank, nope, rope, v = t.drafter_mla
-
-        def attention(width: int) -> int:
-            qk = heads * (nope + rope)
-            q_params = width * q_rank + q_rank * qk if q_rank else width * qk
-            return q_params + width * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h
-
-        layers = attention(2 * h) + mlp + (num_layers - 1) * (attention(h) + mlp)
-    else:
-        layers = 2 * h * (q + 2 * t.kv_dim) + q * h + mlp + (num_layers - 1) * (h * (q + 2 * t.kv_dim) + q * h + mlp)
-    fc, head = 3 * h * h, h * draft_vocab
-    return fc + layers + head, layers + head
+def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1, kind: str = "eagle3",
+                    options: dict | None = None) -> tuple[float, float]:
+    """(trainable parameters, parameters used per token per draft step) of the drafter: its kind's layers and fc
+    (kinds/<kind>/__init__.py: Kind.layer_params) and its head (the draft LM head, and what the kind adds)."""
+    k = kinds.get(kind)
+    layers_fc, per_step = k.layer_params(t, num_layers)
+    head = k.head_params(t, draft_vocab, k.check_options(options or {}, "train.drafter_options"))
+    return layers_fc + head, per_step + draft_vocab * t.hidden_size
 
 
 # What one training step keeps per token and TTT step for backward, in bytes, by activation
@@ -324,7 +313,7 @@ def _attention_bytes(tr, t: TargetShape, hw: Hardware, act: int) -> float:
     keys that block may see, GQA heads expanded to the query width, and the mask: for one document
     per row about L / 512 + k keys per query (fewer for packed documents).
     """
-    K = tr.ttt_steps
+    K = kinds.get(tr.method).drafts(tr)
     flex = tr.attention == "flex" or (tr.attention == "auto" and hw.cpu_ranks_gain is None)
     if flex:
         return tr.num_layers * 2 * t.kv_dim * act * K * (K + 1) / 2
@@ -345,7 +334,7 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     the TTT steps keep for backward; loss: the head's gradient the chunked loss accumulates and a
     chunk's blocks.
     """
-    P, _ = _drafter_params(t, draft_vocab, tr.num_layers)
+    P, _ = _drafter_params(t, draft_vocab, tr.num_layers, tr.method, tr.drafter_options)
     H, Dv = t.hidden_size, draft_vocab
     head = H * Dv  # the drafter's LM head: trainable unless train.freeze_lm_head
     trainable = P - head if tr.freeze_lm_head else P
@@ -360,7 +349,7 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     per_step = (first + later * (tr.num_layers - 1)) * H + b * tr.num_layers * t.intermediate_size
     per_token = (4 * H * act  # the batch: 3 aux states and the last one
                  + ACT_PER_TOKEN * H * act
-                 + tr.ttt_steps * per_step
+                 + kinds.get(tr.method).drafts(tr) * per_step
                  + _attention_bytes(tr, t, hw, act))
     loss = (0 if tr.freeze_lm_head else 4 * head) + LOSS_CHUNK_BLOCKS * 4 * min(LOSS_CHUNK_ELEMENTS, tokens * Dv)
     out = {"weights": weights + frozen, "target": t.weight_bytes if tr.mode == "online" else 0.0,
@@ -370,13 +359,9 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
 
 
 def train_notes(tr) -> list[str]:
-    """Where the train figures are bounds, not models: they are EAGLE-3's TTT step (P-EAGLE's is the same)."""
-    notes = []
-    if tr.method == "dflash":
-        notes.append(f"train.method=dflash: memory and time are EAGLE-3's TTT over {tr.ttt_steps} steps, an upper "
-                     f"bound: a DFlash row holds train.dflash_anchors x (ttt_steps + 1) = "
-                     f"{tr.dflash_anchors * (tr.ttt_steps + 1):,} block queries against TTT's seq_len x ttt_steps = "
-                     f"{tr.seq_len * tr.ttt_steps:,}")
+    """Where the train figures are bounds, not models: they are EAGLE-3's TTT step (P-EAGLE's is the same; a kind
+    whose step differs says so: Kind.train_notes)."""
+    notes = kinds.get(tr.method).train_notes(tr)
     if tr.optimizer == "muon":
         notes.append("train.optimizer=muon: the optimizer state is AdamW's (two moments per parameter), an upper "
                      "bound: Muon keeps one momentum for the matrices")
@@ -402,9 +387,13 @@ def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> 
                      None)
         if short is not None:
             knobs.append(f"train.seq_len={short} and train.batch_tokens={short} (one row; raise train.grad_accum)")
-    steps = next((k for k in range(tr.ttt_steps - 1, 0, -1) if need(ttt_steps=k) <= hw.mem), None)
+    # fewer draft steps: TTT's, or a block kind's smaller block
+    knob, now = ("block_size", kinds.get(tr.method).drafts(tr) + 1) if kinds.get(tr.method).block else (
+        "ttt_steps", tr.ttt_steps)
+    least = 2 if knob == "block_size" else 1
+    steps = next((k for k in range(now - 1, least - 1, -1) if need(**{knob: k}) <= hw.mem), None)
     if steps is not None:
-        knobs.append(f"train.ttt_steps={steps}")
+        knobs.append(f"train.{knob}={steps}")
     if gpus > 1 and not tr.fsdp and need(fsdp=True) <= hw.mem:
         knobs.append(f"train.fsdp=true ({_bytes(need(fsdp=True))} per device)")
     return knobs or ["none alone: more devices with train.fsdp, or a drafter of fewer layers "
@@ -459,8 +448,9 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
                              "seconds": tokens / min(bounds)}
 
-    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers)
-    flops_per_token = 6 * (3 * t.hidden_size ** 2 + tr.ttt_steps * per_step)
+    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers, tr.method,
+                                          tr.drafter_options)
+    flops_per_token = 6 * (3 * t.hidden_size ** 2 + kinds.get(tr.method).drafts(tr) * per_step)
     train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
     # an optimizer step takes batch_tokens x grad_accum from every rank: the devices on GPUs,
     # train.processes on a CPU (where N one-thread ranks also beat one N-thread process)

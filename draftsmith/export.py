@@ -1,31 +1,23 @@
 """`export`: turn a training checkpoint into a drafter folder that vLLM serves as is.
 
-The output, RUN/export/, is in the speculators format that vLLM's `eagle3` method reads
-(vllm/transformers_utils/configs/speculators/ and vllm/model_executor/models/llama_eagle3.py) for a
-Llama-attention drafter; an MLA drafter (train.drafter_attention) is the native EAGLE-3 folder vLLM
-serves as Eagle3DeepseekV3ForCausalLM (`native_mla_config`: vLLM's speculators loader knows no MLA layer):
+The output, RUN/export/, is in the format vLLM reads for the drafter's kind; the kind's package writes and reads
+it (kinds/<kind>/__init__.py): the speculators format (vllm/transformers_utils/configs/speculators/) for eagle3,
+peagle and the block kinds, the native EAGLE-3 folder (Eagle3DeepseekV3ForCausalLM) for an MLA drafter:
 
-    config.json        speculators config: `speculators_model_type: "eagle3"`,
-                       `transformer_layer_config` (a Llama of train.num_layers layers, one by
-                       default: shapes, eps, plain RoPE),
-                       `draft_vocab_size`, `norm_before_residual: false`, `target_hidden_size`,
-                       `eagle_aux_hidden_state_layer_ids`, `speculators_config` (proposal method
-                       and verifier = the target's Hub id or its name in the config, never this
-                       machine's path), plus a `draftsmith` block (target name as given, architecture,
-                       config.json sha256 and folder fingerprint, checkpoint, step)
-    model.safetensors  fc, layers.N.*, norm, lm_head, d2t, t2d (no embed_tokens: vLLM then
-                       shares the target's embeddings, which is what the drafter trained with)
+    config.json        the kind's config: `speculators_model_type`, `transformer_layer_config` (the drafter's
+                       layers: shapes, eps, plain RoPE), `draft_vocab_size`, the target layer ids it reads,
+                       `speculators_config` (proposal length and verifier = the target's Hub id or its name in
+                       the config, never this machine's path), plus a `draftsmith` block (the kind, the target
+                       name as given, architecture, config.json sha256 and folder fingerprint, checkpoint relative
+                       to the run, step, validation figures)
+    model.safetensors  the kind's tensors by vLLM's names, d2t, t2d (no embed_tokens: vLLM then shares the
+                       target's embeddings, which is what the drafter trained with)
+    README.md          the model card (card.py), provenance.json beside it
 
-    vllm serve TARGET --speculative-config '{"model": "RUN/export", "method": "eagle3", "num_speculative_tokens": 3}'
+    vllm serve TARGET --speculative-config "$(speculative_config(RUN/export, K))"
 
 The folder is built beside RUN/export/ and renamed into place, so RUN/export/ always holds a
 complete export or none. `load_exported(folder)` reads it back with every file and key checked.
-
-Gotchas that decide whether vLLM computes the same function as training:
-- vLLM's speculators loader defaults `norm_before_residual` to True for eagle3; draftsmith's
-  layer keeps the raw incoming state as the residual, so the config must say false.
-- vLLM builds RoPE from `transformer_layer_config.rope_parameters` (theta 10000 when absent):
-  we write the target's theta with `rope_type: default`, the RoPE the drafter trained with.
 """
 
 from __future__ import annotations
@@ -43,12 +35,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith import DraftsmithError, __version__
+from draftsmith import DraftsmithError, __version__, kinds
 from draftsmith.bounds import check_model_numbers
 from draftsmith.card import CARD, PROVENANCE, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
-from draftsmith.model.config import Eagle3Config
-from draftsmith.model.drafters import drafter_class, drafter_method
+from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook, one_process
@@ -61,51 +52,10 @@ WEIGHTS_FILE = "model.safetensors"
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
 
-def export_keys(config: "Eagle3Config | int" = 1) -> dict[str, str]:
-    """Model parameter name -> name in the exported safetensors, for a drafter config (an int: a Llama-attention
-    drafter of that many layers). One-to-one today (model/eagle3.py and model/mla.py name their parameters
-    after vLLM's), but spelled out so that a rename on either side is one edit here and so that the exported
-    key set is fixed: embed_tokens is left out on purpose (see module doc). Layers after the first have no
-    hidden_norm (vLLM builds one there but never uses it, and its eagle3 loader leaves it at ones)."""
-    if isinstance(config, int):
-        num_layers, attention, q_lora = config, "gqa", None
-    else:
-        num_layers, attention, q_lora = config.num_hidden_layers, config.attention, config.q_lora_rank
-        if config.block_size:
-            return _dflash_keys(num_layers)
-    if attention == "mla":
-        attn = (["q_a_proj", "q_a_layernorm", "q_b_proj"] if q_lora else ["q_proj"]) + [
-            "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
-    else:
-        attn = [f"{p}_proj" for p in "qkvo"]
-    keys = {"fc.weight": "fc.weight"}
-    for n in range(num_layers):
-        norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm") if n == 0 else (
-            "input_layernorm", "post_attention_layernorm")
-        keys.update({f"layers.{n}.self_attn.{p}.weight": f"layers.{n}.self_attn.{p}.weight" for p in attn})
-        keys.update({f"layers.{n}.mlp.{p}_proj.weight": f"layers.{n}.mlp.{p}_proj.weight"
-                     for p in ("gate", "up", "down")})
-        keys.update({f"layers.{n}.{m}.weight": f"layers.{n}.{m}.weight" for m in norms})
-    keys.update({"norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"})
-    if not isinstance(config, int):
-        if config.norm_before_fc:
-            keys["input_norm.weight"] = "input_norm.weight"
-        if config.fc_norm:
-            keys.update({f"fc_norm.{j}.weight": f"fc_norm.{j}.weight" for j in range(config.num_aux_layers)})
-        if config.mask_token_id is not None:
-            keys["mask_hidden"] = "mask_hidden"  # P-EAGLE: vLLM's parallel drafting requires it
-    return keys
-
-
-def _dflash_keys(num_layers: int) -> dict[str, str]:
-    """A DFlash drafter's tensors, by vLLM's qwen3_dflash names (the same as model/dflash.py's)."""
-    names = ["fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
-    for n in range(num_layers):
-        names += [f"layers.{n}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
-                                                                 "k_norm")]
-        names += [f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        names += [f"layers.{n}.{m}.weight" for m in ("input_layernorm", "post_attention_layernorm")]
-    return {k: k for k in names}
+def export_keys(config) -> dict[str, str]:
+    """Model parameter name -> name in the exported safetensors, for a DrafterConfig: its kind's
+    (kinds/<kind>/__init__.py: Kind.export_keys)."""
+    return kinds.get(config.kind).export_keys(config)
 
 
 # optional in an export (vLLM uses the target's embeddings when it is absent)
@@ -154,13 +104,14 @@ def find_checkpoint(run: RunDir, explicit: str | None = None) -> Path:
 
 
 def drafter_config_from_meta(meta: dict, where: str):
-    """Eagle3Config from a checkpoint's drafter.json: its Eagle3Config fields, at the top level
+    """DrafterConfig from a checkpoint's drafter.json: its DrafterConfig fields, at the top level
     or under "config"."""
     src = meta.get("config") if isinstance(meta.get("config"), dict) else meta
-    names = {f.name for f in fields(Eagle3Config)}
+    names = {f.name for f in fields(DrafterConfig)}
     kwargs = {k: v for k, v in src.items() if k in names}
+    kwargs["kind"] = kinds.of_meta(meta)  # the kind as written (a checkpoint from before kinds: read once there)
     try:
-        return Eagle3Config(**kwargs)
+        return DrafterConfig(**kwargs)
     except (TypeError, ValueError) as e:
         raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
 
@@ -188,7 +139,7 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
     Built on the meta device: no memory, always in step with model/eagle3.py."""
     with torch.device("meta"):
-        model = drafter_class(config)(config)
+        model = kinds.drafter_class(config)(config)
     out, names = {}, export_keys(config)
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
@@ -242,337 +193,27 @@ def check_vocab_maps(d2t, t2d, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# The speculators config
-
-
-def _layer_config(config, model_type: str, architecture: str) -> dict:
-    """The transformer_layer_config keys every kind shares: the drafter's shape, plain RoPE with the target's theta
-    as in training (never the target's scaling; rope_theta also beside rope_parameters, since qwen3_dflash reads
-    it there and defaults to 1e6 when absent), no biases, an untied head."""
-    return {
-        "model_type": model_type,
-        "architectures": [architecture],
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,
-        "vocab_size": config.vocab_size,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
-def speculators_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
-                       num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
-    """config.json for vLLM (speculators format: eagle3, peagle or dflash). `target_name`: the verifier's
-    name_or_path (target.verifier_name: a Hub id or the target as the config names it)."""
-    method = drafter_method(config)
-    if method == "dflash":
-        return _dflash_config(config, aux_layers, target_name=target_name, target_arch=target_arch, dtype=dtype,
-                              draftsmith=draftsmith)
-    # EAGLE-3.1's norms: vLLM's eagle3 reads them at the top level, its peagle only inside transformer_layer_config
-    norms = {"norm_before_fc": config.norm_before_fc, "fc_norm": config.fc_norm, "norm_output": config.norm_output}
-    layer = {
-        **_layer_config(config, "llama", "LlamaForCausalLM"),
-        "mlp_bias": False,
-        # vLLM's Llama EAGLE-3 sizes fc for this many aux states, 3 when absent: it does not count the ids below
-        "num_aux_hidden_states": len(aux_layers),
-        "dtype": dtype,
-        **(norms if method == "peagle" else {}),
-    }
-    return {
-        "architectures": ["PEagleSpeculator" if method == "peagle" else "Eagle3Speculator"],
-        "speculators_model_type": method,
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config.draft_vocab_size,
-        # vLLM's default for speculators eagle3 is True; model/eagle3.py's residual is the raw state
-        "norm_before_residual": False,
-        **norms,
-        **({"mask_token_id": config.mask_token_id} if method == "peagle" else {}),
-        "target_hidden_size": config.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(aux_layers),
-        "speculators_config": {
-            "algorithm": method,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{
-                "proposal_type": "greedy",
-                "speculative_tokens": num_speculative_tokens,
-                "verifier_accept_k": 1,
-                "accept_tolerance": 0.0,
-            }],
-            # vLLM reads name_or_path only for `vllm serve EXPORT_DIR` (it then serves that model
-            # with the drafter attached); `vllm serve TARGET --speculative-config ...` uses TARGET
-            "verifier": {"name_or_path": target_name, "architectures": [target_arch]},
-        },
-        "dtype": dtype,
-        "draftsmith": draftsmith,
-    }
-
-
-def _dflash_config(config, aux_layers: list[int], *, target_name: str, target_arch: str, dtype: str,
-                   draftsmith: dict) -> dict:
-    """config.json of a DFlash drafter (speculators_model_type dflash: vLLM's DFlashQwen3ForCausalLM).
-
-    Gotchas: vLLM reads the aux ids from `aux_hidden_state_layer_ids` (not EAGLE's key), in EAGLE's convention (id L:
-    the state after L layers; it derives z-lab's `target_layer_ids` = L - 1 itself, vllm#40727); its attention
-    inside the block is non-causal only with `sliding_window_non_causal` true (its default); it ignores
-    `block_size`, so the drafts served must be given as speculative_tokens = block_size - 1; and it does not raise
-    the drafter's max_position_embeddings to the target's, so the target's is written."""
-    layer = {**_layer_config(config, "qwen3", "Qwen3ForCausalLM"), "dtype": dtype}
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.hidden_size,
-        "aux_hidden_state_layer_ids": list(aux_layers),
-        "mask_token_id": config.mask_token_id,
-        "block_size": config.block_size,
-        "sliding_window_non_causal": True,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": target_name, "architectures": [target_arch]},
-        },
-        "dtype": dtype,
-        "draftsmith": draftsmith,
-    }
-
-
-def _dflash_config_from_export(cj: dict, where: str):
-    """(Eagle3Config, aux ids, speculative tokens, verifier) from a DFlash export's config.json."""
-    layer = cj.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-        if key not in layer:
-            raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
-    aux = cj.get("aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
-        raise DraftsmithError(f"{where}: 'aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
-    if cj.get("sliding_window_non_causal", True) is not True:
-        raise DraftsmithError(f"{where}: 'sliding_window_non_causal' must be true (draftsmith's DFlash attends both "
-                              "ways inside the block)")
-    for key in ("mask_token_id", "block_size"):
-        if not isinstance(cj.get(key), int) or isinstance(cj.get(key), bool):
-            raise DraftsmithError(f"{where}: '{key}' must be an int, got {cj.get(key)!r}")
-    sc = cj.get("speculators_config")
-    try:
-        spec = int(sc["proposal_methods"][0]["speculative_tokens"])
-        verifier = str(sc["verifier"]["name_or_path"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise DraftsmithError(f"{where}: 'speculators_config' needs proposal_methods[0].speculative_tokens "
-                              "and verifier.name_or_path") from None
-    if spec != cj["block_size"] - 1:
-        raise DraftsmithError(f"{where}: a DFlash drafter drafts block_size - 1 = {cj['block_size'] - 1} tokens, but "
-                              f"speculative_tokens is {spec}")
-    rope = layer.get("rope_parameters") or {}
-    try:
-        config = Eagle3Config(
-            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
-            head_dim=layer.get("head_dim"), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 1e6))),
-            max_position_embeddings=layer.get("max_position_embeddings", 8192), vocab_size=layer["vocab_size"],
-            draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"], num_aux_layers=len(aux),
-            hidden_act=layer.get("hidden_act", "silu"), num_hidden_layers=layer.get("num_hidden_layers", 1),
-            mask_token_id=cj["mask_token_id"], block_size=cj["block_size"])
-    except (TypeError, ValueError) as e:
-        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
-    return config, aux, spec, verifier
-
-
-# the architecture vLLM 0.32 serves an MLA EAGLE-3 drafter with (vllm/model_executor/models/deepseek_eagle3.py)
-MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
-
-
-def native_mla_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,
-                      num_speculative_tokens: int, dtype: str, draftsmith: dict) -> dict:
-    """config.json of an MLA drafter: the native EAGLE-3 folder vLLM reads as Eagle3DeepseekV3ForCausalLM.
-    Not the speculators format: vLLM 0.32's speculators eagle3 loader maps only llama and qwen3 layers.
-
-    Gotcha: `model_type` is deepseek_v2, not deepseek_v3. vLLM rewrites every deepseek_v3 draft config into
-    its MTP drafter (SpeculativeConfig.hf_config_override: "Eagle3DeepSeekMTPModel ... not supported"); its
-    DeepseekV2Config carries the same MLA fields, and the architecture decides the model class."""
-    return {
-        "architectures": [MLA_ARCHITECTURE],
-        "model_type": "deepseek_v2",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_attention_heads,
-        "q_lora_rank": config.q_lora_rank,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_nope_head_dim": config.qk_nope_head_dim,
-        "qk_rope_head_dim": config.qk_rope_head_dim,
-        "v_head_dim": config.v_head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.hidden_size,
-        "norm_before_residual": False,
-        "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
-        "dtype": dtype,
-        # no speculators_config here: the proposal length and the verifier are draftsmith's record
-        "draftsmith": {**draftsmith, "num_speculative_tokens": num_speculative_tokens, "verifier": target_name,
-                       "verifier_architecture": target_arch},
-    }
-
-
-def _mla_config_from_export(cj: dict, where: str):
-    """(Eagle3Config, aux ids, speculative tokens, verifier) from a native MLA export's config.json."""
-    if cj.get("model_type") != "deepseek_v2":
-        raise DraftsmithError(f"{where}: 'model_type' must be \"deepseek_v2\" for {MLA_ARCHITECTURE} (vLLM turns a "
-                              f"deepseek_v3 draft config into its MTP drafter), got {cj.get('model_type')!r}")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if key not in cj:
-            raise DraftsmithError(f"{where}: missing '{key}'")
-    if cj.get("norm_before_residual", False):
-        raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps the raw "
-                              "hidden state as the residual)")
-    rope = cj.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise DraftsmithError(f"{where}: 'rope_parameters.rope_type' must be \"default\", "
-                              f"got {rope.get('rope_type')!r}")
-    aux = (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
-        raise DraftsmithError(f"{where}: 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of layer "
-                              f"ids, got {aux!r}")
-    record = cj.get("draftsmith") or {}
-    try:
-        config = Eagle3Config(
-            attention="mla", hidden_size=cj["hidden_size"], intermediate_size=cj["intermediate_size"],
-            num_attention_heads=cj["num_attention_heads"], num_key_value_heads=cj["num_attention_heads"],
-            head_dim=cj["qk_nope_head_dim"] + cj["qk_rope_head_dim"], q_lora_rank=cj.get("q_lora_rank"),
-            kv_lora_rank=cj["kv_lora_rank"], qk_nope_head_dim=cj["qk_nope_head_dim"],
-            qk_rope_head_dim=cj["qk_rope_head_dim"], v_head_dim=cj["v_head_dim"],
-            rms_norm_eps=float(cj.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta",
-                                                                                      cj.get("rope_theta", 10000.0))),
-            max_position_embeddings=cj.get("max_position_embeddings", 8192), vocab_size=cj["vocab_size"],
-            draft_vocab_size=cj.get("draft_vocab_size") or cj["vocab_size"], num_aux_layers=len(aux),
-            hidden_act=cj.get("hidden_act", "silu"), num_hidden_layers=cj.get("num_hidden_layers", 1))
-    except (TypeError, ValueError) as e:
-        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
-    return config, aux, int(record.get("num_speculative_tokens") or 3), str(record.get("verifier") or "")
+# The config.json vLLM reads: each kind's format (kinds/<kind>/__init__.py)
 
 
 def _config_from_export(config_json: dict, where: str):
-    """(Eagle3Config, aux ids, speculative tokens, verifier) from an exported config.json, checking what
+    """(DrafterConfig, aux ids, speculative tokens, verifier) from an exported config.json, checking what
     vLLM and draftsmith need."""
     # every size within what a model has, whatever the kind (bounds.py): an edited config.json is refused here
     check_model_numbers(config_json, where, drafter=True)
     if isinstance(config_json.get("transformer_layer_config"), dict):
         check_model_numbers(config_json["transformer_layer_config"], f"{where}: transformer_layer_config", drafter=True)
-    if config_json.get("architectures") == [MLA_ARCHITECTURE]:
-        return _mla_config_from_export(config_json, where)
-    if config_json.get("speculators_model_type") == "dflash":
-        return _dflash_config_from_export(config_json, where)
-    method = config_json.get("speculators_model_type")
-    if method not in ("eagle3", "peagle"):
-        raise DraftsmithError(f"{where}: 'speculators_model_type' must be \"eagle3\" or \"peagle\", got {method!r}")
-    layer = config_json.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise DraftsmithError(f"{where}: missing 'transformer_layer_config'")
-    sc = config_json.get("speculators_config")
-    try:
-        int(sc["proposal_methods"][0]["speculative_tokens"])
-        str(sc["verifier"]["name_or_path"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise DraftsmithError(f"{where}: 'speculators_config' needs proposal_methods[0].speculative_tokens "
-                              "and verifier.name_or_path") from None
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-        if key not in layer:
-            raise DraftsmithError(f"{where}: missing 'transformer_layer_config.{key}'")
-    num_layers = layer.get("num_hidden_layers", 1)
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise DraftsmithError(f"{where}: 'transformer_layer_config.num_hidden_layers' must be an int >= 1, "
-                              f"got {num_layers!r}")
-    if config_json.get("norm_before_residual", True):
-        raise DraftsmithError(f"{where}: 'norm_before_residual' must be false (draftsmith's drafter keeps "
-                              "the raw hidden state as the residual; vLLM's default is true)")
-    norms = {}
-    for key in ("norm_before_fc", "fc_norm", "norm_output"):
-        # where vLLM reads them: the top level for eagle3, transformer_layer_config for peagle (norm_before_fc: both)
-        value = layer.get(key) if method == "peagle" and key != "norm_before_fc" else config_json.get(key)
-        if not isinstance(value, (bool, type(None))):
-            raise DraftsmithError(f"{where}: '{key}' must be true or false, got {value!r}")
-        norms[key] = bool(value)
-    mask_token_id = None
-    if method == "peagle":
-        mask_token_id = config_json.get("mask_token_id")
-        if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
-            raise DraftsmithError(f"{where}: 'mask_token_id' must be a token id for peagle, got {mask_token_id!r}")
-    rope = layer.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise DraftsmithError(f"{where}: 'transformer_layer_config.rope_parameters.rope_type' must be "
-                              f"\"default\" (draftsmith trains with plain RoPE), got {rope.get('rope_type')!r}")
-    theta = rope.get("rope_theta", layer.get("rope_theta"))
-    if theta is None:
-        raise DraftsmithError(f"{where}: missing 'transformer_layer_config.rope_parameters.rope_theta'")
-    if layer.get("rope_theta") is not None and float(layer["rope_theta"]) != float(theta):
-        raise DraftsmithError(f"{where}: 'rope_theta' ({layer['rope_theta']}) disagrees with rope_parameters ({theta})")
-    aux = config_json.get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(x, int) for x in aux)):
-        raise DraftsmithError(f"{where}: 'eagle_aux_hidden_state_layer_ids' must be a list of layer ids, got {aux!r}")
-    if config_json.get("target_hidden_size") not in (None, layer["hidden_size"]):
-        raise DraftsmithError(f"{where}: 'target_hidden_size' ({config_json['target_hidden_size']}) differs from the "
-                              f"drafter's hidden_size ({layer['hidden_size']}); not supported")
-    try:
-        config = Eagle3Config(
-            hidden_size=layer["hidden_size"],
-            intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
-            head_dim=layer.get("head_dim"),
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta),
-            max_position_embeddings=layer.get("max_position_embeddings", 8192),
-            vocab_size=layer["vocab_size"],
-            draft_vocab_size=config_json.get("draft_vocab_size") or layer["vocab_size"],
-            num_aux_layers=len(aux),
-            hidden_act=layer.get("hidden_act", "silu"),
-            num_hidden_layers=num_layers,
-            mask_token_id=mask_token_id,
-            **norms,
-        )
-    except (TypeError, ValueError) as e:
-        raise DraftsmithError(f"{where}: invalid drafter config ({e})") from None
-    return (config, aux, int(sc["proposal_methods"][0]["speculative_tokens"]),
-            str(sc["verifier"]["name_or_path"]))
+    return kinds.of_export(config_json, where).read_config(config_json, where)
 
 
 def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int) -> dict:
-    """The --speculative-config that serves the export in `folder` beside its target: method eagle3 for EAGLE-3,
-    with parallel_drafting for a P-EAGLE export (vLLM 0.32 knows no method "peagle"; only its speculators loader,
-    used when the export folder itself is served, maps the type), method dflash for DFlash."""
+    """The --speculative-config that serves the export in `folder` beside its target (its kind's: eagle3's
+    method; P-EAGLE's with parallel_drafting, since vLLM 0.32 knows no method "peagle"; a block kind's with
+    exactly block_size - 1 drafts)."""
+    where = str(Path(folder) / CONFIG_FILE)
     cj = read_json_object(Path(folder) / CONFIG_FILE)
-    kind = cj.get("speculators_model_type")
-    spec = {"model": str(folder), "method": "dflash" if kind == "dflash" else "eagle3",
-            "num_speculative_tokens": int(num_speculative_tokens)}
-    if kind == "peagle":
-        spec["parallel_drafting"] = True
-    if kind == "dflash" and num_speculative_tokens != cj.get("block_size", 0) - 1:
-        raise DraftsmithError(f"{folder}: a DFlash drafter is served with block_size - 1 = "
-                              f"{cj.get('block_size', 0) - 1} drafts (it was trained on whole blocks), not "
-                              f"{num_speculative_tokens}")
-    return spec
+    config, *_ = _config_from_export(cj, where)
+    return kinds.get(config.kind).speculative_config(str(folder), config, int(num_speculative_tokens))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -610,7 +251,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     sd = load_file(str(wpath))
     check_vocab_maps(sd["d2t"], sd["t2d"], str(wpath))
 
-    model = drafter_class(config)(config)
+    model = kinds.drafter_class(config)(config)
     has_embed = "embed_tokens.weight" in sd
     if not has_embed:
         if embed_weight is not None:
@@ -644,11 +285,6 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
 # The stage
 
 
-def _served_tokens(meta: dict) -> int:
-    """The drafts per step a checkpoint was trained for (its TTT steps; a DFlash block's slots)."""
-    return int(meta.get("ttt_steps") or 3)
-
-
 def _relative(path: Path, root: Path) -> str:
     """`path` relative to `root` when inside it, else its last two parts: what an export may record of a
     local path (never the absolute one: the folder is published)."""
@@ -679,6 +315,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     meta = read_json_object(meta_path)
     state = read_json_object(ckpt / CKPT_STATE)
     config = drafter_config_from_meta(meta, str(meta_path))
+    kind = kinds.get(config.kind)
     aux = _meta_aux_layers(meta, str(meta_path))
     if len(aux) != config.num_aux_layers:
         raise DraftsmithError(f"{meta_path}: {len(aux)} aux_layers but the drafter's fc fuses {config.num_aux_layers}")
@@ -706,7 +343,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
     if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
-        if why := write_card(run, dest, speculative_config(dest, _served_tokens(meta)), cfg.export.repo_id):
+        if why := write_card(run, dest, speculative_config(dest, kinds.served_tokens(meta)), cfg.export.repo_id):
             log(f"warning: {why}", stage=STAGE)  # (export.repo_id may have changed: the card is rewritten here)
         log(f"up to date (step {old['counts'].get('step')}); nothing to do", stage=STAGE)
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
@@ -732,26 +369,24 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                 raise DraftsmithError(f"{weights_path}: tensor '{FC_INPUT_SCALE}' has shape {list(s.shape)}, "
                                       f"expected [{sd['fc.weight'].shape[1]}]")
             sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
-            if "mask_hidden" in sd:  # P-EAGLE: training fed it to fc unscaled, so fc(m) = (W diag(s)) (m / s)
-                sd["mask_hidden"] = sd["mask_hidden"].float() / s
+            kind.fold_fc_scale(sd, s)
         tensors = {}
         for name, export_name in export_keys(config).items():
             t = sd[name]
             tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
-        write_config = native_mla_config if config.attention == "mla" else speculators_config
         published = verifier_name(cfg.target, info, cfg.target_id)
-        config_json = write_config(
+        config_json = kind.write_config(
             config, aux, target_name=published, target_arch=info.architecture,
-            num_speculative_tokens=int(meta.get("ttt_steps") or 3), dtype=dtype_name,
+            num_speculative_tokens=kinds.served_tokens(meta), dtype=dtype_name,
             # what identifies the target wherever the drafter is deployed: the name it is published as, its
             # architecture, the hash of its config.json, and the folder print training checked; what training
             # left (the kind, the steps it drafts, its validation figures: eval holds them against serving);
             # no path of this machine (the checkpoint relative to the run)
-            draftsmith={"version": __version__, "kind": meta.get("method") or "eagle3", "target": info.name,
+            draftsmith={"version": __version__, "kind": kind.name, "target": info.name,
                         "target_id": published, "target_architecture": info.architecture,
                         "target_config_sha256": config_sha256(info), "target_fingerprint": info.fingerprint,
                         "checkpoint": _relative(ckpt, run.path), "step": state.get("step"),
-                        "ttt_steps": meta.get("ttt_steps"), "aux_layers_trained": aux,
+                        "ttt_steps": kinds.served_tokens(meta), "aux_layers_trained": aux,
                         "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
                         "exported": time.time()},
         )
@@ -765,7 +400,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                     os.fsync(f.fileno())
             # read back through the same checks a user's load goes through
             load_exported(built, target_info=info)
-            if why := write_card(run, built, speculative_config(built, _served_tokens(meta)), cfg.export.repo_id,
+            if why := write_card(run, built, speculative_config(built, kinds.served_tokens(meta)), cfg.export.repo_id,
                                  reports=False):
                 prog.log(f"warning: {why}")
         except BaseException:

@@ -182,15 +182,15 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
                              **options) -> Path:
     """A training checkpoint folder as `train` writes it (model.safetensors without embed_tokens,
     drafter.json, state.json last), holding a randomly initialised drafter for `target`
-    (initialised from the target's embeddings, lm_head rows and final norm); `options`: Eagle3Config's
-    non-size fields (EAGLE-3.1's norms; mask_token_id makes it a P-EAGLE drafter)."""
+    (initialised from the target's embeddings, lm_head rows and final norm); `options`: DrafterConfig's
+    non-size fields (kind, EAGLE-3.1's norms, mask_token_id, block_size, the kind's options)."""
     import dataclasses
     import json
 
     import torch
     from safetensors.torch import save_file
-    from draftsmith.model.config import Eagle3Config
-    from draftsmith.model.drafters import drafter_class
+    from draftsmith.model.config import DrafterConfig
+    from draftsmith.kinds import drafter_class
     from draftsmith.model.init import init_from_target
     from draftsmith.target import load_target, target_info
 
@@ -201,7 +201,7 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
                      log=lambda *a: None).model
     V = info.vocab_size
     dv = draft_vocab_size or V
-    config = Eagle3Config.from_target_config(hf.config, dv, num_hidden_layers=num_layers, **options)
+    config = DrafterConfig.from_target_config(hf.config, dv, num_hidden_layers=num_layers, **options)
     torch.manual_seed(seed)
     drafter = drafter_class(config)(config)
     with torch.no_grad():
@@ -220,7 +220,7 @@ def write_drafter_checkpoint(folder: Path, target: str, *, aux_layers: list[int]
     save_file(sd, str(folder / "model.safetensors"))
     meta = {"format": "draftsmith-drafter", "config": dataclasses.asdict(config), "aux_layers": list(aux_layers),
             "target": {"name": info.name, "fingerprint": info.fingerprint}, "draft_vocab_size": dv,
-            "ttt_steps": ttt_steps, "method": "peagle" if config.mask_token_id is not None else "eagle3"}
+            "ttt_steps": ttt_steps, "method": config.kind}
     (folder / "drafter.json").write_text(json.dumps(meta))
     (folder / "state.json").write_text(json.dumps({"step": step}))
     return folder

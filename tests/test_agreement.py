@@ -82,13 +82,15 @@ def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys, m
     import torch
 
     from draftsmith import export as export_module
+    from draftsmith import kinds
 
     run, config, *_ = piped
     bad = copy_run(run, tmp_path / "bad")
     shutil.rmtree(bad.path / "export")
     if broken == "aux layer":
-        write = export_module.speculators_config
-        monkeypatch.setattr(export_module, "speculators_config",
+        kind = kinds.get("eagle3")
+        write = kind.write_config
+        monkeypatch.setattr(kind, "write_config",
                             lambda *a, **k: {**write(*a, **k), "eagle_aux_hidden_state_layer_ids": [1, 4, 5]})
         expect = "aux layers: the export says [1, 4, 5], training used [2, 4, 5]"
     else:  # another build's vocabulary map: the draft ids shifted by one

@@ -152,7 +152,7 @@ def test_drafter_size_follows_train_num_layers():
     import torch
     from transformers import AutoConfig
 
-    from draftsmith.model.config import Eagle3Config
+    from draftsmith.model.config import DrafterConfig
     from draftsmith.model.eagle3 import Eagle3Drafter
     from draftsmith.target import resolve_target
 
@@ -165,7 +165,7 @@ def test_drafter_size_follows_train_num_layers():
         cfg.train.num_layers = n
         got[n] = estimate(cfg, shape, HARDWARE["cpu"], 1, prompt_tokens=100, answer_tokens=218)
         with torch.device("meta"):
-            model = Eagle3Drafter(Eagle3Config.from_target_config(hf, cfg.vocab.draft_vocab_size, num_hidden_layers=n))
+            model = Eagle3Drafter(DrafterConfig.from_target_config(hf, cfg.vocab.draft_vocab_size, num_hidden_layers=n))
         real = sum(p.numel() for name_, p in model.named_parameters() if p.requires_grad and "norm" not in name_)
         assert got[n]["drafter_params"] == real
     assert got[2]["tokens_per_s"]["train"] < 0.8 * got[1]["tokens_per_s"]["train"]
@@ -176,10 +176,10 @@ def test_a_fake_training_step_counts_the_bytes_a_real_one_allocates(memory_bench
     """The memory bench's fake-tensor step (float tensors without data, integer ones real) counts,
     byte for byte, what the same step on real tensors allocates: in bf16 autocast and float32, with
     the whole-batch loss and the chunked one (tiny shapes, SDPA: the CPU has no flex backward)."""
-    from draftsmith.model.config import Eagle3Config
+    from draftsmith.model.config import DrafterConfig
 
     tc = load_config(None, ["train.ttt_steps=2"]).train
-    dcfg = Eagle3Config(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+    dcfg = DrafterConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
                         vocab_size=3000, draft_vocab_size=1000)
     for variant in ("before", {"attention": "sdpa", "chunk_tokens": 100}):
         for precision in ("bf16", "fp32"):
@@ -328,7 +328,16 @@ def test_dflash_and_muon_estimates_say_they_are_upper_bounds():
     cfg.train.norm_before_fc = cfg.train.norm_output = False
     e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
     text = render(e)
-    queries = cfg.train.dflash_anchors * (cfg.train.ttt_steps + 1)
-    assert f"block queries against TTT's seq_len x ttt_steps = {cfg.train.seq_len * cfg.train.ttt_steps:,}" in text
-    assert f"(ttt_steps + 1) = {queries:,}" in text and queries < cfg.train.seq_len * cfg.train.ttt_steps
+    queries = cfg.train.dflash_anchors * (cfg.train.ttt_steps + 1)  # block_size unset: ttt_steps + 1
+    assert f"block queries against TTT's seq_len x steps = {cfg.train.seq_len * cfg.train.ttt_steps:,}" in text
+    assert f"x block_size = {queries:,}" in text and queries < cfg.train.seq_len * cfg.train.ttt_steps
     assert "train.optimizer=muon" in text
+    # the block is its own knob; DSpark sizes its Markov head beside DFlash's drafter
+    cfg.train.block_size = 7
+    assert f"x block_size = {cfg.train.dflash_anchors * 7:,}" in render(estimate(cfg, shape, HARDWARE["h200"], 8, 300,
+                                                                                  1800))
+    dflash = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    cfg.train.method, cfg.train.drafter_options = "dspark", {"markov_rank": 128}
+    dspark = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    markov = (shape.vocab_size + cfg.vocab.draft_vocab_size) * 128
+    assert dspark["drafter_params"] - dflash["drafter_params"] == markov

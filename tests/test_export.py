@@ -15,6 +15,7 @@ from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.export import export_keys, find_checkpoint, load_exported, run_export, speculative_config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
 from draftsmith.vllm_server import vllm_python
@@ -33,17 +34,14 @@ VLLM_KEYS = {
     "layers.0.post_attention_layernorm.weight",
 }
 
-
 def cfg_for(target, *sets):
     return load_config(None, [f"target={target}", *sets])
-
 
 @pytest.fixture
 def trained_run(tmp_path, tiny_target):
     run = RunDir(tmp_path / "run").ensure()
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV)
     return run
-
 
 def test_export_writes_speculators_format(trained_run, tiny_target):
     run = trained_run
@@ -84,7 +82,8 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
         keys = set(f.keys())
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
         dtypes = {k: f.get_slice(k).get_dtype() for k in keys}
-    assert keys == VLLM_KEYS == set(export_keys(1).values())  # no embed_tokens: vLLM shares the target's
+    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert keys == VLLM_KEYS == set(export_keys(config).values())  # no embed_tokens: vLLM shares the target's
     assert shapes["fc.weight"] == (64, 3 * 64)
     assert shapes["layers.0.self_attn.q_proj.weight"] == (64, 128)
     assert shapes["layers.0.self_attn.k_proj.weight"] == (32, 128)
@@ -101,7 +100,6 @@ def test_export_writes_speculators_format(trained_run, tiny_target):
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
     assert (out / "manifest.json").is_file() and (out / "config.yaml").is_file()
     assert not [p for p in run.path.iterdir() if p.name.startswith(".export")], "temporary folder left behind"
-
 
 def test_round_trip_equals_checkpoint(trained_run, tiny_target):
     run = trained_run
@@ -124,7 +122,6 @@ def test_round_trip_equals_checkpoint(trained_run, tiny_target):
         want = t if name in ("d2t", "t2d") else t.to(torch.bfloat16).float()
         assert torch.equal(model.state_dict()[name], want), name
 
-
 def test_two_layer_drafter_exports_and_reads_back(tmp_path, tiny_target):
     run = RunDir(tmp_path / "run").ensure()
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV,
@@ -144,7 +141,6 @@ def test_two_layer_drafter_exports_and_reads_back(tmp_path, tiny_target):
     assert info["config"].num_hidden_layers == 2 and len(model.layers) == 2
     for name, t in ckpt.items():
         assert torch.equal(model.state_dict()[name], t), name
-
 
 def test_checkpoint_choice(tmp_path, tiny_target):
     run = RunDir(tmp_path / "run").ensure()
@@ -167,7 +163,6 @@ def test_checkpoint_choice(tmp_path, tiny_target):
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV, step=100)
     assert find_checkpoint(run) == (run.path / "train" / "final").resolve()
 
-
 def test_reexport_replaces_folder_and_keeps_bookkeeping(trained_run, tiny_target):
     run = trained_run
     run_export(run, cfg_for(tiny_target))
@@ -184,7 +179,6 @@ def test_reexport_replaces_folder_and_keeps_bookkeeping(trained_run, tiny_target
     assert json.loads((out / "manifest.json").read_text())["fingerprint"] == m2["fingerprint"]
     assert not [p for p in run.path.iterdir() if p.name.startswith(".export")]
 
-
 def test_failed_export_leaves_previous_export(trained_run, tiny_target):
     run = trained_run
     run_export(run, cfg_for(tiny_target))
@@ -197,7 +191,6 @@ def test_failed_export_leaves_previous_export(trained_run, tiny_target):
         run_export(run, cfg_for(tiny_target))
     assert (run.path / "export" / "model.safetensors").read_bytes() == before
     assert not [p for p in run.path.iterdir() if p.name.startswith(".export")]
-
 
 def test_export_refuses_other_target_and_bad_aux(tmp_path, tiny_target):
     from conftest import build_tiny_target
@@ -215,15 +208,12 @@ def test_export_refuses_other_target_and_bad_aux(tmp_path, tiny_target):
     with pytest.raises(DraftsmithError, match=rf"drafter\.json: aux_layers.*layer id {n} is out of range"):
         run_export(run, cfg_for(tiny_target))
 
-
 # --- load_exported on broken folders ------------------------------------------------------------
-
 
 @pytest.fixture
 def exported(trained_run, tiny_target, tmp_path):
     run_export(trained_run, cfg_for(tiny_target))
     return trained_run.path / "export"
-
 
 def _edit_config(folder: Path, fn) -> None:
     p = folder / "config.json"
@@ -231,13 +221,11 @@ def _edit_config(folder: Path, fn) -> None:
     fn(cj)
     p.write_text(json.dumps(cj))
 
-
 def _edit_weights(folder: Path, fn) -> None:
     p = folder / "model.safetensors"
     sd = load_file(str(p))
     fn(sd)
     save_file(sd, str(p))
-
 
 @pytest.mark.parametrize("break_it, message", [
     (lambda d: (d / "config.json").unlink(), r"config\.json: missing"),
@@ -261,7 +249,7 @@ def _edit_weights(folder: Path, fn) -> None:
     (lambda d: _edit_config(d, lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 3])),
      r"tensor 'fc\.weight' has shape \[64, 192\], expected \[64, 128\]"),
     (lambda d: _edit_config(d, lambda c: c.__setitem__("speculators_model_type", "eagle")),
-     r"config\.json: 'speculators_model_type' must be \"eagle3\""),
+     r"config\.json: 'speculators_model_type' must be one of eagle3, peagle, dflash"),
     (lambda d: _edit_config(d, lambda c: c.pop("norm_before_residual")),
      r"config\.json: 'norm_before_residual' must be false"),
     (lambda d: _edit_config(d, lambda c: c["transformer_layer_config"].__setitem__(
@@ -282,7 +270,6 @@ def test_load_exported_rejects_broken_folders(exported, break_it, message):
         load_exported(exported)
     assert "\n" not in str(e.value)
 
-
 def test_load_exported_checks_against_target(exported, tiny_target, tmp_path):
     from conftest import build_tiny_target
 
@@ -298,7 +285,6 @@ def test_load_exported_checks_against_target(exported, tiny_target, tmp_path):
         with pytest.raises(DraftsmithError, match="vocab_size"):
             load_exported(exported, target_info=bigger)
 
-
 def test_cli_export(trained_run, tiny_target, cli):
     p = cli("export", "--help")
     assert p.returncode == 0 and "Examples" in p.stdout and "--checkpoint" in p.stdout
@@ -307,7 +293,6 @@ def test_cli_export(trained_run, tiny_target, cli):
     assert (trained_run.path / "export" / "model.safetensors").is_file()
     p = cli("export", "--run", str(trained_run.path), "--set", f"target={tiny_target}", "--checkpoint", "/nonexistent")
     assert p.returncode == 2 and "no such checkpoint" in p.stderr and "Traceback" not in p.stderr
-
 
 def _vllm_parses(folder: Path, fields: dict[str, str]) -> dict:
     """What vLLM's own speculators parser makes of the export in `folder`, run in vLLM's venv: "spec", the draft
@@ -327,7 +312,6 @@ def _vllm_parses(folder: Path, fields: dict[str, str]) -> dict:
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
-
 @pytest.mark.vllm
 def test_vllm_reads_exported_config(exported):
     """vLLM's own speculators parser turns the export into the eagle3 draft config we mean."""
@@ -342,7 +326,6 @@ def test_vllm_reads_exported_config(exported):
     assert got["aux"] == AUX and got["dv"] == DV and got["layers"] == 1
     assert got["hidden"] == got["target_hidden"] == 64
 
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("kind", ["peagle", "eagle3.1", "dflash"])
 def test_vllm_reads_each_kinds_export(tmp_path, tiny_target, kind):
@@ -350,7 +333,8 @@ def test_vllm_reads_each_kinds_export(tmp_path, tiny_target, kind):
     EAGLE-3.1 export with its norms on, and a DFlash export as its non-causal block drafter with the target layers it
     was trained on, each where vLLM looks for them; and the serving config export hands out matches what the
     parser derives."""
-    options = {"peagle": {"mask_token_id": 5, "fc_norm": True}, "dflash": {"mask_token_id": 5, "block_size": 4},
+    options = {"peagle": {"kind": "peagle", "mask_token_id": 5, "fc_norm": True},
+               "dflash": {"kind": "dflash", "mask_token_id": 5, "block_size": 4},
                "eagle3.1": {"norm_before_fc": True, "norm_output": True}}[kind]
     run = RunDir(tmp_path / "run").ensure()
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV,
@@ -390,7 +374,6 @@ def test_vllm_reads_each_kinds_export(tmp_path, tiny_target, kind):
         "input_norm.weight"}
     assert keys == VLLM_KEYS | extra
 
-
 def test_flat_drafter_json_is_read_too(trained_run, tiny_target):
     """drafter.json with the config fields at the top level and target_fingerprint beside them."""
     meta_path = trained_run.path / "train" / "final" / "drafter.json"
@@ -405,7 +388,6 @@ def test_flat_drafter_json_is_read_too(trained_run, tiny_target):
     run_export(trained_run, cfg_for(tiny_target))
     _, info = load_exported(trained_run.path / "export")
     assert info["num_speculative_tokens"] == 2 and info["config"].draft_vocab_size == DV
-
 
 @pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
 def test_export_is_readable_as_umask_says(trained_run, tiny_target, umask, folder_mode, file_mode):

@@ -15,7 +15,7 @@ from families import FAMILIES, make_tiny
 
 from draftsmith.config import load_config
 from draftsmith.export import load_exported
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.pipeline import run_pipeline
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["Write a short poem about the sea.", "Count from one to ten.", "def add(a, b): what does it return?"]
 DRAFT_VOCAB = 64
 
-# What each tiny family's drafter must look like (the rule of Eagle3Config.from_target_config):
+# What each tiny family's drafter must look like (the rule of DrafterConfig.from_target_config):
 # (heads, kv heads, head_dim, intermediate_size, rope_theta)
 EXPECTED_SHAPE = {
     "llama": (4, 2, 32, 256, 500000.0),          # Llama-3 rope scaling dropped, its theta kept
@@ -205,7 +205,7 @@ def test_mla_drafter_shape_for_kimi_k2():
     from types import SimpleNamespace
 
     c = json.loads((Path(__file__).resolve().parents[1] / "configs" / "targets" / "kimi-k2-instruct.json").read_text())
-    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c, head_dim=c["qk_rope_head_dim"]), 32000, attention="gqa")
+    cfg = DrafterConfig.from_target_config(SimpleNamespace(**c, head_dim=c["qk_rope_head_dim"]), 32000, attention="gqa")
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (7168, 56, 8, 128)
     assert cfg.num_attention_heads * cfg.head_dim == 7168
     assert cfg.intermediate_size == 18432
@@ -232,7 +232,7 @@ REAL_SHAPES = {
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
 def test_drafter_shape_rule_on_real_configs(name):
-    """The documented rule (Eagle3Config.from_target_config) on real targets' numbers, and estimate's
+    """The documented rule (DrafterConfig.from_target_config) on real targets' numbers, and estimate's
     widths from the plain dict (estimate.drafter_widths, the same rules through an attribute view) agree."""
     from types import SimpleNamespace
 
@@ -240,13 +240,13 @@ def test_drafter_shape_rule_on_real_configs(name):
 
     fields, (heads, kv, head_dim, inter) = REAL_SHAPES[name]
     c = {**fields, "vocab_size": 32000, "num_hidden_layers": 32}
-    cfg = Eagle3Config.from_target_config(SimpleNamespace(**c), 1000, attention="gqa")
+    cfg = DrafterConfig.from_target_config(SimpleNamespace(**c), 1000, attention="gqa")
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (heads, kv, inter)
     assert cfg.head_dim == (head_dim or 4096 // 32)
     assert drafter_widths(c) == (heads * cfg.head_dim, kv * cfg.head_dim, inter)
 
 
-def _drafter_trainable(cfg: Eagle3Config) -> int:
+def _drafter_trainable(cfg: DrafterConfig) -> int:
     import torch
 
     from draftsmith.model.eagle3 import Eagle3Drafter
@@ -260,7 +260,7 @@ def _drafter_trainable(cfg: Eagle3Config) -> int:
 def test_estimate_from_the_family_config_alone(family, family_target):
     """`estimate` from config.json alone (no weights read) for each family: every stage gets a time,
     and its drafter is model/eagle3.py's (the same widths and trainable parameters as
-    Eagle3Config.from_target_config)."""
+    DrafterConfig.from_target_config)."""
     from transformers import AutoConfig
 
     from draftsmith.estimate import _drafter_params, estimate_config, render, target_shape
@@ -272,7 +272,7 @@ def test_estimate_from_the_family_config_alone(family, family_target):
     shape = target_shape(folder / "config.json")
     assert (shape.num_layers, shape.hidden_size) == (8, 128)
     hf = AutoConfig.from_pretrained(folder)
-    dcfg = Eagle3Config.from_target_config(hf.get_text_config(), DRAFT_VOCAB)
+    dcfg = DrafterConfig.from_target_config(hf.get_text_config(), DRAFT_VOCAB)
     # estimate's widths, from the plain config.json, are those of the drafter from transformers' config
     assert (shape.q_dim, shape.kv_dim, shape.intermediate_size) == (
         dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim, dcfg.intermediate_size)
@@ -294,7 +294,7 @@ def test_estimate_for_the_shipped_target_configs(name):
     assert all(s["seconds"] > 0 for s in e["stages"].values())
     c = json.loads(path.read_text())
     c = c.get("text_config") or c  # Kimi-K2.5: the wrapper's language model
-    dcfg = Eagle3Config.from_target_config(SimpleNamespace(**c), 32000)
+    dcfg = DrafterConfig.from_target_config(SimpleNamespace(**c), 32000)
     assert _drafter_params(shape, 32000)[0] == _drafter_trainable(dcfg)
 
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from torch.nn.attention.flex_attention import create_mask
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
-from draftsmith.model.drafters import drafter_class
+from draftsmith.kinds import drafter_class
 from draftsmith.model.eagle3 import DrafterCache, Eagle3Drafter, RMSNorm, rope_cos_sin
 from draftsmith.model.init import init_from_target, init_layer_from_target
 from draftsmith.model.mla import MLAAttention
@@ -18,11 +18,11 @@ from draftsmith.model.ttt import FLEX_BLOCK, FlexTTTMask
 H, HEADS, KV_HEADS, V, DV = 32, 4, 2, 100, 40
 
 
-def make_config(**overrides) -> Eagle3Config:
+def make_config(**overrides) -> DrafterConfig:
     kwargs = dict(hidden_size=H, intermediate_size=64, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, vocab_size=V, draft_vocab_size=DV)
     kwargs.update(overrides)
-    return Eagle3Config(**kwargs)
+    return DrafterConfig(**kwargs)
 
 
 # a small MLA layer (q LoRA, latent, nope + rope heads of unequal value width), as model/mla.py builds it
@@ -379,7 +379,7 @@ def test_from_target_config_reads_llama_config():
     target = LlamaConfig(hidden_size=H, intermediate_size=96, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, vocab_size=V, rope_theta=500000.0,
                          rms_norm_eps=1e-6, max_position_embeddings=4096)
-    cfg = Eagle3Config.from_target_config(target, draft_vocab_size=DV)
+    cfg = DrafterConfig.from_target_config(target, draft_vocab_size=DV)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim) == (H, 96, HEADS, KV_HEADS, H // HEADS)
     assert (cfg.vocab_size, cfg.draft_vocab_size) == (V, DV)
@@ -389,16 +389,16 @@ def test_from_target_config_reads_llama_config():
     # transformers 4 style: rope_theta as a plain attribute, no kv heads given
     old = types.SimpleNamespace(hidden_size=H, intermediate_size=96, num_attention_heads=HEADS,
                                 vocab_size=V, rope_theta=1234.0, rms_norm_eps=1e-5)
-    cfg = Eagle3Config.from_target_config(old, draft_vocab_size=DV)
+    cfg = DrafterConfig.from_target_config(old, draft_vocab_size=DV)
     assert cfg.rope_theta == 1234.0 and cfg.num_key_value_heads == HEADS
 
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        Eagle3Config.from_target_config(target, draft_vocab_size=V + 1)
+        DrafterConfig.from_target_config(target, draft_vocab_size=V + 1)
 
 
 # --- initialising from a target layer ---------------------------------------
 
-def _llama_layer_tensors(cfg: Eagle3Config, seed: int = 3) -> dict[str, torch.Tensor]:
+def _llama_layer_tensors(cfg: DrafterConfig, seed: int = 3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     hd, I = cfg.head_dim, cfg.intermediate_size
     shapes = {"self_attn.q_proj.weight": (HEADS * hd, H), "self_attn.k_proj.weight": (KV_HEADS * hd, H),
@@ -501,15 +501,15 @@ def test_from_target_config_picks_mla_for_mla_targets():
     ds = tf.DeepseekV3Config(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
                              intermediate_size=18432, moe_intermediate_size=2048)
-    c = Eagle3Config.from_target_config(ds, draft_vocab_size=32000)
+    c = DrafterConfig.from_target_config(ds, draft_vocab_size=32000)
     assert (c.attention, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.rope_dim, c.v_head_dim) == (
         "mla", 128, 1536, 512, 64, 128)
     assert c.intermediate_size == 18432
-    gqa = Eagle3Config.from_target_config(ds, draft_vocab_size=32000, attention="gqa")
+    gqa = DrafterConfig.from_target_config(ds, draft_vocab_size=32000, attention="gqa")
     assert (gqa.attention, gqa.head_dim, gqa.num_attention_heads) == ("gqa", 128, 56)
     llama = tf.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-    assert Eagle3Config.from_target_config(llama, draft_vocab_size=32000).attention == "gqa"
-    mla = Eagle3Config.from_target_config(llama, draft_vocab_size=32000, attention="mla")
+    assert DrafterConfig.from_target_config(llama, draft_vocab_size=32000).attention == "gqa"
+    mla = DrafterConfig.from_target_config(llama, draft_vocab_size=32000, attention="mla")
     assert (mla.kv_lora_rank + mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.q_lora_rank) == (576, 128, None)
     with pytest.raises(ValueError, match="attention must be one of"):
         make_config(attention="mha")
@@ -524,8 +524,9 @@ def test_ttt_forward_equals_drafting_as_served_for_each_kind_and_eagle31_norms(k
     forward over the accepted tokens (as vLLM's parallel drafting runs them)."""
 
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=50, draft_vocab_size=50, mask_token_id=7 if kind == "peagle" else None, **norms)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=50, mask_token_id=7 if kind == "peagle" else None, kind=kind,
+                       **norms)
     d = drafter_class(cfg)(cfg).eval()
     assert type(d).__name__ == ("PEagleDrafter" if kind == "peagle" else "Eagle3Drafter")
     L, K, i = 12, 4, 6  # drafting after the prefix t_0..t_{i+1}
@@ -557,8 +558,9 @@ def test_dflash_block_forward_equals_drafting_as_served():
     block after the context keys of the verified positions before its anchor (vLLM's DFlash proposer)."""
 
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=50, draft_vocab_size=50, mask_token_id=7, block_size=4, num_hidden_layers=2)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=50, mask_token_id=7, block_size=4, num_hidden_layers=2,
+                       kind="dflash")
     d = DFlashDrafter(cfg).eval()
     L = 14
     ids, aux = torch.randint(0, 50, (1, L)), torch.randn(1, L, 96)

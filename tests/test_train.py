@@ -22,7 +22,7 @@ from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
 from draftsmith.extract import ExtractStore, encode_sample, run_extract
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.model.init import init_from_target
@@ -163,7 +163,7 @@ def micro_batch(ids, mask, doc, pos, aux, last, layout=None) -> Batch:
 
 def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                        vocab_size=V, draft_vocab_size=len(draft_ids))
     d = Eagle3Drafter(cfg)
     W = torch.randn(V, H)
@@ -214,8 +214,8 @@ def test_dflash_anchors_respect_documents_and_loss_mask_and_the_host_draw_is_the
     assert torch.equal(few.anchors, again.anchors)  # seeded by the tokens: the same draw after a resume
 
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3)
+    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3, kind="dflash")
     dd = DFlashDrafter(cfg)
     dd.d2t.copy_(d.d2t)
     dd.t2d.copy_(d.t2d)
@@ -1267,7 +1267,8 @@ def test_each_kind_takes_the_targets_shape_and_refuses_what_vllm_cannot_serve(tm
     ds_info = target_info(str(ds))
     assert drafter_config(ds_info, cfg_for(ds), 64).attention == "mla"
     for sets in ({"method": "peagle"}, {"norm_before_fc": "true"}):
-        with pytest.raises(DraftsmithError, match="serves neither with an MLA drafter") as e:
+        with pytest.raises(DraftsmithError, match="vLLM 0.32 serves .* with no MLA drafter; set "
+                                                  "train.drafter_attention=gqa") as e:
             drafter_config(ds_info, cfg_for(ds, **sets), 64)
         assert "\n" not in str(e.value)
     assert drafter_config(ds_info, cfg_for(ds, method="peagle", drafter_attention="gqa"), 64).attention == "gqa"

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.init import init_from_target
 from draftsmith.status import run_status
@@ -67,8 +67,8 @@ def test_ttt_chain_counts_match_a_position_by_position_computation():
 def test_dflash_chain_counts_match_a_block_by_block_computation():
     torch.manual_seed(0)
     V, H = 20, 16
-    cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=V, draft_vocab_size=8, block_size=4, mask_token_id=1)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=V, draft_vocab_size=8, block_size=4, mask_token_id=1, kind="dflash")
     d = DFlashDrafter(cfg)
     W = torch.randn(V, H)
     draft = torch.tensor((0, 2, 3, 5, 7, 11, 13, 17))

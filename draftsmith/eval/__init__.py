@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, kinds
 from draftsmith.card import write_card
 from draftsmith.eval.agreement import agreement, differences, measured, predicted
 from draftsmith.eval.engine import ENGINE_INFO, RECORD_KEYS, EngineContext, read_engine_info, resume_records
@@ -187,7 +187,7 @@ def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config
         "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
         # the run's own export by its place in the run (a moved run names itself); a drafter from elsewhere by its path
         "drafter": str(Path(eval_cfg.drafter).expanduser().resolve()) if eval_cfg.drafter else "export",
-        "aux_layers": drafter_config.get("eagle_aux_hidden_state_layer_ids"),
+        "aux_layers": kinds.export_aux(drafter_config),
         "export_fingerprint": export_manifest.get("fingerprint"), "seed": eval_cfg.seed,
         "machine": machine_summary(f"{torch.cuda.get_device_name(device)} x{torch.cuda.device_count()}"
                                    if device.type == "cuda" else None),

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from draftsmith import kinds
 from draftsmith.generate.samples import prompt_id_of
 from draftsmith.rundir import RunDir
 
@@ -76,11 +77,6 @@ def measured(run: RunDir, report: dict, folder: str) -> dict[str, dict]:
     return out
 
 
-def _export_aux(cj: dict) -> list[int] | None:
-    return (cj.get("eagle_aux_hidden_state_layer_ids") or cj.get("aux_hidden_state_layer_ids")
-            or (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
-
-
 def served_spec(engine_info: dict) -> dict | None:
     """The --speculative-config the vllm engine's own server was started with (engine.json), else None."""
     args = ((engine_info or {}).get("server") or {}).get("args") or []
@@ -102,7 +98,7 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
 
     # aux layers: training's, the export's, vLLM's
     trained = ds.get("aux_layers_trained") or train.get("aux_layers")
-    exported = _export_aux(cj)
+    exported = kinds.export_aux(cj)
     if trained and exported and list(trained) != list(exported):
         found.append(f"aux layers: the export says {list(exported)}, training used {list(trained)}")
     log = stage_dir / "vllm.log"
@@ -148,14 +144,13 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
 
     # the kind and how it was served
     kind = ds.get("kind") or ((train.get("settings") or {}).get("train") or {}).get("method")
-    exported_kind = cj.get("speculators_model_type") or ("eagle3" if "Eagle3Deepseek" in str(cj.get("architectures"))
-                                                         else None)
+    exported = kinds.format_of(cj)
+    exported_kind = exported.name if exported else None
     if kind and exported_kind and kind != exported_kind:
         found.append(f"kind: training made a {kind} drafter, the export says {exported_kind}")
     spec = served_spec(engine_info) if report.get("engine") == "vllm" else None
-    if spec is not None and kind:
-        want_method = "dflash" if kind == "dflash" else "eagle3"
-        want_parallel = kind == "peagle"
+    if spec is not None and kind in kinds.names():
+        want_method, want_parallel = kinds.get(kind).vllm_method, kinds.get(kind).parallel_drafting
         if spec.get("method") != want_method or bool(spec.get("parallel_drafting")) != want_parallel:
             found.append(f"method: served with method {spec.get('method')}"
                          f"{', parallel_drafting' if spec.get('parallel_drafting') else ''}; a {kind} drafter needs "

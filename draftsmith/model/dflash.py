@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import DrafterCache, Eagle3MLP
 from draftsmith.model.parts import RMSNorm, apply_rope, register_vocab_maps, rope_cos_sin
 
@@ -37,7 +37,7 @@ from draftsmith.model.parts import RMSNorm, apply_rope, register_vocab_maps, rop
 class DFlashAttention(nn.Module):
     """Qwen3 attention (q_norm, k_norm per head) over [the context's keys | the block's keys]."""
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         H, hd = config.hidden_size, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
@@ -74,7 +74,7 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
@@ -88,7 +88,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         if config.mask_token_id is None or not config.block_size:
             raise ValueError("a DFlash drafter needs mask_token_id and block_size")

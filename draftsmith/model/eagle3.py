@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from draftsmith.model.config import ATTN_BLOCK, Eagle3Config
+from draftsmith.model.config import ATTN_BLOCK, DrafterConfig
 from draftsmith.model.mla import MLAAttention
 from draftsmith.model.parts import RMSNorm, apply_rope, register_vocab_maps, rope_cos_sin
 from draftsmith.model.ttt import FlexTTTMask, TTTMask, ttt_step_masks
@@ -45,7 +45,7 @@ class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read `in_dim` wide inputs: 2H ([emb | hidden]) in the first
     layer, H in later ones."""
 
-    def __init__(self, config: Eagle3Config, in_dim: int) -> None:
+    def __init__(self, config: DrafterConfig, in_dim: int) -> None:
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
@@ -102,7 +102,7 @@ class Eagle3Attention(nn.Module):
 class Eagle3MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -122,7 +122,7 @@ class Eagle3DecoderLayer(nn.Module):
     loader keeps the default of ones where an export has none).
     """
 
-    def __init__(self, config: Eagle3Config, first: bool = True) -> None:
+    def __init__(self, config: DrafterConfig, first: bool = True) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.first = first
@@ -198,7 +198,7 @@ class Eagle3Drafter(nn.Module):
     """fc, the decoder layers, the final norm and the draft LM head over the frozen target
     embeddings, with the draft vocabulary's maps d2t and t2d."""
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
         H = config.hidden_size

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import Eagle3Drafter
 
 
-def check_target_layer(cfg: Eagle3Config, layer: dict[str, torch.Tensor]) -> None:
+def check_target_layer(cfg: DrafterConfig, layer: dict[str, torch.Tensor]) -> None:
     """Raise ValueError unless `layer` (a target decoder layer's tensors by their names inside
     the layer) is a Llama layer of the drafter's shapes: exactly these tensors, nothing more
     (a bias or q/k norm it cannot hold would make the copy silently a different layer)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.parts import RMSNorm, apply_rope
 from draftsmith.model.ttt import FlexTTTMask, TTTMask
 
@@ -35,7 +35,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: Eagle3Config, in_dim: int) -> None:
+    def __init__(self, config: DrafterConfig, in_dim: int) -> None:
         super().__init__()
         c = config
         self.n_heads = c.num_attention_heads

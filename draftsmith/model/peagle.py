@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from draftsmith.model.config import Eagle3Config
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import Eagle3Drafter
 
 
 class PEagleDrafter(Eagle3Drafter):
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         if config.mask_token_id is None:
             raise ValueError("a P-EAGLE drafter needs mask_token_id")
         super().__init__(config)

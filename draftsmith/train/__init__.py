@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, fingerprinted
@@ -50,8 +50,7 @@ from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_sourc
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
-from draftsmith.train.dflash import DFlashObjective
-from draftsmith.train.objective import LossMix, TTTObjective, resolve_attention
+from draftsmith.train.objective import LossMix, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation, split
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
@@ -75,7 +74,7 @@ ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl":
                         "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
                         "ema": 0.0, "loss_skip_tokens": 0, "optimizer": "adamw", "method": "eagle3",
                         "norm_before_fc": False, "fc_norm": False, "norm_output": False, "mask_token_id": None,
-                        "dflash_anchors": 64}
+                        "dflash_anchors": 64, "block_size": None, "drafter_options": {}}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -91,7 +90,7 @@ class TrainState:
     ranks: Ranks
     source: Any  # OfflineSource | OnlineSource | ServerSource
     packing: Packing
-    objective: TTTObjective  # the drafter plus the frozen target head
+    objective: Any  # the kind's objective (kinds/<kind>/model.py): the drafter plus the frozen target head
     model: torch.nn.Module  # what the loop calls: objective, or its DDP wrapper (FSDP shards objective in place)
     params: list  # the trainable parameters, clipped together
     optimizer: torch.optim.Optimizer
@@ -256,19 +255,15 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                                                     torch.device("cpu"), torch.float32),
                                                 init_layers, layers, say, ranks)
     mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
-    if tc.method == "dflash":
-        objective = DFlashObjective(drafter, target_head, tc.gamma, tc.dflash_anchors, scale, tc.teacher_temperature,
-                                    tc.feature_noise, mix).to(ranks.device)
-    else:
-        objective = TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
-                                 tc.feature_noise, attention, tc.loss_chunk_tokens, mix).to(ranks.device)
+    kind = kinds.get(tc.method)
+    objective = kind.runtime().objective(drafter, target_head, tc, scale, attention, mix).to(ranks.device)
     meta = {
         "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
         "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
         "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
         "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
         "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
-        "method": tc.method,
+        "method": tc.method, "drafts": kind.drafts(tc),
     }
 
     # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
@@ -312,7 +307,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                    else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
     trained = sum(1 for n in packing.lengths if n > 0)
     say(f"{tc.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
-        f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {tc.ttt_steps} TTT steps, "
+        f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {kind.label} drafting "
+        f"{kind.drafts(tc)} tokens a step, "
         f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
@@ -358,7 +354,7 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     tc, device = ts.cfg.train, ts.ranks.device
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
                        prepare=_host_step(ts), feeder=DeviceFeeder(device, _act_dtype(ts), tc.grad_accum))
-    window = Window(ts.folder, tc, ts.ranks.rank, device, ts.start_step, say, ts.trackers)
+    window = Window(ts.folder, tc, ts.objective.steps, ts.ranks.rank, device, ts.start_step, say, ts.trackers)
     ts.budget.start()
     try:
         while ts.step < ts.total_steps:

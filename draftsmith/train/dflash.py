@@ -100,6 +100,11 @@ class DFlashObjective(nn.Module):
         blocks = batch.layout if isinstance(batch.layout, Blocks) else self._blocks(batch)
         return blocks.valid.sum(dim=(0, 1)).double()
 
+    def slot_logits(self, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, Dv] of slots whose normed states are x [n, H]; prev [n]: the true token before each
+        (a kind that conditions on it overrides this)."""
+        return self.drafter.lm_head(x)
+
     def forward(self, batch: Batch, denom, scale: float = 1.0):
         """(loss, stats [steps, 5] float64: the loss's KL sum, valid positions, correct, masked per slot, and chain:
         anchors whose slots 1..k+1 are all right, among the anchors whose slot 1 is trained); denom, scale as
@@ -121,6 +126,7 @@ class DFlashObjective(nn.Module):
         at = (blocks.anchors[:, :, None] + k).clamp(max=T - 1)  # [R, M, S-1] the predicted token's index
         rows = torch.arange(R, device=states.device)[:, None, None]
         targets = batch.input_ids[rows, at]
+        prev = batch.input_ids[rows, at - 1]  # the token before each predicted one (slot 1's: the anchor)
         teacher_h = batch.last_hidden[rows, at - 1]  # the target's state before the predicted token
         losses, kls, correct = [], [], []
         hits = torch.zeros_like(blocks.valid)  # [R, M, S-1] slot j's draft is right (valid slots only)
@@ -131,7 +137,7 @@ class DFlashObjective(nn.Module):
                 t_logp = torch.log_softmax((teacher_h[:, :, j][v].float() @ self.target_head.float().t())
                                            / self.teacher_temperature, dim=-1)
                 p = t_logp.exp()
-            logits = d.lm_head(x)
+            logits = self.slot_logits(x, prev[:, :, j][v])
             logq = torch.log_softmax(logits.float(), dim=-1)
             kl_pos = (p * (t_logp - logq)).sum(-1)  # [n]
             obj = kl_pos * self.mix.kl

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from draftsmith import DraftsmithError
-from draftsmith.model.config import Eagle3Config, drafter_attention
-from draftsmith.model.drafters import drafter_class
+from draftsmith import DraftsmithError, kinds
+from draftsmith.model.config import DrafterConfig
 from draftsmith.model.init import check_target_layer, init_from_target, init_layer_from_target
 from draftsmith.target import language_model_names, load_target, read_tensor
 from draftsmith.train.distributed import Ranks, from_rank0, on_rank0
@@ -72,45 +71,18 @@ def read_target_layer(info, n: int) -> dict:
 # The drafter
 
 
-def drafter_config(info, cfg, draft_vocab_size: int) -> Eagle3Config:
-    """The drafter's shape from the target's (text) config, with train.num_layers decoder layers."""
+def drafter_config(info, cfg, draft_vocab_size: int) -> DrafterConfig:
+    """The drafter's shape from the target's (text) config, with train.num_layers decoder layers, and what its
+    kind (train.method) sets (kinds/<kind>/__init__.py: Kind.config_options)."""
     hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
     hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
     tc = cfg.train
-    options = {"norm_before_fc": tc.norm_before_fc, "fc_norm": tc.fc_norm, "norm_output": tc.norm_output}
-    attention = tc.drafter_attention
-    if tc.method in ("peagle", "dflash"):
-        options["mask_token_id"] = tc.mask_token_id if tc.mask_token_id is not None else default_mask_token(hf_cfg)
-    if tc.method == "dflash":
-        if tc.norm_before_fc or tc.fc_norm or tc.norm_output:
-            raise DraftsmithError("train.method=dflash: the EAGLE-3.1 norms (norm_before_fc, fc_norm, norm_output) "
-                                  "are EAGLE-3's; DFlash norms fc's output (hidden_norm) instead")
-        if attention == "mla":
-            raise DraftsmithError("train.method=dflash: vLLM 0.32 serves DFlash drafters with Qwen3 (gqa) attention "
-                                  "only; set train.drafter_attention=gqa or auto")
-        attention, options = "gqa", {"mask_token_id": options["mask_token_id"], "block_size": tc.ttt_steps + 1}
-    if tc.method != "dflash" and (tc.method == "peagle" or any(options.values())) and \
-            drafter_attention(hf_cfg, attention) == "mla":
-        # vLLM 0.32's MLA EAGLE-3 (deepseek_eagle3) is not built from the speculators config these options live in
-        raise DraftsmithError(f"train.method={tc.method} with EAGLE-3.1's norms or P-EAGLE: vLLM 0.32 serves neither "
-                              "with an MLA drafter; set train.drafter_attention=gqa, or train plain eagle3")
+    attention, options = kinds.get(tc.method).config_options(tc, hf_cfg, tc.drafter_attention)
     try:
-        return Eagle3Config.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size,
-                                               num_hidden_layers=tc.num_layers, attention=attention, **options)
+        return DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size,
+                                                num_hidden_layers=tc.num_layers, attention=attention, **options)
     except ValueError as e:
         raise DraftsmithError(f"train: {e}") from None
-
-
-def default_mask_token(hf_cfg) -> int:
-    """train.mask_token_id unset: the target config's pad token, else its (first) end-of-sequence token, else the
-    vocabulary's last id. Any id in the vocabulary serves (model/peagle.py)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(hf_cfg, name, None)
-        value = value[0] if isinstance(value, (list, tuple)) and value else value
-        if isinstance(value, int) and 0 <= value < hf_cfg.vocab_size:
-            return value
-    return int(hf_cfg.vocab_size) - 1
-
 
 
 def first_init_layer(tc) -> int:
@@ -119,7 +91,7 @@ def first_init_layer(tc) -> int:
     return tc.init_layer - (tc.num_layers - 1)
 
 
-def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
+def read_init_layers(info, tc, dcfg: DrafterConfig) -> list[dict] | None:
     """train.init_layer: the target layers the drafter's decoder layers start from (float32),
     checked against the drafter's config; None without it."""
     if tc.init_layer is None:
@@ -144,7 +116,7 @@ def read_init_layers(info, tc, dcfg: Eagle3Config) -> list[dict] | None:
     return out
 
 
-def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: list[dict] | None,
+def build_drafter(dcfg: DrafterConfig, info, d2t, tc, first_batch, init_layers: list[dict] | None,
                   aux_layers: list[int], say, ranks: Ranks | None = None):
     """(drafter, target_head, fc input scale) before the first step, seeded with train.seed.
 
@@ -155,7 +127,7 @@ def build_drafter(dcfg: Eagle3Config, info, d2t, tc, first_batch, init_layers: l
     """
     embed, head, norm = read_target_weights(info, log=say, ranks=ranks)
     torch.manual_seed(tc.seed)
-    drafter = drafter_class(dcfg)(dcfg)
+    drafter = kinds.drafter_class(dcfg)(dcfg)
     draft_ids = d2t + torch.arange(d2t.numel())
     init_from_target(drafter, embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
     target_head = head[draft_ids].float()  # W_d [Dv, H]

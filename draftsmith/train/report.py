@@ -47,15 +47,16 @@ class Window:
     """The steps since the last log line, on every rank: TTT statistics, seconds per part of a
     step, tokens and steps; on rank 0 also where the lines go (`folder`: train/)."""
 
-    def __init__(self, folder: Path, tc, rank: int, device, start_step: int, say, trackers=None):
+    def __init__(self, folder: Path, tc, steps: int, rank: int, device, start_step: int, say, trackers=None):
         self.tc, self.rank, self.say = tc, rank, say
         self.metrics_path = folder / METRICS
         self.trackers = trackers
         if rank == 0:
             trim_metrics(self.metrics_path, start_step)
-        # per TTT step: KL sum (nats), valid positions, correct drafts, loss-masked positions, chain (drafts
-        # 0..k all right); on the device, summed there every micro-batch and read only at log time (summary)
-        self.stats = torch.zeros(tc.ttt_steps, 5, dtype=torch.float64, device=device)
+        # per draft step (`steps`: the objective's, TTT steps or a block's slots): KL sum (nats), valid positions,
+        # correct drafts, loss-masked positions, chain (drafts 0..k all right); on the device, summed there every
+        # micro-batch and read only at log time (summary)
+        self.stats = torch.zeros(steps, 5, dtype=torch.float64, device=device)
         self._read: list | None = None
         self.reset()
 

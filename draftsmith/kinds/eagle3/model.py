@@ -1,0 +1,42 @@
+"""EAGLE-3's runtime: the drafter (model/eagle3.py; its MLA attention model/mla.py), trained with training-time
+test (train/objective.py), drafting a chain in the local engine as vLLM's eagle3 proposer does."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.model.eagle3 import Eagle3Drafter as Drafter
+from draftsmith.train.objective import TTTObjective
+
+__all__ = ["Drafter", "objective", "propose"]
+
+
+def objective(drafter, target_head, tc, scale, attention: str, mix):
+    """The TTT objective over train.ttt_steps unrolled draft steps."""
+    return TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
+                        tc.feature_noise, attention, tc.loss_chunk_tokens, mix)
+
+
+def read_verified(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):
+    """The drafter's pass over the verified tokens it has not read: (logits of the last [Dv], its state [1, 1, H],
+    its position)."""
+    pos = torch.arange(first_pos, first_pos + len(unread_ids), device=dec.device)[None]
+    logits, h = dec.drafter(torch.tensor([unread_ids], device=dec.device),
+                            unread_aux.to(dec.drafter.fc.weight.dtype), pos, cache)
+    return logits[0, -1], h[:, -1:], first_pos + len(unread_ids) - 1
+
+
+def propose(dec, unread_ids: list[int], unread_aux, first_pos: int, cache, gen):
+    """K drafts, each pass reading the draft before it and the drafter's own state (SpecDecoder._draft's
+    contract: unread_ids at positions first_pos+1.., unread_aux at first_pos..)."""
+    logits, h, p = read_verified(dec, unread_ids, unread_aux, first_pos, cache)
+    picked = []
+    for k in range(dec.K):
+        picked.append(dec.sample_draft(logits, gen))
+        if k == dec.K - 1:
+            break
+        p += 1  # draft step k+1 reads draft k at the next position, with the drafter's own state
+        out, h = dec.drafter(torch.tensor([[picked[-1][0]]], device=dec.device), h,
+                             torch.tensor([[p]], device=dec.device), cache)
+        logits = out[0, -1]
+    return dec.collect(picked)

