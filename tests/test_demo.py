@@ -7,6 +7,8 @@ import pytest
 
 from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calibration, calibrate, demo_config, explain, plan_demo, remaining_line,
                              size_demo, user_sized)
+from draftsmith.config import load_config
+from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
 
 REFERENCE = Calibration(batch_tokens_per_s=96.0, single_tokens_per_s=15.1, seconds=7.0)  # the README's demo machine
@@ -71,7 +73,7 @@ def test_calibration_times_the_real_decoding(tiny_target):
     assert c.batch_tokens_per_s > c.single_tokens_per_s > 0 and c.seconds > 0
 
 
-def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
+def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch, tiny_target, drafter_checkpoint):
     """The demo ends with what tau and speedup mean on this machine: a drafting step's cost in plain steps is
     tau / speedup (measured, not assumed), the break-even tau is that cost, and where the drafter and reports are."""
     run = RunDir(tmp_path / "run").ensure()
@@ -87,8 +89,8 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch):
         (run.path / folder / "report.json").write_text(json.dumps(
             {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup,
              **({"agreement": agreement} if folder == "eval-vllm" else {})}))
-    (run.path / "export").mkdir()
-    (run.path / "export" / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    drafter_checkpoint(run.path / "train" / "final", str(tiny_target))  # the served line reads the real export
+    run_export(run, load_config(None, [f"target={tiny_target}"]))
     text = explain(run)
     assert '"method": "eagle3", "num_speculative_tokens": 3' in text  # the served line names the kind and K
     assert "1.0 when every guess of the drafter is rejected, 4 when all 3 are accepted" in text
