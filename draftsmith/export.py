@@ -228,9 +228,9 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     target (hidden size, vocabulary, aux layer ids in range). embed_weight [V, H] (optional): the
     target's input embeddings, copied into the drafter (an export carries none by default).
 
-    Returns (the drafter in eval mode, of its kind's class (kinds/<kind>/model.py: Drafter), info dict: config, aux_layers,
-    num_speculative_tokens, has_embed_tokens, dtype, draftsmith block, path). Every problem is a DraftsmithError naming
-    the file and the key.
+    Returns (the drafter in eval mode, of its kind's class (kinds/<kind>/model.py: Drafter), info dict: config,
+    aux_layers, num_speculative_tokens, has_embed_tokens, dtype, draftsmith block, path). Every problem is a
+    DraftsmithError naming the file and the key.
     """
     folder = Path(folder)
     if not folder.is_dir():

@@ -18,15 +18,17 @@ REPO = Path(__file__).resolve().parents[1]
 # (vllm_server.CPU_ENV; an exported value wins there): the tests' models need a few thousand tokens of it, and on
 # these VMs touching memory no process has touched before costs ~70 MB/s, so a server that starts beside another
 # spent ~28 s allocating its cache (measured: tests/test_vllm_server.py 127 s at 2 GiB, 94 s at 1 GiB;
-# docs/benchmarks.md, "The suite's time"). vLLM reads whole GiB only.
+# docs/benchmarks.md, "The suite's time (issue 60)"). vLLM reads whole GiB only.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # -------------------------------------------------------------------------------------------------
 # The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than
 # this on the machine CI runs on (2 cores), printing its slowest tests, so that the next feature pays for its own
 # tests instead of pushing CI past its limit. DRAFTSMITH_SUITE_BUDGET_S overrides it; DRAFTSMITH_SUITE_BUDGET_ALWAYS=1
-# applies it to any selection (the check's own test).
-SUITE_BUDGET_S = 45 * 60.0
+# applies it to any selection (the check's own test). 50 minutes while the suite measures 42.8-43.5 minutes on a fresh
+# clone here (docs/benchmarks.md, "The suite's time"): at 45 a run at the top of that spread would fail CI with every
+# test green; back to 45 once the suite is under 40.
+SUITE_BUDGET_S = 50 * 60.0
 
 
 def _suite_budget(config) -> float | None:
