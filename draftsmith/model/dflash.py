@@ -167,9 +167,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self._rope(position_ids)
         cache.append([layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers])
 
-    def draft(self, anchor: torch.Tensor, position: int, cache: DrafterCache) -> torch.Tensor:
-        """Serving: logits [B, block_size - 1, Dv] of the block after anchor [B, 1] (the bonus token) at
-        `position`, over every context entry of `cache`; the block's keys stay out of the cache."""
+    def draft_states(self, anchor: torch.Tensor, position: int, cache: DrafterCache) -> torch.Tensor:
+        """Serving: the normed states [B, block_size - 1, H] of the block's mask slots after anchor [B, 1] (the
+        bonus token) at `position`, over every context entry of `cache`; the block's keys stay out of the cache."""
         B, S = anchor.shape[0], self.config.block_size
         pos = torch.arange(position, position + S, device=anchor.device).expand(B, S)
         cos, sin = self._rope(pos)
@@ -177,7 +177,11 @@ class DFlashDrafter(nn.Module):
         mask = torch.ones(1, 1, S, cache.length + S, dtype=torch.bool, device=anchor.device)
         for n, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.past(n), mask)
-        return self.lm_head(self.norm(x[:, 1:]))
+        return self.norm(x[:, 1:])
+
+    def draft(self, anchor: torch.Tensor, position: int, cache: DrafterCache) -> torch.Tensor:
+        """Serving: logits [B, block_size - 1, Dv] of the block after anchor [B, 1] (draft_states')."""
+        return self.lm_head(self.draft_states(anchor, position, cache))
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -105,6 +105,11 @@ class DFlashObjective(nn.Module):
         (a kind that conditions on it overrides this)."""
         return self.drafter.lm_head(x)
 
+    def slot_extra(self, x: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor, targets: torch.Tensor):
+        """(a loss term per position [n] added to the slot's, the drafts as target ids [n]) for a kind that drafts
+        otherwise than by the argmax of its logits; (None, None): DFlash's (no term, the argmax)."""
+        return None, None
+
     def forward(self, batch: Batch, denom, scale: float = 1.0):
         """(loss, stats [steps, 5] float64: the loss's KL sum, valid positions, correct, masked per slot, and chain:
         anchors whose slots 1..k+1 are all right, among the anchors whose slot 1 is trained); denom, scale as
@@ -143,11 +148,16 @@ class DFlashObjective(nn.Module):
             obj = kl_pos * self.mix.kl
             if not self.mix.pure_kl:
                 obj = obj + mix_terms(self.mix, p, t_logp, logq)
+            extra, drafted = self.slot_extra(x, logits, prev[:, :, j][v], targets[:, :, j][v])
+            if extra is not None:
+                obj = obj + extra
             w = scale * self.gamma ** j / denom[j] if denom[j] > 0 else 0.0
             losses.append(obj.sum() * w)
             kls.append(kl_pos.detach().sum().double())
-            pred = logits.detach().argmax(-1)
-            hit = (pred + d.d2t[pred]) == targets[:, :, j][v]
+            if drafted is None:
+                pred = logits.detach().argmax(-1)
+                drafted = pred + d.d2t[pred]
+            hit = drafted == targets[:, :, j][v]
             hits[:, :, j][v] = hit
             correct.append(hit.sum().double())
         loss = torch.stack(losses).sum()
