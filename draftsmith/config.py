@@ -140,7 +140,8 @@ class ExtractConfig(_Section):
         "hf", description="`hf`: transformers forward in-process; `vllm`: vLLM server(s) with the "
         "extract_hidden_states method (also the source of online training's states when train.mode=online).")
     layers: list[int] | None = Field(
-        None, description="Auxiliary layer ids (hidden state entering that decoder layer); default [2, N//2, N-3].")
+        None, description="Auxiliary layer ids (hidden state entering that decoder layer), at least 2; default "
+        "[2, N//2, N-3] (EAGLE-3's three; DFlash's published drafters read five; fc fuses as many as are given).")
     shard_size: int = Field(1000, ge=1, description="Samples per rows_{start}-{end}/ shard folder.")
     batch_tokens: int = Field(
         8192, ge=1, description="Padded tokens per forward batch of the target (samples are grouped by length), in "

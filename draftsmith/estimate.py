@@ -274,11 +274,12 @@ def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: i
 
 
 def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1, kind: str = "eagle3",
-                    options: dict | None = None) -> tuple[float, float]:
+                    options: dict | None = None, num_aux: int = 3) -> tuple[float, float]:
     """(trainable parameters, parameters used per token per draft step) of the drafter: its kind's layers and fc
-    (kinds/<kind>/__init__.py: Kind.layer_params) and its head (the draft LM head, and what the kind adds)."""
+    over num_aux fused target states (kinds/<kind>/__init__.py: Kind.layer_params) and its head (the draft LM
+    head, and what the kind adds)."""
     k = kinds.get(kind)
-    layers_fc, per_step = k.layer_params(t, num_layers)
+    layers_fc, per_step = k.layer_params(t, num_layers, num_aux)
     head = k.head_params(t, draft_vocab, k.check_options(options or {}, "train.drafter_options"))
     return layers_fc + head, per_step + draft_vocab * t.hidden_size
 
@@ -322,7 +323,7 @@ def _attention_bytes(tr, t: TargetShape, hw: Hardware, act: int) -> float:
     return tr.num_layers * keys * (2 * t.hidden_size * act + act)
 
 
-def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> dict[str, float]:
+def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int, num_aux: int = 3) -> dict[str, float]:
     """Peak bytes per device of one training step with train settings `tr`, by part.
 
     weights: fp32 master weights, gradients and AdamW's two moments of the trainable parameters
@@ -332,9 +333,9 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     (bf16 under bf16 precision, else fp32); target: the target's weights
     (online training runs it on every rank); activations: the micro-batch's states and what
     the TTT steps keep for backward; loss: the head's gradient the chunked loss accumulates and a
-    chunk's blocks.
+    chunk's blocks. num_aux: the target states fc fuses (extract.layers).
     """
-    P, _ = _drafter_params(t, draft_vocab, tr.num_layers, tr.method, tr.drafter_options)
+    P, _ = _drafter_params(t, draft_vocab, tr.num_layers, tr.method, tr.drafter_options, num_aux)
     H, Dv = t.hidden_size, draft_vocab
     head = H * Dv  # the drafter's LM head: trainable unless train.freeze_lm_head
     trainable = P - head if tr.freeze_lm_head else P
@@ -347,7 +348,7 @@ def train_memory(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) 
     tokens = max(1, tr.batch_tokens // min(tr.seq_len, tr.batch_tokens)) * min(tr.seq_len, tr.batch_tokens)
     first, later, b = ACT_PER_TOKEN_STEP[prec]
     per_step = (first + later * (tr.num_layers - 1)) * H + b * tr.num_layers * t.intermediate_size
-    per_token = (4 * H * act  # the batch: 3 aux states and the last one
+    per_token = ((num_aux + 1) * H * act  # the batch: the aux states and the last one
                  + ACT_PER_TOKEN * H * act
                  + kinds.get(tr.method).drafts(tr) * per_step
                  + _attention_bytes(tr, t, hw, act))
@@ -368,11 +369,11 @@ def train_notes(tr) -> list[str]:
     return notes
 
 
-def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int) -> list[str]:
+def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int, num_aux: int = 3) -> list[str]:
     """When the training step does not fit the device: each knob that alone makes it fit, with
     the value to set (rows per micro-batch, then shorter rows; fewer TTT steps; FSDP). [] when it fits."""
     def need(**change) -> float:
-        return train_memory(tr.model_copy(update=change), t, hw, gpus, draft_vocab)["total"]
+        return train_memory(tr.model_copy(update=change), t, hw, gpus, draft_vocab, num_aux)["total"]
 
     if need() <= hw.mem:
         return []
@@ -434,9 +435,10 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
     stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
 
-    # 3 auxiliary layers + the last, in extract.store_format (bf16: 2 bytes a value; fp8: 1 + a scale
-    # per row), + id and mask
-    bytes_per_token = store_bytes(3, t.hidden_size, cfg.extract.store_format)
+    # the auxiliary layers (extract.layers; unset: 3) + the last, in extract.store_format (bf16: 2 bytes a
+    # value; fp8: 1 + a scale per row), + id and mask
+    num_aux = len(cfg.extract.layers) if cfg.extract.layers else 3
+    bytes_per_token = store_bytes(num_aux, t.hidden_size, cfg.extract.store_format)
     prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
     if tr.mode == "offline":
         # the writer overlaps the forward: the slower of the two sets the pace (writer_tokens_per_s)
@@ -449,8 +451,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
                              "seconds": tokens / min(bounds)}
 
     trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers, tr.method,
-                                          tr.drafter_options)
-    flops_per_token = 6 * (3 * t.hidden_size ** 2 + kinds.get(tr.method).drafts(tr) * per_step)
+                                          tr.drafter_options, num_aux)
+    flops_per_token = 6 * (num_aux * t.hidden_size ** 2 + kinds.get(tr.method).drafts(tr) * per_step)
     train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
     # an optimizer step takes batch_tokens x grad_accum from every rank: the devices on GPUs,
     # train.processes on a CPU (where N one-thread ranks also beat one N-thread process)
@@ -468,7 +470,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
               else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1))
     if tr.max_minutes is not None:  # the clock stops training first when its minutes hold fewer passes
         epochs = min(epochs, 60 * tr.max_minutes * train_tps / max(tokens, 1))
-    train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)
+    train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size, num_aux)
     ckpt = 16 * trainable
     stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1),
                        "memory": train_mem["total"], "seconds": tokens * epochs / train_tps}
@@ -487,7 +489,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
                          "train": train_tps, "train_compute": train_compute, "train_data_thread": data_thread},
         "stages": stages,
         "train_memory": {**train_mem, "device": hw.mem,
-                         "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size)},
+                         "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size, num_aux)},
         "total": {"disk": sum(s["disk"] for s in stages.values()),
                   "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},

@@ -299,8 +299,10 @@ class TargetInfo:
         return [2, n // 2, n - 3]
 
     def check_layers(self, layers: list[int], field: str = "extract.layers") -> list[int]:
-        if len(layers) != 3:
-            raise DraftsmithError(f"{field}: expected 3 auxiliary layer ids, got {layers}")
+        # any count: vLLM sizes a drafter's fc by the ids its export gives (eagle3: the num_aux_hidden_states
+        # export writes; dflash: aux_hidden_state_layer_ids); EAGLE-3 fuses 3, DFlash's published drafters 5
+        if len(layers) < 2:
+            raise DraftsmithError(f"{field}: expected at least 2 auxiliary layer ids, got {layers}")
         for k in layers:
             # id k = the hidden state entering decoder layer k (HF hidden_states[k]), 0 < k < N.
             if not 0 < k < self.num_layers:

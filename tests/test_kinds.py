@@ -414,3 +414,40 @@ def test_vllm_parses_the_dflash2_export_computes_its_parts_as_draftsmith_and_vll
     torch.testing.assert_close(ours_scores, theirs["scores"], atol=1e-5, rtol=1e-5)
 
     assert_vllm_cpu_refuses(dflash2_run, "dflash2", tiny8, tmp_path, cli)
+
+
+# --- the number of target layers a drafter reads -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_a_drafter_reads_as_many_target_layers_as_extract_layers_names(name, tiny8, tmp_path, one_thread):
+    """Four aux layers (DFlash's published drafters read five): the store keeps four, fc fuses four, the export says
+    four and loads back, and the local engine drafts with it; one id is refused in a line naming the field."""
+    from draftsmith.extract import run_extract
+    from draftsmith.train import run_train
+    from draftsmith.vocab import run_vocab
+    from test_train import synthesize_states, write_prepare
+
+    layers = {"extract.layers": "[1,2,4,5]"}
+    run = RunDir(tmp_path / "run")
+    write_prepare(run, tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 16))
+    run_vocab(run, cfg_for(tiny8))
+    run_extract(run, cfg_for(tiny8, **layers))
+    synthesize_states(run, tiny8)
+    block = {"block_size": 4} if name == "dflash" else {}
+    run_train(run, cfg_for(tiny8, max_steps=6, method=name, **block, **layers))
+    H = json.loads((run.path / "train/final/drafter.json").read_text())["config"]["hidden_size"]
+    assert final_weights(run)["fc.weight"].shape == (H, 4 * H)
+    run_export(run, load_config(None, [f"target={tiny8}", "extract.layers=[1,2,4,5]", "export.dtype=float32"]))
+    cj = json.loads((run.path / "export/config.json").read_text())
+    assert kinds.export_aux(cj) == [1, 2, 4, 5]
+    target = load_target(str(tiny8), dtype="float32")
+    drafter, info = load_exported(run.path / "export", target_info=target.info, embed_weight=target.embed_weight(),
+                                  dtype=target.dtype)
+    assert info["aux_layers"] == [1, 2, 4, 5] and drafter.config.num_aux_layers == 4
+    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
+    ids = target.tokenizer("The cat sat on").input_ids
+    assert dec.generate(ids, 12).tokens == dec.plain_generate(ids, 12).tokens
+    dec.close()
+    with pytest.raises(DraftsmithError, match=r"^extract.layers: expected at least 2 auxiliary layer ids, got \[3\]$"):
+        target.info.check_layers([3])

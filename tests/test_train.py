@@ -118,7 +118,8 @@ def synthesize_states(run: RunDir, target, scale: float = 8.0, nan_sample: int |
         nxt = torch.cat([ids[1:], ids[-1:]])
         e = E[nxt]
         last = scale * e / (e * e).sum(-1, keepdim=True)  # logit of t[j+1] = scale
-        aux = (E[ids] * 30).unsqueeze(1).expand(L, 3, H) + 0.01 * torch.randn(L, 3, H, generator=g)
+        A = len(store.layers)
+        aux = (E[ids] * 30).unsqueeze(1).expand(L, A, H) + 0.01 * torch.randn(L, A, H, generator=g)
         if nan_sample == i and nan_outside_loss:
             last = last.clone()
             last[int((~rec["loss_mask"].bool()).nonzero()[0])] = float("nan")
@@ -1258,18 +1259,18 @@ def test_each_kind_takes_the_targets_shape_and_refuses_what_vllm_cannot_serve(tm
     from draftsmith.train.drafter import drafter_config
 
     info = target_info(str(tiny8))
-    dcfg = drafter_config(info, cfg_for(tiny8, method="dflash", ttt_steps=5), 64)
+    dcfg = drafter_config(info, cfg_for(tiny8, method="dflash", ttt_steps=5), 64, 3)
     assert dcfg.block_size == 6 and dcfg.attention == "gqa" and dcfg.mask_token_id is not None
-    assert drafter_config(info, cfg_for(tiny8, method="peagle", mask_token_id=9), 64).mask_token_id == 9
+    assert drafter_config(info, cfg_for(tiny8, method="peagle", mask_token_id=9), 64, 3).mask_token_id == 9
     with pytest.raises(DraftsmithError, match="dflash: the EAGLE-3.1 norms"):
-        drafter_config(info, cfg_for(tiny8, method="dflash", norm_output="true"), 64)
+        drafter_config(info, cfg_for(tiny8, method="dflash", norm_output="true"), 64, 3)
     ds = make_tiny("deepseek_v3", tmp_path / "ds")
     ds_info = target_info(str(ds))
-    assert drafter_config(ds_info, cfg_for(ds), 64).attention == "mla"
+    assert drafter_config(ds_info, cfg_for(ds), 64, 3).attention == "mla"
     for sets in ({"method": "peagle"}, {"norm_before_fc": "true"}):
         with pytest.raises(DraftsmithError, match="vLLM 0.32 serves .* with no MLA drafter; set "
                                                   "train.drafter_attention=gqa") as e:
-            drafter_config(ds_info, cfg_for(ds, **sets), 64)
+            drafter_config(ds_info, cfg_for(ds, **sets), 64, 3)
         assert "\n" not in str(e.value)
-    assert drafter_config(ds_info, cfg_for(ds, method="peagle", drafter_attention="gqa"), 64).attention == "gqa"
-    assert drafter_config(ds_info, cfg_for(ds, method="dflash"), 64).attention == "gqa"
+    assert drafter_config(ds_info, cfg_for(ds, method="peagle", drafter_attention="gqa"), 64, 3).attention == "gqa"
+    assert drafter_config(ds_info, cfg_for(ds, method="dflash"), 64, 3).attention == "gqa"

@@ -197,9 +197,9 @@ class Kind:
         return None
 
     # -- estimate (no torch) ---------------------------------------------------------------------
-    def layer_params(self, t, num_layers: int) -> tuple[int, int]:
-        """(trainable parameters of the decoder layers and fc, the parameters one drafting step reads) for a
-        TargetShape `t` (estimate.py), without the head."""
+    def layer_params(self, t, num_layers: int, num_aux: int = 3) -> tuple[int, int]:
+        """(trainable parameters of the decoder layers and fc over num_aux fused target states, the parameters one
+        drafting step reads) for a TargetShape `t` (estimate.py), without the head."""
         raise NotImplementedError
 
     def head_params(self, t, draft_vocab: int, options: dict) -> int:

@@ -208,7 +208,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
     # the init layer and the data are read and checked before anything in train/ is touched: a bad
     # value must not move a good run's checkpoints aside
-    dcfg = drafter_config(info, cfg, int(d2t.numel()))
+    dcfg = drafter_config(info, cfg, int(d2t.numel()), len(layers))
     init_layers = read_init_layers(info, tc, dcfg)
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)

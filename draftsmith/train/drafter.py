@@ -71,16 +71,18 @@ def read_target_layer(info, n: int) -> dict:
 # The drafter
 
 
-def drafter_config(info, cfg, draft_vocab_size: int) -> DrafterConfig:
-    """The drafter's shape from the target's (text) config, with train.num_layers decoder layers, and what its
-    kind (train.method) sets (kinds/<kind>/__init__.py: Kind.config_options)."""
+def drafter_config(info, cfg, draft_vocab_size: int, num_aux_layers: int) -> DrafterConfig:
+    """The drafter's shape from the target's (text) config, with train.num_layers decoder layers and fc over
+    num_aux_layers target states (the store's layers), and what its kind (train.method) sets
+    (kinds/<kind>/__init__.py: Kind.config_options)."""
     hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
     hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
     tc = cfg.train
     attention, options = kinds.get(tc.method).config_options(tc, hf_cfg, tc.drafter_attention)
     try:
         return DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=draft_vocab_size,
-                                                num_hidden_layers=tc.num_layers, attention=attention, **options)
+                                                num_hidden_layers=tc.num_layers, num_aux_layers=num_aux_layers,
+                                                attention=attention, **options)
     except ValueError as e:
         raise DraftsmithError(f"train: {e}") from None
 

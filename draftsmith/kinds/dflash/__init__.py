@@ -110,12 +110,12 @@ class DFlash(Kind):
         return config, aux, spec, verifier
 
     # -- estimate ------------------------------------------------------------------------------
-    def layer_params(self, t, num_layers: int) -> tuple[int, int]:
+    def layer_params(self, t, num_layers: int, num_aux: int = 3) -> tuple[int, int]:
         """fc over the fused aux states and hidden_norm; Qwen3 layers whose q/k/v read h (the block's tokens; the
         context's keys and values come from the same k/v projections), with per-head q/k norms."""
         h, q = t.hidden_size, t.q_dim or t.hidden_size
         layer = h * (q + 2 * t.kv_dim) + q * h + 3 * h * t.intermediate_size
-        return 3 * h * h + num_layers * layer, num_layers * layer
+        return num_aux * h * h + num_layers * layer, num_layers * layer
 
     def train_notes(self, tr) -> list[str]:
         block = self.block_size(tr)

@@ -90,10 +90,10 @@ class DFlash2(DFlash):
         return CPU_REFUSAL
 
     # -- estimate ------------------------------------------------------------------------------
-    def layer_params(self, t, num_layers: int) -> tuple[int, int]:
+    def layer_params(self, t, num_layers: int, num_aux: int = 3) -> tuple[int, int]:
         """DFlash's layers plus two convolutions each: base kernels [2, taps, H] and a kernel projection
         [2 * taps * H / group, H] (the defaults: taps 3, group 64)."""
-        trained, read = super().layer_params(t, num_layers)
+        trained, read = super().layer_params(t, num_layers, num_aux)
         taps, group = self.options["conv_kernel_size"][0], self.options["conv_group_size"][0]
         conv = 2 * (2 * taps * t.hidden_size + 2 * taps * (t.hidden_size // group) * t.hidden_size)
         return trained + num_layers * conv, read + num_layers * conv

@@ -169,7 +169,7 @@ class Eagle3(Kind):
         return config_json.get(key)
 
     # -- estimate ------------------------------------------------------------------------------
-    def layer_params(self, t, num_layers: int) -> tuple[int, int]:
+    def layer_params(self, t, num_layers: int, num_aux: int = 3) -> tuple[int, int]:
         """fc over the fused aux states, a first decoder layer (Llama, or MLA beside an MLA target) at the
         target's widths whose q/k/v read [embedding; hidden] (2h), num_layers - 1 plain ones (q/k/v read h)."""
         h, q = t.hidden_size, t.q_dim or t.hidden_size
@@ -186,7 +186,7 @@ class Eagle3(Kind):
         else:
             layers = (2 * h * (q + 2 * t.kv_dim) + q * h + mlp
                       + (num_layers - 1) * (h * (q + 2 * t.kv_dim) + q * h + mlp))
-        return 3 * h * h + layers, layers
+        return num_aux * h * h + layers, layers
 
 
 def native_mla_config(config, aux_layers: list[int], *, target_name: str, target_arch: str,

@@ -74,9 +74,9 @@ class PEagle(Eagle3):
         # training fed mask_hidden to fc unscaled, so fc(m) = (W diag(s)) (m / s)
         state_dict["mask_hidden"] = state_dict["mask_hidden"].float() / scale
 
-    def layer_params(self, t, num_layers: int) -> tuple[int, int]:
-        layers_fc, per_step = super().layer_params(t, num_layers)
-        return layers_fc + 3 * t.hidden_size, per_step  # + mask_hidden [A*H]
+    def layer_params(self, t, num_layers: int, num_aux: int = 3) -> tuple[int, int]:
+        layers_fc, per_step = super().layer_params(t, num_layers, num_aux)
+        return layers_fc + num_aux * t.hidden_size, per_step  # + mask_hidden [A*H]
 
 
 KIND = PEagle()
