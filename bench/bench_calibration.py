@@ -180,7 +180,9 @@ def main() -> None:
                 steps = int(ref["counts"]["done"])
                 kind_sets = [*sets, f"train.method={kind}", f"train.max_steps={steps}", "train.max_minutes=100000"]
             engines = ("local",) if drafter_kinds.get(kind).serves_on_cpu() else ("local", "vllm")
-            for stage in ("train", "export"):
+            # vocab again with the kind's sets (up to date unless they change it: DFlash2 drafts over the whole
+            # vocabulary, --set vocab.draft_vocab_size=V)
+            for stage in ("vocab", "train", "export"):
                 draftsmith(stage, "--run", str(run), "--config", args.config,
                            *sum((["--set", s] for s in kind_sets), []), log=log)
             cj = json.loads((run / "export" / "config.json").read_text())

@@ -70,7 +70,8 @@ from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.prompts import context_tokens_needed, load_prompts  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target, load_tokenizer, target_info  # noqa: E402
-from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, server_env  # noqa: E402
+from draftsmith.vllm_server import (VLLMServer, context_limit, cpu_kv_cache_bytes, max_model_len,  # noqa: E402
+                                    server_env)
 from draftsmith.vllm_server import vllm_python  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-cpu-e2e.yaml"
@@ -96,7 +97,7 @@ def offline(job: dict, work: Path) -> dict:
     """limits_vllm_offline.py's JSON for `job`, run in the vLLM environment with the servers' KV cache."""
     path = work / "offline-job.json"
     path.write_text(json.dumps(job))
-    env = server_env()
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_bytes() >> 30 or 1), **server_env()}  # the servers' size
     p = subprocess.run([str(vllm_python()), str(OFFLINE), str(path)], capture_output=True, text=True, env=env)
     (work / "offline.log").open("a").write(p.stdout + p.stderr)
     if p.returncode != 0:

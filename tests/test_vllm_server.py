@@ -159,6 +159,61 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
+# before the module's server starts (`vllm`, held until the module ends): a server starting beside another pays
+# for the memory both touch (docs/benchmarks.md, "The suite's time"): 72 s then, 32 s alone
+@pytest.mark.vllm
+def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
+    from draftsmith.config import Config
+    from draftsmith.generate.vllm import served_dtype
+
+    run = tmp_path / "run"
+    d = run / "generate"
+    # float32: the greedy answer checked below is the same on every CPU (bf16 kernels differ with AMX)
+    args = ["generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--backend", "vllm",
+            "--max-tokens", "24", "--set", "generate.vllm_args=[--enforce-eager]", "--set", "dtype=float32"]
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr
+    # concurrency auto: what the server's KV cache holds (its start-up line) over a conversation's mean need
+    from draftsmith.generate.vllm import auto_in_flight
+
+    said = re.search(r"concurrency auto: (\d+) requests in flight \(the server's KV cache holds ([\d,]+) tokens; "
+                     r"a conversation needs ~(\d+)\)", p.stderr + p.stdout)
+    assert said, p.stderr
+    kv = int(said[2].replace(",", ""))
+    assert f"KV cache size: {said[2]} tokens" in (d / "vllm.log").read_text()
+    assert int(said[1]) == auto_in_flight(kv, int(said[3])) == min(256, kv // int(said[3])) >= 1
+    summary = json.loads((d / "manifest.json").read_text())["summary"]
+    assert summary["in_flight"] == int(said[1]) and summary["preemptions"] == 0
+    recs = {r["id"]: r for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())}
+    assert set(recs) == {"capital", "poem", "two-turns", "sys"}
+    assert "Paris" in recs["capital"]["messages"][-1]["content"] and len(recs["two-turns"]["finish_reasons"]) == 2
+    assert all(r["backend"] == "vllm" and 0 < r["completion_tokens"] for r in recs.values())
+    # The server ran in the dtype the stage fingerprints, with the configured arguments, and is gone.
+    dtype = served_dtype(Config(dtype="float32"))
+    state = json.loads((d / "state.json").read_text())["settings"]
+    assert state["dtype"] == dtype and state["backend"] == "vllm"
+    cmd = (d / "vllm.log").read_text().splitlines()[0]
+    assert f"--dtype {dtype}" in cmd and "--enforce-eager" in cmd
+    port = cmd.split("--port ")[1].split()[0]
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, f"--port\0{port}\0")]
+    assert "vLLM (" in p.stderr + p.stdout and "ready at" in p.stderr + p.stdout
+    # Unchanged: up to date, no server started.
+    again = cli(*args)
+    assert again.returncode == 0 and "up to date" in again.stderr + again.stdout
+    assert sum(line.startswith("$ ") for line in (d / "vllm.log").read_text().splitlines()) == 1
+
+
+def _cmdline_has(pid: str, needle: str) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+# -------------------------------------------------------------------------------------------------
+# Finding vLLM the way users install it (no real vLLM needed)
+
+
 @pytest.mark.vllm
 def test_real_server_basics(vllm):
     assert httpx.get(vllm.url + "/health").status_code == 200
@@ -212,59 +267,6 @@ def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
         assert p2.returncode == 0, p2.stderr
     final = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
     assert sorted(final) == sorted(f"q{i}" for i in range(n)) and not (d / "failures.jsonl").exists()
-
-
-@pytest.mark.vllm
-def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
-    from draftsmith.config import Config
-    from draftsmith.generate.vllm import served_dtype
-
-    run = tmp_path / "run"
-    d = run / "generate"
-    # float32: the greedy answer checked below is the same on every CPU (bf16 kernels differ with AMX)
-    args = ["generate", "--run", str(run), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--backend", "vllm",
-            "--max-tokens", "24", "--set", "generate.vllm_args=[--enforce-eager]", "--set", "dtype=float32"]
-    p = cli(*args)
-    assert p.returncode == 0, p.stderr
-    # concurrency auto: what the server's KV cache holds (its start-up line) over a conversation's mean need
-    from draftsmith.generate.vllm import auto_in_flight
-
-    said = re.search(r"concurrency auto: (\d+) requests in flight \(the server's KV cache holds ([\d,]+) tokens; "
-                     r"a conversation needs ~(\d+)\)", p.stderr + p.stdout)
-    assert said, p.stderr
-    kv = int(said[2].replace(",", ""))
-    assert f"KV cache size: {said[2]} tokens" in (d / "vllm.log").read_text()
-    assert int(said[1]) == auto_in_flight(kv, int(said[3])) == min(256, kv // int(said[3])) >= 1
-    summary = json.loads((d / "manifest.json").read_text())["summary"]
-    assert summary["in_flight"] == int(said[1]) and summary["preemptions"] == 0
-    recs = {r["id"]: r for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())}
-    assert set(recs) == {"capital", "poem", "two-turns", "sys"}
-    assert "Paris" in recs["capital"]["messages"][-1]["content"] and len(recs["two-turns"]["finish_reasons"]) == 2
-    assert all(r["backend"] == "vllm" and 0 < r["completion_tokens"] for r in recs.values())
-    # The server ran in the dtype the stage fingerprints, with the configured arguments, and is gone.
-    dtype = served_dtype(Config(dtype="float32"))
-    state = json.loads((d / "state.json").read_text())["settings"]
-    assert state["dtype"] == dtype and state["backend"] == "vllm"
-    cmd = (d / "vllm.log").read_text().splitlines()[0]
-    assert f"--dtype {dtype}" in cmd and "--enforce-eager" in cmd
-    port = cmd.split("--port ")[1].split()[0]
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, f"--port\0{port}\0")]
-    assert "vLLM (" in p.stderr + p.stdout and "ready at" in p.stderr + p.stdout
-    # Unchanged: up to date, no server started.
-    again = cli(*args)
-    assert again.returncode == 0 and "up to date" in again.stderr + again.stdout
-    assert sum(line.startswith("$ ") for line in (d / "vllm.log").read_text().splitlines()) == 1
-
-
-def _cmdline_has(pid: str, needle: str) -> bool:
-    try:
-        return needle in Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return False
-
-
-# -------------------------------------------------------------------------------------------------
-# Finding vLLM the way users install it (no real vLLM needed)
 
 
 def test_on_a_cuda_machine_no_cpu_environment_is_ever_created(tmp_path, monkeypatch):
@@ -330,25 +332,36 @@ def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
     real_popen = vs.subprocess.Popen
 
     def popen(cmd, **kw):
-        seen["env"] = kw["env"]
+        seen["env"], seen["cmd"] = kw["env"], cmd
         return real_popen(cmd, **kw)
+
+    def start(**kw) -> list[str]:
+        with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable,
+                        say=lambda m: None, **kw):
+            pass
+        cmd = seen["cmd"]
+        return cmd[cmd.index("--kv-cache-memory-bytes") + 1:][:1] if "--kv-cache-memory-bytes" in cmd else []
 
     monkeypatch.setattr(vs.subprocess, "Popen", popen)
     monkeypatch.setattr(vs, "gpu_memory", lambda: (70 * 10**9, 80 * 10**9))  # CUDA patched in: its memory too
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", vs.KV_CACHE_ENV):
+        monkeypatch.delenv(name, raising=False)
     for cuda in (False, True):
         monkeypatch.setattr(vs, "on_cuda_machine", lambda: cuda)
-        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-        monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
-        with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
-            pass
-        assert ("VLLM_CPU_KVCACHE_SPACE" in seen["env"]) == (not cuda)
+        # the KV cache: 2 GiB on the CPU; on a GPU vLLM's own share of the device
+        assert start() == ([] if cuda else [str(2 << 30)])
         # vLLM-CPU's AOT compile cache never loads back: off on the CPU only (vllm_server.CPU_ENV)
         assert seen["env"].get("VLLM_USE_AOT_COMPILE") == (None if cuda else "0")
     monkeypatch.setattr(vs, "on_cuda_machine", lambda: False)
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the user's own setting is kept, not the default
-    with VLLMServer("/models/m", env=standin, log_path=tmp_path / "s.log", python=sys.executable, say=lambda m: None):
-        pass
-    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv(vs.KV_CACHE_ENV, "256M")  # draftsmith's finer knob
+    assert start() == [str(256 << 20)]
+    assert start(extra_args=["--kv-cache-memory-bytes=1000000"]) == []  # the caller's own flag, untouched
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the user's own vLLM setting is kept: no flag beside it
+    assert start() == [] and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.setenv(vs.KV_CACHE_ENV, "lots")
+    with pytest.raises(DraftsmithError, match=r"^\$DRAFTSMITH_VLLM_CPU_KV_CACHE: a size in bytes, or with K, M or G "):
+        start()
 
 
 def test_max_model_len_follows_the_stage_and_the_model(tmp_path):
