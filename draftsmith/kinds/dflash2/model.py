@@ -41,14 +41,14 @@ class GroupedConv(nn.Module):
         """x [B, T, H] (T: whole blocks of block_size slots), delta [B, T, taps, G] -> [B, T, H]."""
         B, T, H = x.shape
         S, G = self.block_size, self.groups
-        xb = x.view(B, T // S, S, G, self.group_size)
-        d = delta.view(B, T // S, S, self.taps, G, 1)
+        xb = x.reshape(B, T // S, S, G, self.group_size)
+        d = delta.reshape(B, T // S, S, self.taps, G, 1)
         base = self.base_kernel[side].view(self.taps, G, self.group_size)
         out = (base[0] + d[:, :, :, 0]) * xb
         for t in range(1, self.taps):  # slot s reads slot s - t of its own block; the first t read nothing
             shifted = F.pad(xb[:, :, :S - t], (0, 0, 0, 0, t, 0))
             out = out + (base[t] + d[:, :, :, t]) * shifted
-        return out.view(B, T, H)
+        return out.reshape(B, T, H)
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The input side: (convolved x, the output side's per-slot kernels [B, T, taps, G])."""
