@@ -75,9 +75,11 @@ def cpu_kv_cache_bytes() -> int:
     if not value:
         return CPU_KV_CACHE_BYTES
     m = SIZE.fullmatch(value)
-    if not m or int(m[1]) == 0:
-        raise DraftsmithError(f"${KV_CACHE_ENV}: a size in bytes, or with K, M or G (e.g. 512M), got {value!r}")
-    return int(m[1]) << {"": 0, "k": 10, "m": 20, "g": 30}[m[2].lower()]
+    size = int(m[1]) << {"": 0, "k": 10, "m": 20, "g": 30}[m[2].lower()] if m else 0
+    if not 0 < size <= 1 << 40:
+        raise DraftsmithError(f"${KV_CACHE_ENV}: a size in bytes, or with K, M or G (e.g. 512M), above 0 and at most "
+                              f"1024G, got {value!r}")
+    return size
 
 
 def cpu_kv_cache_args(env: dict[str, str], extra_args: list[str]) -> list[str]:

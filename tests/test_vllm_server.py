@@ -359,9 +359,10 @@ def test_cpu_only_settings_only_without_cuda(tmp_path, standin, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the user's own vLLM setting is kept: no flag beside it
     assert start() == [] and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
-    monkeypatch.setenv(vs.KV_CACHE_ENV, "lots")
-    with pytest.raises(DraftsmithError, match=r"^\$DRAFTSMITH_VLLM_CPU_KV_CACHE: a size in bytes, or with K, M or G "):
-        start()
+    for bad in ("lots", "0", "2000G"):
+        monkeypatch.setenv(vs.KV_CACHE_ENV, bad)
+        with pytest.raises(DraftsmithError, match=r"^\$DRAFTSMITH_VLLM_CPU_KV_CACHE: a size in bytes, or with K, M or G "):
+            start()
 
 
 def test_max_model_len_follows_the_stage_and_the_model(tmp_path):
