@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -312,9 +312,6 @@ class TargetInfo:
         if sorted(set(layers)) != list(layers):
             raise DraftsmithError(f"{field}: layer ids must be distinct and increasing, got {layers}")
         return list(layers)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _folder_fingerprint(path: Path) -> str:
