@@ -17,12 +17,16 @@ from draftsmith import DraftsmithError, kinds
 from draftsmith.config import load_config
 from draftsmith.eval.local import SpecDecoder
 from draftsmith.export import load_exported, run_export, speculative_config
+from draftsmith.extract import run_extract
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target, target_info
+from draftsmith.train import run_train
 from draftsmith.vllm_server import VLLMServer, vllm_python
-from test_train import cfg_for, copy_run, cycle_samples, final_weights, make_run, metrics, synthesize_states
+from draftsmith.vocab import run_vocab
+from test_train import (cfg_for, copy_run, cycle_samples, final_weights, make_run, metrics, synthesize_states,
+                        write_prepare)
 
 REPO = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]
@@ -153,8 +157,6 @@ def dspark_run(tiny8, tmp_path_factory) -> RunDir:
     src = make_run(tmp_path_factory.mktemp("synth") / "run", tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 48))
     synthesize_states(src, tiny8)
     run = copy_run(src, tmp_path_factory.mktemp("dspark") / "run")
-    from draftsmith.train import run_train
-
     run_train(run, cfg_for(tiny8, max_steps=80, method="dspark", block_size=4, **{"train.drafter_options.markov_rank": 8}))
     run_export(run, load_config(None, [f"target={tiny8}", "export.dtype=float32"]))
     return run
@@ -303,17 +305,11 @@ def test_dflash2_refuses_a_draft_vocabulary_smaller_than_the_target_s_and_a_grou
 @pytest.fixture(scope="module")
 def dflash2_run(tiny8, tmp_path_factory) -> RunDir:
     """A DFlash2 run on the learnable synthetic store over the tiny target's whole vocabulary, then exported."""
-    from draftsmith.train import run_train
-    from draftsmith.vocab import run_vocab
-    from test_train import synthesize_states, write_prepare
-
     V = target_info(str(tiny8)).vocab_size
     run = RunDir(tmp_path_factory.mktemp("dflash2") / "run")
     write_prepare(run, tiny8, cycle_samples(V, 48))
     full = {"vocab.draft_vocab_size": V}
     run_vocab(run, cfg_for(tiny8, **full))
-    from draftsmith.extract import run_extract
-
     run_extract(run, cfg_for(tiny8, **full, **{"extract.shard_size": 16}))
     synthesize_states(run, tiny8)
     run_train(run, cfg_for(tiny8, max_steps=80, method="dflash2", block_size=4, **full,
@@ -423,11 +419,6 @@ def test_vllm_parses_the_dflash2_export_computes_its_parts_as_draftsmith_and_vll
 def test_a_drafter_reads_as_many_target_layers_as_extract_layers_names(name, tiny8, tmp_path, one_thread):
     """Four aux layers (DFlash's published drafters read five): the store keeps four, fc fuses four, the export says
     four and loads back, and the local engine drafts with it; one id is refused in a line naming the field."""
-    from draftsmith.extract import run_extract
-    from draftsmith.train import run_train
-    from draftsmith.vocab import run_vocab
-    from test_train import synthesize_states, write_prepare
-
     layers = {"extract.layers": "[1,2,4,5]"}
     run = RunDir(tmp_path / "run")
     write_prepare(run, tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 16))
