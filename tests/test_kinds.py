@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,39 @@ def tiny_config(kind: str, **over) -> DrafterConfig:
         fields["draft_vocab_size"] = 50
         fields["options"] = {**fields["options"], "conv_group_size": 8, "selector_rank": 4}
     return DrafterConfig(**{**fields, **over})
+
+
+def synth_store(path: Path, target, n: int, **sets) -> RunDir:
+    """prepare (written), vocab and extract with `sets`, then test_train's learnable synthetic states."""
+    run = RunDir(path)
+    write_prepare(run, target, cycle_samples(target_info(str(target)).vocab_size, n))
+    run_vocab(run, cfg_for(target, **sets))
+    run_extract(run, cfg_for(target, **sets, **{"extract.shard_size": 16}))
+    synthesize_states(run, target)
+    return run
+
+
+def assert_exported_as_trained(run: RunDir, drafter_class: str, aux: list[int]):
+    """The export loads back as `drafter_class`, reading `aux`, with every tensor training saved -> (model, info)."""
+    model, info = load_exported(run.path / "export")
+    assert type(model).__name__ == drafter_class and info["aux_layers"] == aux
+    got = model.state_dict()
+    for name, t in final_weights(run).items():
+        assert torch.equal(got[name], t), name
+    return model, info
+
+
+def assert_drafts_plain_greedy(run: RunDir, target_path, tokens: int = 24):
+    """The local engine with the run's export decodes what plain greedy decoding does -> (target, drafter, info)."""
+    target = load_target(str(target_path), dtype="float32")
+    drafter, info = load_exported(run.path / "export", target_info=target.info, embed_weight=target.embed_weight(),
+                                  dtype=target.dtype)
+    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
+    ids = target.tokenizer("The cat sat on").input_ids
+    spec, plain = dec.generate(ids, tokens), dec.plain_generate(ids, tokens)
+    dec.close()
+    assert spec.tokens == plain.tokens and spec.num_drafts > 0 and spec.num_draft_tokens == 3 * spec.num_drafts
+    return target, drafter, info
 
 
 # --- the registry: what every kind owes it ------------------------------------------------------------------
@@ -176,26 +210,15 @@ def test_dspark_learns_from_the_store_and_exports_what_it_trained(dspark_run):
     assert cj["speculators_model_type"] == "dspark" and cj["draftsmith"]["kind"] == "dspark"
     assert cj["architectures"] == ["Qwen3DSparkModel"] and cj["markov_rank"] == 8 and cj["block_size"] == 4
     assert cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    model, info = load_exported(dspark_run.path / "export")
-    assert type(model).__name__ == "DSparkDrafter" and info["aux_layers"] == [2, 4, 5]
-    got = model.state_dict()
-    for name, t in sd.items():
-        assert torch.equal(got[name], t), name
+    assert_exported_as_trained(dspark_run, "DSparkDrafter", [2, 4, 5])
     with pytest.raises(DraftsmithError, match="block_size - 1 = 3"):
         speculative_config(dspark_run.path / "export", 5)
 
 
 def test_dspark_in_the_local_engine_equals_plain_greedy_decoding(dspark_run, tiny8, one_thread):
-    target = load_target(str(tiny8), dtype="float32")
-    drafter, info = load_exported(dspark_run.path / "export", target_info=target.info,
-                                  embed_weight=target.embed_weight(), dtype=target.dtype)
-    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
-    ids = target.tokenizer("The cat sat on").input_ids
-    spec, plain = dec.generate(ids, 24), dec.plain_generate(ids, 24)
-    assert spec.tokens == plain.tokens and spec.num_drafts > 0 and spec.num_draft_tokens == 3 * spec.num_drafts
+    target, drafter, info = assert_drafts_plain_greedy(dspark_run, tiny8)
     with pytest.raises(DraftsmithError, match="block_size - 1 = 3"):
         SpecDecoder(target.model, drafter, info["aux_layers"], 2, 0.0, target.eos_ids())
-    dec.close()
 
 
 @pytest.mark.vllm
@@ -300,18 +323,26 @@ def test_dflash2_refuses_a_draft_vocabulary_smaller_than_the_target_s_and_a_grou
         tiny_config("dflash2", draft_vocab_size=40)
     with pytest.raises(ValueError, match="conv_group_size 5 must divide hidden_size 32"):
         tiny_config("dflash2", options={"conv_group_size": 5, "selector_rank": 4})
+    # at config time, against the target, naming the train field
+    cfg = load_config(None, ["target=smollm2-135m", "train.method=dflash2", "train.block_size=4",
+                             "train.drafter_options.conv_group_size=100"])
+    hf = SimpleNamespace(hidden_size=576, pad_token_id=2, eos_token_id=2, vocab_size=49152)  # SmolLM2's
+    with pytest.raises(DraftsmithError, match=r"^train.drafter_options.conv_group_size: 100 must divide the target's "
+                                              r"hidden_size 576$"):
+        kinds.get("dflash2").config_options(cfg.train, hf, "gqa")
+    cfg = load_config(None, ["target=smollm2-135m", "train.method=dflash2", "train.block_size=4",
+                             "train.drafter_options.conv_kernel_size=5"])
+    with pytest.raises(DraftsmithError, match=r"^train.drafter_options.conv_kernel_size: 5 taps reach past a block "
+                                              r"of 4; at most block_size$"):
+        kinds.get("dflash2").config_options(cfg.train, hf, "gqa")
 
 
 @pytest.fixture(scope="module")
 def dflash2_run(tiny8, tmp_path_factory) -> RunDir:
     """A DFlash2 run on the learnable synthetic store over the tiny target's whole vocabulary, then exported."""
     V = target_info(str(tiny8)).vocab_size
-    run = RunDir(tmp_path_factory.mktemp("dflash2") / "run")
-    write_prepare(run, tiny8, cycle_samples(V, 48))
     full = {"vocab.draft_vocab_size": V}
-    run_vocab(run, cfg_for(tiny8, **full))
-    run_extract(run, cfg_for(tiny8, **full, **{"extract.shard_size": 16}))
-    synthesize_states(run, tiny8)
+    run = synth_store(tmp_path_factory.mktemp("dflash2") / "run", tiny8, 48, **full)
     run_train(run, cfg_for(tiny8, max_steps=80, method="dflash2", block_size=4, **full,
                            **{"train.drafter_options.selector_rank": 8, "train.drafter_options.conv_group_size": 16}))
     run_export(run, load_config(None, [f"target={tiny8}", f"vocab.draft_vocab_size={V}", "export.dtype=float32"]))
@@ -336,22 +367,11 @@ def test_dflash2_learns_from_the_store_and_exports_what_it_trained(dflash2_run):
     assert cj["speculators_model_type"] == "dflash2" and cj["draftsmith"]["kind"] == "dflash2"
     assert cj["architectures"] == ["DFlash2DraftModel"] and cj["draft_vocab_size"] == V
     assert (cj["conv_kernel_size"], cj["conv_group_size"], cj["selector_rank"], cj["selector_top_k"]) == (3, 16, 8, 8)
-    model, info = load_exported(dflash2_run.path / "export")
-    assert type(model).__name__ == "DFlash2Drafter" and info["aux_layers"] == [2, 4, 5]
-    got = model.state_dict()
-    for name, t in sd.items():
-        assert torch.equal(got[name], t), name
+    assert_exported_as_trained(dflash2_run, "DFlash2Drafter", [2, 4, 5])
 
 
 def test_dflash2_in_the_local_engine_equals_plain_greedy_decoding(dflash2_run, tiny8, one_thread):
-    target = load_target(str(tiny8), dtype="float32")
-    drafter, info = load_exported(dflash2_run.path / "export", target_info=target.info,
-                                  embed_weight=target.embed_weight(), dtype=target.dtype)
-    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
-    ids = target.tokenizer("The cat sat on").input_ids
-    spec, plain = dec.generate(ids, 24), dec.plain_generate(ids, 24)
-    assert spec.tokens == plain.tokens and spec.num_drafts > 0 and spec.num_draft_tokens == 3 * spec.num_drafts
-    dec.close()
+    assert_drafts_plain_greedy(dflash2_run, tiny8)
 
 
 @pytest.mark.vllm
@@ -420,25 +440,14 @@ def test_a_drafter_reads_as_many_target_layers_as_extract_layers_names(name, tin
     """Four aux layers (DFlash's published drafters read five): the store keeps four, fc fuses four, the export says
     four and loads back, and the local engine drafts with it; one id is refused in a line naming the field."""
     layers = {"extract.layers": "[1,2,4,5]"}
-    run = RunDir(tmp_path / "run")
-    write_prepare(run, tiny8, cycle_samples(target_info(str(tiny8)).vocab_size, 16))
-    run_vocab(run, cfg_for(tiny8))
-    run_extract(run, cfg_for(tiny8, **layers))
-    synthesize_states(run, tiny8)
+    run = synth_store(tmp_path / "run", tiny8, 16, **layers)
     block = {"block_size": 4} if name == "dflash" else {}
     run_train(run, cfg_for(tiny8, max_steps=6, method=name, **block, **layers))
     H = json.loads((run.path / "train/final/drafter.json").read_text())["config"]["hidden_size"]
     assert final_weights(run)["fc.weight"].shape == (H, 4 * H)
     run_export(run, load_config(None, [f"target={tiny8}", "extract.layers=[1,2,4,5]", "export.dtype=float32"]))
-    cj = json.loads((run.path / "export/config.json").read_text())
-    assert kinds.export_aux(cj) == [1, 2, 4, 5]
-    target = load_target(str(tiny8), dtype="float32")
-    drafter, info = load_exported(run.path / "export", target_info=target.info, embed_weight=target.embed_weight(),
-                                  dtype=target.dtype)
+    assert kinds.export_aux(json.loads((run.path / "export/config.json").read_text())) == [1, 2, 4, 5]
+    target, drafter, info = assert_drafts_plain_greedy(run, tiny8, tokens=12)
     assert info["aux_layers"] == [1, 2, 4, 5] and drafter.config.num_aux_layers == 4
-    dec = SpecDecoder(target.model, drafter, info["aux_layers"], 3, 0.0, target.eos_ids())
-    ids = target.tokenizer("The cat sat on").input_ids
-    assert dec.generate(ids, 12).tokens == dec.plain_generate(ids, 12).tokens
-    dec.close()
     with pytest.raises(DraftsmithError, match=r"^extract.layers: expected at least 2 auxiliary layer ids, got \[3\]$"):
         target.info.check_layers([3])
