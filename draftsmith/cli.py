@@ -72,8 +72,8 @@ def torch_threads(cfg) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# Stage commands. Each imports its stage inside its body: the stages pull in torch and
-# transformers, which `--help` and `status` must not pay for.
+# Stage commands. Each imports its stage inside its body, after its config is read: the stages pull
+# in torch and transformers (~3 s), which `--help`, `status` and a config error must not pay for.
 
 
 @app.command(epilog="""Examples:
@@ -114,8 +114,6 @@ def generate(
 ):
     """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible
     servers), or keep the file's own (--backend dataset)."""
-    from draftsmith.generate import run_generate
-
     cfg = stage_config(
         config, sets,
         **{"generate.backend": backend,
@@ -124,6 +122,7 @@ def generate(
            "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
            "generate.concurrency": concurrency},
     )
+    from draftsmith.generate import run_generate
     if cfg.generate.backend == "local":
         torch_threads(cfg)
     run_generate(RunDir(run), cfg, retry_failed=retry_failed)
@@ -147,9 +146,8 @@ def prepare(
         "--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
 ):
     """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
-    from draftsmith.prepare import run_prepare
-
     cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
+    from draftsmith.prepare import run_prepare
     run_prepare(RunDir(run), cfg)
 
 
@@ -167,9 +165,8 @@ def vocab(
         "--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
 ):
     """Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage."""
-    from draftsmith.vocab import run_vocab
-
     cfg = stage_config(config, sets, **{"vocab.draft_vocab_size": draft_vocab_size})
+    from draftsmith.vocab import run_vocab
     run_vocab(RunDir(run), cfg)
 
 
@@ -204,9 +201,8 @@ def extract(
         "--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
 ):
     """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
-    from draftsmith.extract import run_extract
-
     cfg = stage_config(config, sets)
+    from draftsmith.extract import run_extract
     torch_threads(cfg)
     manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
     if manifest is None:
@@ -238,9 +234,8 @@ def train(
         "--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
 ):
     """Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly."""
-    from draftsmith.train import run_train
-
     cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
+    from draftsmith.train import run_train
     torch_threads(cfg)
     rank = env_rank()[0]
     m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
@@ -269,9 +264,8 @@ def export(
 ):
     """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by
     vLLM as is."""
-    from draftsmith.export import run_export
-
     cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
+    from draftsmith.export import run_export
     m = run_export(RunDir(run), cfg)
     print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir('export')}")
 
@@ -318,14 +312,13 @@ def eval_(
 ):
     """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes
     RUN/eval/report.json."""
-    from draftsmith.eval import run_eval
-    from draftsmith.eval.report import REPORT_JSON, fmt_value
-
     cfg = stage_config(config, sets, **{
         "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts,
         "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
+    from draftsmith.eval import run_eval
+    from draftsmith.eval.report import REPORT_JSON, fmt_value
     torch_threads(cfg)
     m = run_eval(RunDir(run), cfg)
     r = m["report"]
@@ -352,9 +345,8 @@ def run_cmd(
     until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
 ):
     """Run the stages in order; a stage whose inputs and settings are unchanged is skipped."""
-    from draftsmith.pipeline import run_pipeline, summarize
-
     cfg = stage_config(config, sets)
+    from draftsmith.pipeline import run_pipeline, summarize
     torch_threads(cfg)
     rd = RunDir(run)
     run_pipeline(rd, cfg, from_stage, until_stage, retake_threads=True)
