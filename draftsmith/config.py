@@ -152,9 +152,9 @@ class ExtractConfig(_Section):
         "fp8", description="How the sample files hold the states: `fp8` (float8 e4m3 with a float32 scale per token "
         "and layer, (A+1) x (H + 4) bytes per token; offline training dequantises on read) or `bf16` (aux and last "
         "hidden states in bfloat16, (A+1) x H x 2 bytes per token: about twice). fp8 is the default since drafters "
-        "trained on either reached the same vLLM-measured acceptance (docs/benchmarks.md); stores written before it "
-        "are bf16: set bf16 to keep using one. meta.json's `store_format` says which a store holds; both stay "
-        "readable.")
+        "trained on either reached the same vLLM-measured acceptance (docs/experiments/extract.md); stores written "
+        "before it are bf16: set bf16 to keep using one. meta.json's `store_format` says which a store holds; "
+        "both stay readable.")
     writers: int = Field(
         4, ge=1, le=64, description="Writer threads that encode, hash and write sample files side by side "
         "(files are fsynced in groups, about once a second and at each shard's end, then named done).")
@@ -281,7 +281,8 @@ class TrainConfig(_Section):
         False, description="Keep the draft LM head at the target's own rows (no gradient): the drafter then has to "
         "produce a state the target's head reads as the target would, 4.7M fewer parameters to fit from little data "
         "(SmolLM2, 8,192 draft tokens) and no weight gradient for the head to compute. Measured on SmolLM2 at 295k "
-        "tokens it lost a little (replayed tau 1.366 -> 1.345, docs/benchmarks.md): off by default.")
+        "tokens it lost a little (replayed tau 1.366 -> 1.345, docs/experiments/drafter-quality.md): off by "
+        "default.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(

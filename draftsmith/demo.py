@@ -240,7 +240,7 @@ def explain(run: RunDir) -> str:
     lines.append("A 135M target on a CPU decodes a token so cheaply that the drafter's own passes cost nearly as "
                  "much as the target's: the gain grows with the target's size (an 8B target reads about 20x the bytes "
                  "of its one-layer drafter per step) and with tau, which grows with training: configs/smollm2-cpu.yaml "
-                 "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/benchmarks.md).")
+                 "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/experiments/drafter-quality.md).")
     lines += three_measurements(reports, k)
     export = run.path / "export"
     spec = json.dumps(speculative_config(export, k))

@@ -21,7 +21,7 @@ hardware profile. They are first-order models, stated with their assumptions:
   and the store's writer (writer_tokens_per_s, measured by bench/bench_store.py).
 
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
-runs, docs/benchmarks.md); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
+runs, docs/experiments/); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
 efficiencies typical of vLLM and PyTorch training. Expect the right order of magnitude, not the
 minute: `draftsmith status` gives the real ETA once a stage runs.
 """
@@ -64,7 +64,7 @@ class Hardware:
     host_cores: int = 12
 
 
-# cpu: calibrated on this machine with float32 SmolLM2 (docs/benchmarks.md): extract 640 tokens/s
+# cpu: calibrated on this machine with float32 SmolLM2 (docs/experiments/): extract 640 tokens/s
 # (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
 # (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
 # with `loss_on: all` ~700-790 tokens/s (the demo, smollm2-cpu); vLLM-CPU generate ~205 tokens/s
@@ -80,7 +80,7 @@ HARDWARE = {
 
 
 # The extract store's writer (draftsmith.extract.store.ShardWriter), measured by bench/bench_store.py
-# (docs/benchmarks.md, "Extract: the store's writer"): its writer threads write bf16 sample files at
+# (docs/experiments/extract.md, "Extract: the store's writer"): its writer threads write bf16 sample files at
 # WRITER_DISK_SHARE of the disk's raw sequential write with fsync. The fp8 format quantises where the
 # states are: on a GPU before the copy to the host (a negligible cost there), on a CPU in the writer
 # threads, CPU_FP8_VALUES_PER_S values a second over the 2-core machine (the first quantiser bounded it
@@ -94,7 +94,7 @@ CPU_FP8_VALUES_PER_S = 3.5e8
 # One rank's training data thread (train/data.py: read the fp8 store's rows, pack them into a reused host
 # arena, pinned on CUDA; the GPU dequantises), measured by bench/bench_data_thread.py at Kimi-K2's widths
 # on one torch thread from the page cache: 7.8 GB/s of store (270k tokens/s; the median of three passes,
-# 2-core AMD EPYC, 2026-12-03; docs/benchmarks.md, "The host's share at Kimi-K2's widths"). Dequantised
+# 2-core AMD EPYC, 2026-12-03; docs/experiments/train.md, "The host's share at Kimi-K2's widths"). Dequantised
 # on the host as before, the same thread managed 0.07 GB/s (2,600 tokens/s, a tenth of what one H200
 # rank's step consumes). Offline training runs no faster than its ranks' data threads deliver.
 DATA_THREAD_BYTES_PER_S = 7.5e9

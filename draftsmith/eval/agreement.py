@@ -18,9 +18,9 @@ the gap and everything found different (or that nothing was). A difference that 
 function than it trained (HARD: the layers, the vocabulary, the chat template, the kind, the serving method) is a
 verdict by itself, whatever the figures: a broken export is named before anyone reads a tau.
 
-TOLERANCE is calibrated in docs/benchmarks.md ("Validation tau against served tau"): the largest gap between
-validation and vLLM-CPU's tau on held-out prompts of the training distribution, plus twice the standard error of a
-16-prompt served tau.
+TOLERANCE is calibrated in docs/experiments/calibration.md ("Validation tau against served tau"): the largest gap
+between validation and vLLM-CPU's tau on held-out prompts of the training distribution, plus twice the standard
+error of a 16-prompt served tau.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from draftsmith import kinds
 from draftsmith.generate.samples import prompt_id_of
 from draftsmith.rundir import RunDir
 
-TOLERANCE = 0.15  # tau; see the module doc and docs/benchmarks.md
+TOLERANCE = 0.15  # tau; see the module doc and docs/experiments/calibration.md
 # differences that make the served drafter another function than the trained one (the rest explain gaps)
 HARD = ("aux layers", "draft vocabulary", "chat template", "kind", "method: served")
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")

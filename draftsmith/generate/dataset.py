@@ -8,7 +8,7 @@ Not the target's own text, but with train.loss_on=all the target still teaches e
 the 2-core CPU a drafter trained on
 ShareGPT's answers replays tau 1.35 against 1.37 for the same number of regenerated tokens, but
 four times the tokens this way did not beat the regenerated two-hour recipe (1.67 against 1.70
-in vLLM at the same training time; docs/benchmarks.md).
+in vLLM at the same training time; docs/experiments/drafter-quality.md).
 """
 
 from draftsmith.generate.reasoning import split_reasoning
