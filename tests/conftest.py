@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # costs ~70 MB/s, which vLLM pays for the whole cache as it zero-fills it (a server starting beside another spent
 # ~28 s allocating 2 GiB; docs/experiments/suite-time.md, "The suite's time (issue 60)").
 os.environ.setdefault("DRAFTSMITH_VLLM_CPU_KV_CACHE", "256M")
-_SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under (before any test changes it)
+_SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under: as the first test starts (below)
 
 # -------------------------------------------------------------------------------------------------
 # The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than
@@ -129,17 +129,25 @@ def build_tiny_target(path: Path, *, chat_template: str | None = CHATML, num_lay
     return path
 
 
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """What a test, or a library it runs in this process (wandb sets WANDB_SILENT, torch its Inductor cache folder),
-    leaves in os.environ ends with the test: the next test, and the CLI zygote (tests/cli_fork.py, which forks only
-    calls made in the environment it imported under), see the session's environment."""
+def pytest_collection_finish(session):
+    global _SESSION_ENV
+    _SESSION_ENV = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # what importing the tests set
+
+
+def _restore_environment():
+    """What a test or a module's fixtures, or a library they run in this process (wandb sets WANDB_SILENT, torch its
+    Inductor cache folder), left in os.environ ends with them: the next test, and the CLI zygote (tests/cli_fork.py,
+    which forks only calls made in the environment it imported under), see the session's environment."""
     before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     yield
     if {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} != before:
         for k in [k for k in os.environ if k not in before and k != "PYTEST_CURRENT_TEST"]:
             del os.environ[k]
         os.environ.update(before)
+
+
+_environment_restored_per_module = pytest.fixture(scope="module", autouse=True)(_restore_environment)
+_environment_restored_per_test = pytest.fixture(autouse=True)(_restore_environment)
 
 
 @pytest.fixture(scope="module")
