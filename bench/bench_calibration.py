@@ -83,7 +83,7 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     from draftsmith.extract.store import ExtractStore
     from draftsmith.rundir import RunDir
     from draftsmith.target import load_target
-    from draftsmith.train import loss_positions
+    from draftsmith.train.stage import loss_positions
     from draftsmith.train.data import OfflineSource
     from draftsmith.train.distributed import Ranks
     from draftsmith import kinds

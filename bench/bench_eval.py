@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith import DraftsmithError  # noqa: E402
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.eval import run_eval  # noqa: E402
+from draftsmith.eval.stage import run_eval  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 
 

@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.extract import ExtractStore, run_extract  # noqa: E402
+from draftsmith.extract.stage import run_extract  # noqa: E402
+from draftsmith.extract.store import ExtractStore  # noqa: E402
 from draftsmith.extract.vllm_backend import server_args, server_layer_ids  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from draftsmith.config import load_config
-from draftsmith.generate import run_generate
+from draftsmith.generate.stage import run_generate
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_tokenizer, target_info

@@ -61,11 +61,11 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE), str(HERE / "peer")]
 
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.extract import run_extract  # noqa: E402
 from draftsmith.extract.hf import make_batch, plan_batches  # noqa: E402
+from draftsmith.extract.stage import run_extract  # noqa: E402
 from draftsmith.extract.vllm_backend import server_dtype  # noqa: E402
-from draftsmith.generate import run_generate  # noqa: E402
 from draftsmith.generate.vllm import served_dtype  # noqa: E402
+from draftsmith.generate.stage import run_generate  # noqa: E402
 from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.prompts import context_tokens_needed, load_prompts  # noqa: E402
 from draftsmith.rundir import RunDir  # noqa: E402

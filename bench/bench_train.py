@@ -56,12 +56,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.extract import run_extract  # noqa: E402
+from draftsmith.extract.stage import run_extract  # noqa: E402
 from draftsmith.model.eagle3 import Eagle3Drafter  # noqa: E402
 from draftsmith.prepare import run_prepare  # noqa: E402
 from draftsmith.rundir import RunDir, fingerprint  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402
-from draftsmith.train import run_train  # noqa: E402
+from draftsmith.train.stage import run_train  # noqa: E402
 from draftsmith.vocab import run_vocab  # noqa: E402
 
 from _sharegpt import sharegpt_conversations  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_train_memory.py [--rows all] [--json FILE]
 
-What runs: the project's own training step as train._optimizer_step runs it on one GPU
+What runs: the project's own training step as train.stage._optimizer_step runs it on one GPU
 (TTTObjective: the drafter's TTT forward and the loss, under bf16 autocast; backward; gradient
 clipping; the fused AdamW step; zero_grad), with the recipes' shapes: a drafter sized by
 DrafterConfig.from_target_config from the target's config.json, fp32 master weights and the frozen
@@ -192,7 +192,7 @@ def build(dcfg: DrafterConfig, tc, variant: dict, rows: int, seq_len: int, targe
     with mode:
         torch.manual_seed(0)
         drafter = Eagle3Drafter(dcfg)
-        act = torch.bfloat16 if precision == "bf16" else torch.float32  # as train.fit moves each batch
+        act = torch.bfloat16 if precision == "bf16" else torch.float32  # as train.stage.fit moves each batch
         target_head = torch.randn(dcfg.draft_vocab_size, H, dtype=act)  # stored as distribute() stores it
         aux = torch.randn(rows, seq_len, A * H, dtype=act)
         last = torch.randn(rows, seq_len, H, dtype=act)
@@ -216,7 +216,7 @@ def build(dcfg: DrafterConfig, tc, variant: dict, rows: int, seq_len: int, targe
 
 
 def train_step(objective, optimizer, params, batch: Batch, tc, precision: str) -> None:
-    """One optimizer step as train._optimizer_step takes it (one micro-batch, one rank; bf16
+    """One optimizer step as train.stage._optimizer_step takes it (one micro-batch, one rank; bf16
     autocast or float32 as train.precision resolves), less its checks of the loss and gradient."""
     denom = step_counts(batch, objective.drafter.t2d, tc.ttt_steps).tolist()
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):

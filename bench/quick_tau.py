@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from draftsmith.export import load_exported  # noqa: E402
-from draftsmith.extract import ExtractStore  # noqa: E402
+from draftsmith.extract.store import ExtractStore  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402
 from draftsmith.train.drafter import read_target_weights  # noqa: E402
 

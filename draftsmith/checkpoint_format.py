@@ -1,9 +1,9 @@
 """The names in a training checkpoint folder (docs/run-directory.md, train/): what `train` writes
 (train/checkpoint.py) and `export` reads.
 
-A module of its own, without torch, rather than in train/checkpoint.py: importing anything under
-draftsmith.train runs the train package's __init__, which imports the whole stage (its data
-sources, extract, the target's loading), none of which export needs to read a checkpoint.
+A module of its own, without torch, rather than in train/checkpoint.py: that module is train's
+checkpoint machinery (torch, torch.distributed's state dicts, the ranks), none of which export needs
+to name a checkpoint's files; so the names two stages share belong to neither of them.
 """
 
 # the files of a checkpoint folder; a folder is complete once it has state.json, written last

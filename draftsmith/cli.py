@@ -122,7 +122,7 @@ def generate(
            "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
            "generate.concurrency": concurrency},
     )
-    from draftsmith.generate import run_generate
+    from draftsmith.generate.stage import run_generate
     if cfg.generate.backend == "local":
         torch_threads(cfg)
     run_generate(RunDir(run), cfg, retry_failed=retry_failed)
@@ -202,7 +202,7 @@ def extract(
 ):
     """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
     cfg = stage_config(config, sets)
-    from draftsmith.extract import run_extract
+    from draftsmith.extract.stage import run_extract
     torch_threads(cfg)
     manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
     if manifest is None:
@@ -235,7 +235,7 @@ def train(
 ):
     """Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly."""
     cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
-    from draftsmith.train import run_train
+    from draftsmith.train.stage import run_train
     torch_threads(cfg)
     rank = env_rank()[0]
     m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
@@ -317,7 +317,7 @@ def eval_(
         "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
-    from draftsmith.eval import run_eval
+    from draftsmith.eval.stage import run_eval
     from draftsmith.eval.report import REPORT_JSON, fmt_value
     torch_threads(cfg)
     m = run_eval(RunDir(run), cfg)

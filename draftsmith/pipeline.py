@@ -18,15 +18,15 @@ import socket
 import time
 
 from draftsmith import DraftsmithError
-from draftsmith.eval import run_eval
+from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
-from draftsmith.extract import run_extract
-from draftsmith.generate import run_generate
+from draftsmith.extract.stage import run_extract
+from draftsmith.generate.stage import run_generate
 from draftsmith.prepare import run_prepare
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import STAGES, RunDir, atomic_write_json
 from draftsmith.target import release_device_memory, thread_policy
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 from draftsmith.vocab import run_vocab
 
 STAGE_FUNCTIONS = {"generate": run_generate, "prepare": run_prepare, "vocab": run_vocab, "extract": run_extract,

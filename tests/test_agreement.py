@@ -14,11 +14,11 @@ import pytest
 from conftest import TINY_RUN_SETS
 from draftsmith.card import front_matter, has_absolute_path
 from draftsmith.config import load_config
-from draftsmith.eval import run_eval
 from draftsmith.eval.agreement import TOLERANCE, agreement, differences, predicted
+from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETS = TINY_RUN_SETS

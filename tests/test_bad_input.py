@@ -80,7 +80,7 @@ class Ctx:
 @pytest.fixture(scope="module")
 def ctx(tiny_target, tmp_path_factory) -> Ctx:
     from draftsmith.export import run_export
-    from draftsmith.extract import run_extract
+    from draftsmith.extract.stage import run_extract
     from draftsmith.prepare import run_prepare
     from draftsmith.vocab import run_vocab
 

@@ -75,7 +75,7 @@ def test_kimi_recipe_estimate_matches_the_case_we_learn_from():
     assert 0.95e12 < shape.total_params < 1.1e12 and 28e9 < shape.active_params < 36e9
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml")
     e = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
-    from draftsmith.extract import bytes_per_token
+    from draftsmith.store_format import bytes_per_token
 
     assert e["stages"]["extract"]["disk"] == e["tokens"] * bytes_per_token(3, 7168, cfg.extract.store_format)
     assert cfg.extract.store_format == "fp8" and 0.5e12 < e["stages"]["extract"]["disk"] < 0.7e12
@@ -280,7 +280,7 @@ def test_offline_training_and_vllm_extraction_are_bounded_by_their_host_work(mon
     (bench/bench_data_thread.py's rate); through vLLM, extraction no faster than its requests'
     host work (read, check, norm, quantise) on extract.concurrency threads, at most the host's cores."""
     import draftsmith.estimate as est
-    from draftsmith.extract import bytes_per_token
+    from draftsmith.store_format import bytes_per_token
 
     shape = target_shape(REPO / "configs" / "targets" / "kimi-k2-instruct.json", attention="gqa")
     cfg = load_config(REPO / "configs" / "kimi-k2-8xh200.yaml", ["extract.backend=vllm", "extract.concurrency=4"])

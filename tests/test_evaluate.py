@@ -12,9 +12,9 @@ import torch
 from conftest import build_tiny_target, write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.eval import ENGINES, drafter_source, run_eval
 from draftsmith.eval.local import SpecDecoder, speculative_verify
 from draftsmith.eval.report import read_train_metrics
+from draftsmith.eval.stage import ENGINES, drafter_source, run_eval
 from draftsmith.export import load_exported, run_export
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target

@@ -15,11 +15,11 @@ import pytest
 from conftest import write_drafter_checkpoint
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.eval import run_eval
 from draftsmith.eval.vllm import counter_delta, counts_consistent, spec_counters
+from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 
 # -------------------------------------------------------------------------------------------------
 # A fake vLLM server: /v1/models, /version, /metrics and /v1/chat/completions. Each chat request
@@ -339,8 +339,8 @@ def both_cores():
 
 @pytest.fixture(scope="module")
 def trained_run(smol_target, tmp_path_factory, one_thread) -> RunDir:
-    from draftsmith.extract import run_extract
-    from draftsmith.generate import run_generate
+    from draftsmith.extract.stage import run_extract
+    from draftsmith.generate.stage import run_generate
     from draftsmith.prepare import run_prepare
     from draftsmith.vocab import run_vocab
 

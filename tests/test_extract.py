@@ -15,8 +15,12 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.extract import ExtractStore, bytes_per_token, hf, plan_batches, run_extract, store
+from draftsmith.extract import hf, store
+from draftsmith.extract.hf import plan_batches
+from draftsmith.extract.stage import run_extract
+from draftsmith.extract.store import ExtractStore
 from draftsmith.rundir import RunDir, file_sha256, fingerprint
+from draftsmith.store_format import bytes_per_token
 
 from conftest import REPO, build_tiny_target, run_cli
 

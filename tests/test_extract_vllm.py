@@ -26,7 +26,9 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.extract import ExtractStore, HiddenCapture, run_extract
+from draftsmith.extract.hf import HiddenCapture
+from draftsmith.extract.stage import run_extract
+from draftsmith.extract.store import ExtractStore
 from draftsmith.extract.vllm_backend import FinalNorm, server_args, server_layer_ids
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
@@ -404,7 +406,7 @@ def test_server_arguments():
 def test_online_training_from_a_server_equals_in_process_online(tmp_path, tiny8, fake_server):
     from test_train import base_sets, cycle_samples, final_weights, make_run, metrics
 
-    from draftsmith.train import run_train
+    from draftsmith.train.stage import run_train
 
     samples = cycle_samples(target_info(str(tiny8)).vocab_size, 16, seed=3)
     local = make_run(tmp_path / "local", tiny8, samples, extract=False)
@@ -525,7 +527,7 @@ def test_real_server_states_equal_the_hf_backend(tmp_path, smol_target):
 def test_real_server_online_training_lowers_the_loss(tmp_path, smol_target):
     from test_train import base_sets, metrics
 
-    from draftsmith.train import run_train
+    from draftsmith.train.stage import run_train
     from draftsmith.vocab import run_vocab
 
     run = RunDir(tmp_path / "run")

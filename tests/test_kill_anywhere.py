@@ -216,7 +216,7 @@ def test_generate_cut_at_any_byte_resumes_to_the_same_file(reference, tmp_path, 
     is left differently (a partly written batch shifts the later ones); left padding keeps each
     sample's greedy answer the same."""
     from draftsmith.config import load_config
-    from draftsmith.generate import run_generate
+    from draftsmith.generate.stage import run_generate
     from draftsmith.rundir import RunDir
 
     ref, config, _ = reference
@@ -246,7 +246,7 @@ def extract_reference(inputs, one_thread):
     import yaml
 
     from draftsmith.config import load_config
-    from draftsmith.extract import run_extract
+    from draftsmith.extract.stage import run_extract
     from draftsmith.rundir import RunDir, fingerprint
     from draftsmith.target import target_info
 

@@ -23,9 +23,10 @@ import yaml
 
 from conftest import write_drafter_checkpoint
 from draftsmith.config import load_config
-from draftsmith.eval import run_eval
+from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
-from draftsmith.extract import ExtractStore, HiddenCapture
+from draftsmith.extract.hf import HiddenCapture
+from draftsmith.extract.store import ExtractStore
 from draftsmith.pipeline import run_pipeline
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target

@@ -18,12 +18,12 @@ from draftsmith import DraftsmithError, kinds
 from draftsmith.config import load_config
 from draftsmith.eval.local import SpecDecoder
 from draftsmith.export import load_exported, run_export, speculative_config
-from draftsmith.extract import run_extract
+from draftsmith.extract.stage import run_extract
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target, target_info
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 from draftsmith.vllm_server import VLLMServer, vllm_python
 from draftsmith.vocab import run_vocab
 from test_train import (cfg_for, copy_run, cycle_samples, final_weights, make_run, metrics, synthesize_states,

@@ -21,10 +21,10 @@ import pytest
 
 from conftest import build_tiny_target
 from draftsmith.config import load_config
-from draftsmith.generate import run_generate
 from draftsmith.generate.local import decode_answer
 from draftsmith.generate.openai import parse_turn
 from draftsmith.generate.reasoning import split_harmony
+from draftsmith.generate.stage import run_generate
 from draftsmith.prepare import ChatEncoder, run_prepare
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_tokenizer, target_info

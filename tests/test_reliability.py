@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from test_train import cfg_for, cycle_samples, make_run, metrics  # noqa: F401
 from draftsmith.target import target_info
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

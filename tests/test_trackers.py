@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from test_train import cfg_for, copy_run, metrics, synth_run  # noqa: F401
-from draftsmith.train import run_train
+from draftsmith.train.stage import run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

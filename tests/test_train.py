@@ -21,14 +21,15 @@ from conftest import REPO, build_tiny_target, run_cli, stop_signals_default
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
-from draftsmith.extract import ExtractStore, encode_sample, run_extract
+from draftsmith.extract.stage import run_extract
+from draftsmith.extract.store import ExtractStore, encode_sample
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.model.init import init_from_target
 from draftsmith.rundir import RunDir, atomic_write_bytes, fingerprint
 from draftsmith.target import target_info
-from draftsmith.train import NOT_FINGERPRINTED, run_train
+from draftsmith.train.stage import NOT_FINGERPRINTED, run_train
 from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Batch, Prefetcher, pack_epoch
 from draftsmith.train.dflash import Blocks, DFlashObjective, draw_blocks
@@ -404,7 +405,7 @@ def test_loss_mixes_chunked_equal_the_whole_batch_and_their_gradients_are_autogr
 
 
 def test_loss_positions_follow_loss_on_and_skip_each_samples_first_tokens():
-    from draftsmith.train import loss_positions
+    from draftsmith.train.stage import loss_positions
 
     assert loss_positions(MASK, DOC, POS, "assistant", 0).tolist() == MASK.tolist()
     assert loss_positions(MASK, DOC, POS, "all", 0).tolist() == [[True] * 8 + [False]]

@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from conftest import REPO
 from draftsmith import DraftsmithError
 from draftsmith.target import target_info
-from draftsmith.train import distributed, run_train
+from draftsmith.train import distributed
 from draftsmith.train.distributed import Ranks, distribute, from_rank0, on_rank0
 from draftsmith.train.objective import TTTObjective
+from draftsmith.train.stage import run_train
 from test_train import (DOC, IDS, MASK, POS, THREADS, cfg_for, cli_args, copy_run, cycle_samples, final_weights, make_run,
                         metrics, micro_batch, synthesize_states, tiny_drafter)
 

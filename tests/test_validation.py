@@ -14,9 +14,9 @@ from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.init import init_from_target
 from draftsmith.status import run_status
-from draftsmith.train import run_train
 from draftsmith.train.dflash import DFlashObjective, draw_blocks
 from draftsmith.train.objective import TTTObjective, chain_acceptance, ttt_masks
+from draftsmith.train.stage import run_train
 from draftsmith.train.validation import split, split_key, split_size
 from test_train import (DOC, IDS, MASK, POS, _resumed_from_step_10, cfg_for, copy_run, metrics, micro_batch,  # noqa: F401
                         synth_run,

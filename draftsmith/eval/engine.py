@@ -1,8 +1,8 @@
 """What an eval engine is given and what it must yield; the files engines share.
 
 An engine is a function `engine(ctx: EngineContext) -> Iterator[dict]` (local.py, vllm.py; the
-table is eval.ENGINES) that decodes ctx.todo and yields one record per prompt, holding at least
-RECORD_KEYS; eval/__init__ appends each to RUN/eval/answers.jsonl as it comes. What an engine
+table is eval.stage.ENGINES) that decodes ctx.todo and yields one record per prompt, holding at least
+RECORD_KEYS; eval/stage.py appends each to RUN/eval/answers.jsonl as it comes. What an engine
 says about itself for the report (its servers, their versions) it writes to engine.json.
 """
 

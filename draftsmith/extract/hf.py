@@ -124,7 +124,7 @@ def make_batch(samples: list[dict], pad_id: int = 0):
 
 
 # -------------------------------------------------------------------------------------------------
-# The extract stage's loop for this backend (extract.run_extract does everything else)
+# The extract stage's loop for this backend (extract.stage.run_extract does everything else)
 
 
 def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepared, shards, todo, prog) -> dict:

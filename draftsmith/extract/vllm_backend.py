@@ -415,7 +415,7 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
 
 
 # -------------------------------------------------------------------------------------------------
-# The extract stage's loop for this backend (extract.run_extract does everything else)
+# The extract stage's loop for this backend (extract.stage.run_extract does everything else)
 
 READ_CHUNK = 64  # prepared samples read from disk at a time
 

@@ -1,4 +1,4 @@
-"""generate's files (listed in generate/__init__'s doc; schema in docs/run-directory.md): the record
+"""generate's files (listed in generate/stage.py's doc; schema in docs/run-directory.md): the record
 of one sample, and the store of samples.jsonl and failures.jsonl that keeps the stage's promises."""
 
 import contextlib

@@ -127,7 +127,7 @@ def clear_for_attempt(folder: Path, continues: Callable[[dict], bool], fingerpri
         aside = _aside(folder, [p for p in (ck_dir, final_dir) if p.exists()])
         say(f"checkpoints of a run with other settings or inputs moved to {aside}; starting over")
     elif final_state is not None and final_state.get("train_fingerprint") != fingerprint:
-        # continued but not the same fingerprint: only its length changed (train/__init__.LENGTH_KEYS)
+        # continued but not the same fingerprint: only its length changed (train/stage.LENGTH_KEYS)
         aside = _aside(folder, [final_dir])
         say(f"the run is lengthened: its finished drafter (step {final_state.get('step')}) kept in {aside}; "
             "training continues from its last checkpoint")

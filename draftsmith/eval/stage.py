@@ -1,0 +1,203 @@
+"""`eval`: how much does the exported drafter speed up the target?
+
+An *engine* decodes every prompt with speculative decoding (and, for the speedup, plainly) and
+yields one record per prompt (eval/engine.py); this stage appends the records to
+RUN/eval/answers.jsonl as they come (so `status` counts them and a rerun resumes), then
+aggregates them into RUN/eval/report.json, report.md and acceptance.png (eval/report.py).
+
+Engines (the table ENGINES): `local`, draftsmith's own speculative decoding of the transformers
+target (eval/local.py), and `vllm`, a vLLM server serving the target with the exported drafter,
+counted from its /metrics (eval/vllm.py).
+
+The report holds its tau beside the validation tau training left in the export and the other engine's tau on the
+same prompts (eval/agreement.py); when one falls short of the prediction, the log says so in one line with what
+was found different. Evaluating the run's own export rewrites its model card (card.py) with every report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from draftsmith import DraftsmithError, kinds
+from draftsmith.card import write_card
+from draftsmith.eval.agreement import agreement, differences, measured, predicted
+from draftsmith.eval.engine import ENGINE_INFO, RECORD_KEYS, EngineContext, read_engine_info, resume_records
+from draftsmith.eval.local import local_engine
+from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggregate, fmt_value, machine_summary,
+                                    write_report)
+from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
+from draftsmith.export import CONFIG_FILE, speculative_config
+from draftsmith.progress import Progress, journal_failures
+from draftsmith.prompts import load_prompts
+from draftsmith.rundir import RunDir, append_json_line, read_json_object
+from draftsmith.stage import StageBook, one_process, upstream
+from draftsmith.target import chat_template_sha256, load_tokenizer, pick_device, pick_dtype, target_info
+
+STAGE = "eval"
+
+ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine, "vllm": vllm_engine}
+
+
+@one_process(STAGE)
+@journal_failures(STAGE)
+def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
+    """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
+    Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
+    `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
+    eval_cfg = cfg.eval
+    if eval_cfg.engine not in ENGINES:
+        raise DraftsmithError(f"eval.engine={eval_cfg.engine}: not available in this build; "
+                              f"use one of {', '.join(ENGINES)}")
+    run.ensure()
+    started = time.time()
+    export_manifest, export_dir = drafter_source(run, eval_cfg.drafter)
+    drafter_config = read_json_object(export_dir / CONFIG_FILE)
+    info = target_info(cfg.target, cfg.trust_remote_code)
+    exported_for = drafter_config.get("draftsmith") or {}
+    if exported_for.get("target_fingerprint") not in (None, info.fingerprint):
+        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target "
+                              f"{exported_for.get('target')} (fingerprint {exported_for.get('target_fingerprint')}), "
+                              f"but target is {info.name} (fingerprint {info.fingerprint})")
+    prompts = load_prompts(eval_cfg.prompts, limit=eval_cfg.limit, offset=eval_cfg.offset, first_turn_only=True)
+    if not prompts:
+        raise DraftsmithError(f"eval.prompts: no prompts in {eval_cfg.prompts} "
+                              f"(offset {eval_cfg.offset}, limit {eval_cfg.limit})")
+
+    settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
+    if eval_cfg.engine == "local":  # the server settings do not change what the local engine computes
+        settings["eval"] = {k: v for k, v in settings["eval"].items() if k not in VLLM_ONLY}
+    book = StageBook(run, folder, cfg, settings=settings, upstream={"export": export_manifest}, target=info,
+                     started=started)
+    # a per-prompt record stays valid when only the selection of prompts changes (a larger
+    # limit reuses the answers already written)
+    record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
+    record_fp = replace(book, settings=record_settings).fingerprint
+    if (old := book.up_to_date(outputs_ok=(run.path / folder / REPORT_JSON).is_file())) is not None:
+        return old  # up to date: same export, target, prompts and settings (`run` skips it)
+    book.begin()
+    d = run.stage_dir(folder)
+    done = resume_records(d / ANSWERS, record_fp, keep={p.id for p in prompts})
+
+    with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done),
+                  stall_after_s=cfg.stall_after_s) as prog:
+        if done:
+            prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {d / ANSWERS}")
+        trained = exported_for.get("ttt_steps")
+        if trained and eval_cfg.num_speculative_tokens > trained:
+            prog.log(f"note: K={eval_cfg.num_speculative_tokens} exceeds the {trained} steps the drafter was "
+                     "trained to draft")
+        todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
+        if todo:
+            ctx = EngineContext(run=run, cfg=cfg, export_dir=export_dir, todo=todo, prog=prog, warmup=warmup,
+                                fingerprint=record_fp, folder=folder)
+            _append_answers(ctx, d / ANSWERS, done)
+        records = [done[p.id] for p in prompts]
+        report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
+        report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
+                                         [p.id for p in prompts])
+        write_report(d, report, run.path / "train" / "metrics.jsonl")
+        prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
+                 f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
+                 f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
+                 f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
+                 f"(speedup {fmt_value(report['speedup'])})")
+        if report["agreement"]["verdict"]:
+            prog.log(f"warning: {report['agreement']['verdict']}")
+        if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
+            trained_k = int(exported_for.get("ttt_steps") or eval_cfg.num_speculative_tokens)
+            if why := write_card(run, export_dir, speculative_config(export_dir, trained_k), cfg.export.repo_id):
+                prog.log(f"warning: {why}")
+    return book.finish(
+        counts={"done": len(records), "total": len(prompts), "unit": "prompts"},
+        inputs={"export": export_manifest.get("fingerprint"), "prompts": eval_cfg.prompts},
+        outputs=[ANSWERS, REPORT_JSON, REPORT_MD, PLOT] + (
+            [n for n in (ENGINE_INFO, SERVER_LOG, BASELINE_LOG, BASELINE_FILE) if (d / n).is_file()]
+            if eval_cfg.engine == "vllm" else []),
+        extra={"report": {k: report[k] for k in ("acceptance_length", "acceptance_per_position", "tokens_per_s",
+                                                 "baseline_tokens_per_s", "speedup")}},
+    )
+
+
+def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir: Path, folder: str, info,
+               record_fp: str, prompt_ids: list[str]) -> dict:
+    """report.json's `agreement` (eval/agreement.py): this tau beside the validation one and the other engine's."""
+    K = cfg.eval.num_speculative_tokens
+    d = run.path / folder
+    engine_info = read_engine_info(d, record_fp) if cfg.eval.engine == "vllm" else {}
+    template = chat_template_sha256(load_tokenizer(info, cfg.trust_remote_code))
+    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids)
+    return agreement(predicted(drafter_config, K), measured(run, report, folder), found, K,
+                     (drafter_config.get("draftsmith") or {}).get("ttt_steps"))
+
+
+def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:
+    """(the manifest eval depends on, the drafter folder): RUN/export's, or for eval.drafter a
+    folder from elsewhere (another toolkit's speculators-format drafter), fingerprinted by the
+    sha256 of its config.json and weight files so that a changed drafter is evaluated again."""
+    if drafter is None:
+        return upstream(run, "export", by="draftsmith eval"), run.path / "export"
+    folder = Path(drafter).expanduser().resolve()
+    weights = sorted(folder.glob("*.safetensors"))
+    if not (folder / CONFIG_FILE).is_file() or not weights:
+        raise DraftsmithError(f"eval.drafter={drafter}: not a drafter folder (needs {CONFIG_FILE} and *.safetensors)")
+    h = hashlib.sha256()
+    for f in [folder / CONFIG_FILE, *weights]:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return {"fingerprint": h.hexdigest(), "drafter": str(folder)}, folder
+
+
+def _append_answers(ctx: EngineContext, answers: Path, done: dict[str, dict]) -> None:
+    """Run the engine over ctx.todo; each record is appended to answers.jsonl (fsynced) as it comes."""
+    engine = ctx.cfg.eval.engine
+    for rec in ENGINES[engine](ctx):
+        missing = [k for k in RECORD_KEYS if k not in rec]
+        if missing:
+            raise RuntimeError(f"engine {engine} returned a record without {missing}")
+        rec = {**rec, "engine": engine, "fingerprint": ctx.fingerprint}
+        append_json_line(answers, rec, fsync=True)
+        done[rec["id"]] = rec
+        ctx.prog.log(f"{rec['id']}: {rec['output_tokens']} tokens, tau {fmt_value(rec.get('acceptance_length'))}, "
+                     f"{fmt_value(rec.get('tokens_per_s'), '.1f')} tok/s"
+                     + (f" (plain {fmt_value(rec['baseline']['tokens_per_s'], '.1f')})" if rec.get("baseline") else ""))
+        ctx.prog.advance(1)
+
+
+def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config: dict, export_manifest: dict,
+            record_fp: str) -> dict:
+    """The report (report.json's content) of the records and what was evaluated how."""
+    eval_cfg = cfg.eval
+    device = pick_device(cfg.device)
+    report = {
+        "engine": eval_cfg.engine, "num_speculative_tokens": eval_cfg.num_speculative_tokens,
+        "temperature": eval_cfg.temperature,
+        **aggregate(records, eval_cfg.num_speculative_tokens),
+        "max_tokens": eval_cfg.max_tokens, "prompts_source": eval_cfg.prompts, "offset": eval_cfg.offset,
+        "limit": eval_cfg.limit,
+        "target": info.name, "target_fingerprint": info.fingerprint,
+        # what "auto" resolved to on this machine
+        "dtype": str(pick_dtype(cfg.dtype, device)).removeprefix("torch."), "device": str(device),
+        # the run's own export by its place in the run (a moved run names itself); a drafter from elsewhere by its path
+        "drafter": str(Path(eval_cfg.drafter).expanduser().resolve()) if eval_cfg.drafter else "export",
+        "aux_layers": kinds.export_aux(drafter_config),
+        "export_fingerprint": export_manifest.get("fingerprint"), "seed": eval_cfg.seed,
+        "machine": machine_summary(f"{torch.cuda.get_device_name(device)} x{torch.cuda.device_count()}"
+                                   if device.type == "cuda" else None),
+    }
+    if eval_cfg.engine == "vllm":
+        # what the server ran with (engine.json: also when this rerun had nothing left to decode);
+        # dtype is what it was asked for (None: a server of eval.server)
+        engine_info = read_engine_info(d, record_fp)
+        report.update({"dtype": None if eval_cfg.server else vllm_server_args(cfg, None)[1], "device": "vllm",
+                       "concurrency": 1, "server": engine_info.get("server"),
+                       "baseline_server": engine_info.get("baseline_server"),
+                       "vllm_version": (engine_info.get("server") or {}).get("vllm_version")})
+    return report

@@ -1,0 +1,619 @@
+"""The `train` stage: fit the EAGLE-3 drafter to the target with training-time test (TTT).
+
+    run_train = read_inputs -> (up to date: done) -> setup -> fit -> finish
+
+Data (data.py). `train.mode=offline` reads the target's hidden states from extract/;
+`online` runs the target in this process on prepare/samples.jsonl and writes nothing but train/
+(with `extract.backend=vllm` the states stream from vLLM server(s) instead, through a buffer of at
+most extract.concurrency files, each deleted once read). All feed the same loop: samples packed
+into rows of `train.seq_len` tokens, `train.batch_tokens // seq_len` rows per micro-batch,
+`train.grad_accum` micro-batches per rank per optimizer step.
+
+Objective (objective.py): the forward KL from the target's next-token distribution to the
+drafter's (or a mix with other distances, train.loss_*), over `train.ttt_steps` unrolled drafting
+steps weighted gamma**k.
+
+Validation (validation.py): train.validation holds samples out by a hash of their prompt's id; every
+train.validate_every steps and after the last, their chain acceptance (the acceptance length a greedy
+verifier gets) is measured with the objective's own forward, logged beside the training figures, written
+to metrics.jsonl and kept in every checkpoint.
+
+Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/ and final/ (checkpoint.py),
+metrics.jsonl and tb/ (report.py), the manifest. A run killed at any point resumes from its
+newest checkpoint to the same final weights as a run never interrupted.
+
+Ranks (distributed.py, launch.py): torchrun runs DDP or FSDP; `train.processes` starts local
+ranks itself. State lives in one TrainState; every rank runs the same code, rank 0 writes.
+"""
+
+import contextlib
+import functools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from draftsmith import DraftsmithError, kinds
+from draftsmith.extract.vllm_backend import server_dtype
+from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.rundir import RunDir, fingerprinted
+from draftsmith.stage import StageBook, one_process
+from draftsmith.target import target_info
+from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
+                                         pick_checkpoint, save_checkpoint)
+from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_source, open_upstream, step_stream
+from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
+from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
+from draftsmith.train.launch import launch_ranks
+from draftsmith.train.objective import LossMix, resolve_attention
+from draftsmith.train.report import Window
+from draftsmith.train.validation import Validation, split
+from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
+from draftsmith.train.stop import DeferredStop
+from draftsmith.train.trackers import Trackers
+from draftsmith.vocab import load_vocab
+
+STAGE = "train"
+TRAIN_VERSION = 1
+# How long the run is, not what a step computes: a run whose settings differ from a checkpoint's in
+# these alone continues from it (its schedule re-planned) instead of starting over.
+LENGTH_KEYS = ("max_steps", "epochs", "max_minutes")
+# Settings that change how a run is watched, stored or sharded, not what it computes: left out
+# of the fingerprint, so that changing one resumes the run instead of restarting it.
+NOT_FINGERPRINTED = ("log_every_s", "tensorboard", "checkpoint_every", "keep_checkpoints", "fsdp", "processes",
+                     "attention", "loss_chunk_tokens", "validate_every", "report_to", "tracker_project")
+# Train settings added after runs already existed, each with the default that keeps those older
+# runs' fingerprint unchanged: `fingerprinted` (its later_defaults) leaves a setting out while it
+# holds this value, so an older run stays current instead of training again.
+ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl": 1.0, "loss_rkl": 0.0,
+                        "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
+                        "ema": 0.0, "loss_skip_tokens": 0, "optimizer": "adamw", "method": "eagle3",
+                        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "mask_token_id": None,
+                        "dflash_anchors": 64, "block_size": None, "drafter_options": {}}
+
+say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
+
+
+@dataclass
+class TrainState:
+    """A training run: what setup builds, fit advances and finish reads."""
+
+    # -- fixed for the run
+    run: RunDir
+    cfg: Any
+    book: StageBook  # fingerprint, settings and upstream manifests; writes the manifest
+    ranks: Ranks
+    source: Any  # OfflineSource | OnlineSource | ServerSource
+    packing: Packing
+    objective: Any  # the kind's objective (kinds/<kind>/model.py): the drafter plus the frozen target head
+    model: torch.nn.Module  # what the loop calls: objective, or its DDP wrapper (FSDP shards objective in place)
+    params: list  # the trainable parameters, clipped together
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    budget: TimeBudget
+    fc_scale: Any  # [3H] train.fc_input_norm factor, or None; saved in every checkpoint
+    meta: dict  # drafter.json of every checkpoint
+    precision: str  # "bf16" (autocast) or "fp32"
+    cpu0: float  # process CPU seconds when the stage began
+    # -- where the run is (every checkpoint's state.json)
+    start_step: int  # the step this attempt resumed from
+    step: int
+    total_steps: int  # the run ends after this step (lowered when the time budget ends it)
+    planned: int  # what the log and status show: with a time budget, the steps it is expected to allow
+    position: tuple[int, int]  # (epoch, micro-batch) of the data stream after the last step
+    tokens_seen: int = 0
+    samples_seen: int = 0
+    metrics: dict | None = None  # the last log interval's metrics
+    validation: Validation | None = None  # the held-out samples (None: train.validation 0, or too few samples)
+    val_metrics: dict | None = None  # the last validation pass's figures (with its step)
+    trackers: Trackers | None = None  # train.report_to (rank 0; closed with the stage)
+
+    @property
+    def folder(self) -> Path:
+        return self.run.path / STAGE
+
+
+def run_train(run, cfg) -> dict:
+    """Train the drafter (train.mode offline or online); returns the train manifest.
+
+    Resumes from the newest complete checkpoint of a run with the same fingerprint; moves the
+    checkpoints of a run with other settings to train/previous/ and starts over.
+    With train.processes > 1 outside torchrun, launches that many local ranks (they journal
+    their own failures).
+    """
+    if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(run, cfg, STAGE)
+    return _train(run, cfg)
+
+
+@one_process(STAGE)
+@journal_failures(STAGE)
+def _train(run, cfg) -> dict:
+    started, cpu0 = time.time(), time.process_time()
+    with process_group(cfg.device) as ranks, contextlib.ExitStack() as closing:
+        inputs = read_inputs(run, cfg, ranks, started)
+        if (done := finished_run(run, inputs)) is not None:
+            return done
+        ts = setup(run, cfg, ranks, inputs, closing, cpu0)
+        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step,
+                      stall_after_s=cfg.stall_after_s, console=False, shared=True) as prog, DeferredStop(say) as stop:
+            fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
+            manifest = finish(ts, prog)
+            if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
+                stop.raise_now()
+        if ranks.world > 1:
+            dist.barrier()
+    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+
+
+# -------------------------------------------------------------------------------------------------
+# read_inputs: the target, upstream and vocabulary, checked; setup: data, drafter, resume, optimizer
+
+
+@dataclass
+class Inputs:
+    """The stage's inputs, read and checked before anything is decided (read_inputs)."""
+
+    info: Any  # the target's TargetInfo
+    layers: list[int]  # the aux layers
+    store: Any  # the extract store (train.mode=offline), else None
+    d2t: torch.Tensor  # [Dv] int64, the draft vocabulary's offsets
+    vocab_info: dict  # the vocabulary's own record (its fingerprint)
+    precision: str  # train.precision resolved: "bf16" or "fp32"
+    attention: str  # train.attention resolved: "sdpa" or "flex"
+    book: StageBook  # fingerprint, settings and upstream manifests
+
+
+def read_inputs(run, cfg, ranks: Ranks, started: float) -> Inputs:
+    """The target, the upstream stage's data and the vocabulary, refusing missing or mismatched
+    ones, and the stage's book (its fingerprint). Writes nothing."""
+    tc = cfg.train
+    info = target_info(cfg.target, cfg.trust_remote_code, log=say)
+    layers, upstream, store = open_upstream(run, cfg, info)
+    d2t, t2d, vocab_info = load_vocab(run, expect_target_fingerprint=info.fingerprint,
+                                      expect_size=cfg.vocab.draft_vocab_size, by="draftsmith train")
+    if t2d.numel() != info.vocab_size:
+        raise DraftsmithError(f"vocab/vocab.safetensors: t2d has {t2d.numel()} entries but target {info.name} "
+                              f"has a vocabulary of {info.vocab_size}")
+    upstream["vocab"] = run.read_manifest("vocab")
+    precision = resolve_precision(tc.precision, ranks.device)
+    attention = resolve_attention(tc.attention, ranks.device)
+    book = StageBook(run, STAGE, cfg, settings=_settings(cfg, layers, precision), upstream=upstream, target=info,
+                     started=started)
+    return Inputs(info=info, layers=layers, store=store, d2t=d2t, vocab_info=vocab_info, precision=precision,
+                  attention=attention, book=book)
+
+
+def finished_run(run, inputs: Inputs) -> dict | None:
+    """The manifest of the finished run when it is up to date with these inputs (nothing to do),
+    else None."""
+    done = inputs.book.up_to_date(outputs_ok=(run.path / STAGE / "final" / CKPT_STATE).is_file())
+    if done is not None:
+        say(f"up to date ({done['counts'].get('done')} steps); nothing to do")
+    return done
+
+
+def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack, cpu0: float) -> TrainState:
+    """Everything before the first step of a run that is not up to date (finished_run). The data
+    source is closed by `closing`."""
+    tc = cfg.train
+    info, layers, d2t, precision, attention, book = (inputs.info, inputs.layers, inputs.d2t, inputs.precision,
+                                                     inputs.attention, inputs.book)
+    fp, folder = book.fingerprint, run.path / STAGE
+
+    # the init layer and the data are read and checked before anything in train/ is touched: a bad
+    # value must not move a good run's checkpoints aside
+    dcfg = drafter_config(info, cfg, int(d2t.numel()), len(layers))
+    init_layers = read_init_layers(info, tc, dcfg)
+    source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
+    closing.callback(source.close)
+    ids = source.sample_ids()
+    held = split(ids, tc.validation, tc.validation_max_samples) if tc.validation > 0 else []
+    held_set = set(held)
+    # the held-out samples get length 0 in the training packing: no micro-batch ever holds them
+    packing = Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
+    per_step = ranks.world * tc.grad_accum
+    total_steps = count_steps(tc, packing, per_step)
+    resume_fp = _resume_fingerprint(book)
+
+    def continues(state: dict) -> bool:
+        """Whether this attempt continues the run of a checkpoint's state.json: the same fingerprint,
+        or one that differs only in the run's length and not below the steps it made."""
+        return (state.get("train_fingerprint") == fp
+                or (state.get("resume_fingerprint") == resume_fp and int(state.get("step", 0)) <= total_steps))
+
+    if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
+        book.begin()
+        clear_for_attempt(folder, continues, fp, say)
+    if ranks.world > 1:
+        dist.barrier()
+    validation = None
+    if held:
+        validation = Validation(held, ids, source.lengths, packing.row_len, packing.rows_per_batch, ranks.rank,
+                                ranks.world)
+        resampled = len(held) - len(validation.measured)
+        say(f"validation: {len(held)} samples held out by a hash of their prompt's id, never trained on; "
+            f"{len(validation.measured)} measured ({validation.tokens:,} tokens"
+            + (f"; their prompts' {resampled} resampled answers held out too, not measured" if resampled else "")
+            + f") every {tc.validate_every} steps and after the last, on the answers' tokens" + _sampled_note(run, cfg))
+    elif tc.validation > 0:
+        say(f"validation: off (train.validation={tc.validation:g} of {len(source.lengths)} samples holds out none); "
+            "the train line's tau is then measured on the samples being fitted, which overstates the served one")
+    n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
+    if n_truncated:
+        say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
+            "and are cut to it")
+
+    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
+                                                # on the host in float32: an fp8 store's states dequantised
+                                                lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
+                                                    torch.device("cpu"), torch.float32),
+                                                init_layers, layers, say, ranks)
+    mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
+    kind = kinds.get(tc.method)
+    objective = kind.runtime().objective(drafter, target_head, tc, scale, attention, mix).to(ranks.device)
+    meta = {
+        "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
+        "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
+        "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
+        "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
+        "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
+        "method": tc.method, "drafts": kind.drafts(tc),
+    }
+
+    # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
+    # the other ranks the weights) once the optimizer exists
+    resume = pick_checkpoint(folder / "checkpoints", continues, drafter, ranks, say)
+    state = resume.state if resume is not None else {}
+    start_step = int(state.get("step", 0))
+    lengthened = bool(state) and state.get("train_fingerprint") != fp
+    if lengthened:
+        say(f"train.max_steps / epochs / max_minutes changed: continuing from step {start_step} to {total_steps}; "
+            "the learning-rate schedule is re-planned over the new length (docs/pipeline.md)")
+    elif state and int(state.get("total_steps", -1)) == start_step:
+        total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
+    if state and state.get("world_size", ranks.world) * state.get("grad_accum", tc.grad_accum) != per_step:
+        say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
+            f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
+
+    model = distribute(objective, ranks, tc.fsdp, precision)
+    named = [(n, p) for n, p in objective.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = make_optimizer(named, tc,
+                               fused=ranks.device.type in ("cpu", "cuda") and not (ranks.world > 1 and tc.fsdp))
+    budget = TimeBudget.resume(tc, state)
+    scheduler = make_scheduler(optimizer, tc, total_steps, budget)
+    ts = TrainState(run=run, cfg=cfg, book=book, ranks=ranks, source=source, packing=packing, objective=objective,
+                    model=model, params=params, optimizer=optimizer, scheduler=scheduler, budget=budget, fc_scale=scale,
+                    meta=meta, precision=precision, cpu0=cpu0, start_step=start_step, step=start_step,
+                    total_steps=total_steps, planned=total_steps,
+                    position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
+                    tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
+                    metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"))
+    names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
+    ts.trackers = Trackers(ts.folder, names, tc.tracker_project, cfg.model_dump(mode="json"), start_step, ranks.rank,
+                           say)
+    closing.callback(ts.trackers.close)
+    if resume is not None:
+        load_training_state(resume, objective, optimizer, scheduler, ranks)
+        say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
+            f"micro-batch {ts.position[1]})")
+    budget_note = ("" if budget.budget_s is None
+                   else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
+    trained = sum(1 for n in packing.lengths if n > 0)
+    say(f"{tc.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
+        f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {kind.label} drafting "
+        f"{kind.drafts(tc)} tokens a step, "
+        f"{precision}, {attention} attention, {ranks.world} rank(s) "
+        f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
+    return ts
+
+
+def _sampled_note(run, cfg) -> str:
+    """What the validation figure means when the answers were sampled (the generate stage's settings)."""
+    gen = ((run.read_manifest("generate") or {}).get("settings") or {}).get("generate") or cfg.generate.model_dump()
+    temperature, answers = float(gen.get("temperature") or 0.0), int(gen.get("answers_per_prompt") or 1)
+    if temperature <= 0 and answers <= 1:
+        return ""
+    return (f"; note: answers were sampled (generate.temperature {temperature:g}, {answers} answer(s) per prompt), "
+            "so its tau is taken on sampled continuations and predicts greedy serving (T=0) less closely")
+
+
+def _resume_fingerprint(book: StageBook) -> str:
+    """The fingerprint of the run's settings less its length (LENGTH_KEYS): checkpoints carrying it
+    are continued by a run that is only longer (or shorter, down to the steps they made)."""
+    settings = {**book.settings, STAGE: {k: v for k, v in book.settings[STAGE].items() if k not in LENGTH_KEYS}}
+    return replace(book, settings=settings).fingerprint
+
+
+def _settings(cfg, layers: list[int], precision: str) -> dict:
+    """What the manifest records and the fingerprint covers: the train section (less
+    NOT_FINGERPRINTED, less ADDED_LATER_DEFAULTS at their defaults), the aux layers, the precision used."""
+    section = cfg.section(STAGE)
+    section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, ADDED_LATER_DEFAULTS)
+    settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
+    if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
+        # states from a server, not this process's forward, in the dtype the server computes in
+        settings["online_states"] = {"source": "vllm", "dtype": server_dtype(cfg), "connector": cfg.extract.connector}
+    return settings
+
+
+# -------------------------------------------------------------------------------------------------
+# fit: the loop
+
+
+def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
+    """Optimizer steps until ts.total_steps (or the time budget), logging every train.log_every_s
+    and checkpointing every train.checkpoint_every steps; on a stop signal (`stop`, noted on any
+    rank) a checkpoint of the step just made on every rank, then the signal raised."""
+    tc, device = ts.cfg.train, ts.ranks.device
+    data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
+                       prepare=_host_step(ts), feeder=DeviceFeeder(device, _act_dtype(ts), tc.grad_accum))
+    window = Window(ts.folder, tc, ts.objective.steps, ts.ranks.rank, device, ts.start_step, say, ts.trackers)
+    ts.budget.start()
+    try:
+        while ts.step < ts.total_steps:
+            t = time.perf_counter()
+            ts.position, micro_batches = next(data)  # on the device, with their layouts
+            window.times["data"] += time.perf_counter() - t
+
+            shared = _share_step(ts, micro_batches, window, stop)
+            if shared["bad_states"][0] > 0:
+                raise _non_finite_states(ts, micro_batches)
+            ts.budget.clock_s = shared["clock_s"]
+            grad_norm = _optimizer_step(ts, micro_batches, shared["denom"], window)
+            ts.step += 1
+            ts.tokens_seen += int(shared["tokens"])
+            ts.samples_seen += int(shared["samples"])
+            window.tokens += int(shared["tokens"])
+            window.steps += 1
+            stop_now = shared["stop"] > 0
+            if stop_now:
+                ts.total_steps = ts.planned = ts.step  # the time budget ends the run here
+                prog.set_total(ts.step)
+            prog.advance(1)
+
+            if shared["log"] > 0:
+                _log_window(ts, window, grad_norm, stop_now, prog)
+            if stop_now:
+                break
+            if ts.validation is not None and ts.step % tc.validate_every == 0 and ts.step < ts.total_steps:
+                _validate(ts, prog, window)  # before a checkpoint of this step, which keeps its figures
+            if shared["interrupt"] > 0 and ts.step < ts.total_steps:  # every rank sees it at the same step
+                _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
+                say(f"checkpoint of step {ts.step} written: the same command resumes from it")
+                stop.raise_now()
+            if ts.step % tc.checkpoint_every == 0 and ts.step < ts.total_steps:
+                _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
+    finally:
+        data.close()
+
+
+def _act_dtype(ts: TrainState):
+    return torch.bfloat16 if ts.precision == "bf16" else torch.float32
+
+
+def _host_step(ts: TrainState, validation: bool = False):
+    """What a micro-batch goes through on the host before the device (in the data thread): the loss mask, then
+    the sizes the loss takes from it (the objective's layout). `validation`: the answers' tokens alone, where
+    serving drafts, whatever train.loss_on and loss_skip_tokens train on."""
+    tc, layout_of = ts.cfg.train, ts.objective.layouts()
+    loss_on, skip = ("assistant", 0) if validation else (tc.loss_on, tc.loss_skip_tokens)
+
+    def prepare(b):
+        b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, loss_on, skip))
+        return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
+    return prepare
+
+
+def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
+    """A validation pass after step ts.step (every rank): its figures into ts.val_metrics, and on rank 0 a
+    metrics.jsonl row and a log line. Its time counts neither in the time budget nor in the window's rate."""
+    tc = ts.cfg.train
+    figs = ts.validation.run(ts.objective, ts.source, _host_step(ts, validation=True), ts.ranks.device, _act_dtype(ts),
+                             ts.precision, ts.ranks, say, tc.log_every_s, prog.busy)
+    ts.budget.loop_t0 += figs["seconds"]
+    if window is not None:
+        window.t0 += figs["seconds"]
+    ts.val_metrics = {"step": ts.step, **figs}
+    if ts.ranks.rank == 0:
+        Window.write_validation(ts.folder, ts.val_metrics, say, ts.trackers)
+
+
+def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
+    """[R, T] bool: where the loss is taken. `assistant`: prepare's mask; `all`: every token of every
+    sample (padding, doc_ids -1, excluded); either without each sample's first `skip` tokens
+    (position_ids count from 0 in each sample)."""
+    mask = doc_ids >= 0 if loss_on == "all" else loss_mask
+    return mask & (position_ids >= skip) if skip else mask
+
+
+def _share_step(ts: TrainState, micro_batches: list, window: Window, stop: DeferredStop) -> dict:
+    """What every rank needs before the step, in one all-reduce: `denom` [ttt_steps] the positions
+    of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; rank 0's
+    `clock_s` and decisions to `log` after this step and to `stop` after it (time budget); and
+    `interrupt`, whether any rank got a stop signal (the step then ends with a checkpoint)."""
+    rank = ts.ranks.rank
+    denom = torch.stack([ts.objective.counts(b) for b in micro_batches]).sum(0)
+    # stored states that are not finite anywhere, inside the loss or not (a damaged store file):
+    # every rank learns of them here, so all stop together, each naming its own files
+    bad_states = torch.stack([~(torch.isfinite(b.aux_hidden).all() & torch.isfinite(b.last_hidden).all())
+                              for b in micro_batches]).sum().reshape(1)
+    now_s = ts.budget.trained_s() if rank == 0 else 0.0
+    last_by_time = rank == 0 and ts.budget.should_stop(now_s, ts.step - ts.start_step)
+    want_log = rank == 0 and window.due(ts.step, ts.total_steps, last_by_time)
+    return sum_by_name({"denom": denom, "tokens": sum(b.tokens for b in micro_batches),
+                        "samples": sum(len(b.samples) for b in micro_batches),
+                        "log": float(want_log), "clock_s": now_s, "stop": float(last_by_time),
+                        "interrupt": float(stop.requested), "bad_states": bad_states}, ts.ranks)
+
+
+def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], window: Window) -> float:
+    """Forward and backward over this rank's micro-batches, then (unless a loss or the gradient
+    is not finite) one optimizer and scheduler step; returns the gradient norm before clipping.
+
+    Nothing is read back from the device per micro-batch (on CUDA the host queues them all
+    without waiting); the step's one read is the gradient norm with the finiteness of every loss.
+    """
+    tc, world = ts.cfg.train, ts.ranks.world
+    autocast = torch.autocast(ts.ranks.device.type, dtype=torch.bfloat16, enabled=ts.precision == "bf16")
+    losses = []  # [] per micro-batch, on the device: read one by one only when the step's check fails
+    for j, b in enumerate(micro_batches):
+        # gradients are reduced across ranks once per step, after the last micro-batch
+        last_mb = j == len(micro_batches) - 1
+        if world > 1 and tc.fsdp:
+            ts.objective.set_requires_gradient_sync(last_mb)
+        sync = ts.model.no_sync() if hasattr(ts.model, "no_sync") and not last_mb else contextlib.nullcontext()
+        with sync:
+            t = time.perf_counter()
+            with autocast:
+                loss, stats = ts.model(b, denom, scale=float(world))
+            losses.append(loss.detach())
+            window.times["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            window.times["backward"] += time.perf_counter() - t
+        window.stats += stats
+
+    t = time.perf_counter()
+    norm_t = torch.nn.utils.clip_grad_norm_(ts.params, tc.grad_clip)
+    norm_t = norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t
+    # the step's one device->host read: the norm and whether every micro-batch's loss was finite
+    grad_norm, finite = torch.stack([norm_t.double(), torch.isfinite(torch.stack(losses)).all().double()]).tolist()
+    if not (finite and math.isfinite(grad_norm)):
+        bad = [ts.source.name(i) for b, loss in zip(micro_batches, losses) if not torch.isfinite(loss)
+               for i in b.samples]
+        raise _non_finite(ts, bad, grad_norm)
+    ts.optimizer.step()
+    if tc.ema > 0:
+        update_ema(ts.optimizer, ts.params, tc.ema, ts.step + 1)
+    if ts.step + 1 == tc.warmup_steps:
+        ts.budget.warmup_end_s = ts.budget.clock_s  # before the scheduler computes the first post-warm-up rate
+    ts.scheduler.step()
+    ts.optimizer.zero_grad(set_to_none=True)
+    window.times["optimizer"] += time.perf_counter() - t
+    return grad_norm
+
+
+def _non_finite_states(ts: TrainState, micro_batches: list) -> DraftsmithError:
+    """The error for non-finite target states in this step's micro-batches (on any rank): the
+    files of the samples that hold them (offline; gathered from every rank) and the command that
+    finds and redoes every such file; online, where nothing is stored, the samples."""
+    mine = [(ts.source.name(i), ts.source.damaged(i)) for b in micro_batches
+            if not (torch.isfinite(b.aux_hidden).all() and torch.isfinite(b.last_hidden).all()) for i in b.samples]
+    everyone = [mine]
+    if ts.ranks.world > 1:
+        everyone = [None] * ts.ranks.world
+        dist.all_gather_object(everyone, mine)
+    found = [x for r in everyone for x in r]
+    files = [why for _, why in found if why]
+    good = complete_checkpoints(ts.folder / "checkpoints")
+    kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written yet"
+    if files:
+        more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+        return DraftsmithError(f"{files[0]}{more}; `draftsmith extract --run {ts.run.path} --verify` finds and "
+                               f"rewrites such files; stopped at step {ts.step + 1} without updating the weights; "
+                               f"{kept}")
+    ids = [name for name, _ in found]
+    return DraftsmithError(f"train: the target's hidden states of samples {ids[:20]} are not finite at step "
+                           f"{ts.step + 1}; "
+                           f"stopped without updating the weights; {kept}")
+
+
+def _non_finite(ts: TrainState, bad: list[str], grad_norm: float) -> DraftsmithError:
+    """The error that stops the run before a non-finite update. NaN gradients reach every rank
+    through the all-reduce, so all ranks get here together and gather the bad samples' names."""
+    everyone = [bad]
+    if ts.ranks.world > 1:
+        everyone = [None] * ts.ranks.world
+        dist.all_gather_object(everyone, bad)
+    ids = [i for r in everyone for i in r]
+    good = complete_checkpoints(ts.folder / "checkpoints")
+    kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written yet"
+    what = (f"non-finite loss in the micro-batch(es) of samples {ids[:20]}" + (" ..." if len(ids) > 20 else "")
+            if ids else f"non-finite gradient norm ({grad_norm})")
+    return DraftsmithError(f"train: {what} at step {ts.step + 1}; stopped without updating the weights; {kept}")
+
+
+def _log_window(ts: TrainState, window: Window, grad_norm: float, stop_now: bool, prog: Progress) -> None:
+    """The metrics of the window of steps since the last log (every rank: the statistics are
+    summed over ranks); rank 0 writes them. With a time budget, the steps it is expected to allow."""
+    loss_k, acc_k, dt = window.summary(ts.ranks.world)
+    tps = window.tokens / dt if dt > 0 else 0.0
+    eta = (ts.total_steps - ts.step) * dt / max(1, window.steps)
+    if ts.budget.budget_s is not None and not stop_now:
+        left_s = ts.budget.left_s()
+        eta = min(eta, left_s)
+        ts.planned = min(ts.total_steps, ts.step + int(left_s * window.steps / dt)) if dt > 0 else ts.planned
+        prog.set_total(ts.planned)
+    tau, per_pos = window.chain()
+    if loss_k[0] is None and ts.ranks.rank == 0:
+        say(f"warning: steps up to {ts.step} had no trained token: the answers of their samples lie past "
+            f"train.seq_len ({ts.packing.row_len} tokens) or outside train.loss_on; their loss is n/a and nothing "
+            "was learnt from them (raise train.seq_len, or lower prepare.max_length)")
+    ts.metrics = {
+        "step": ts.step, "total_steps": ts.planned, "epoch": ts.position[0], "loss": loss_k, "acc": acc_k,
+        "acceptance_length": tau, "acceptance_per_position": per_pos, "lr": ts.scheduler.get_last_lr()[0],
+        "grad_norm": grad_norm,
+        "tokens_per_s": tps, "tokens": ts.tokens_seen, "samples": ts.samples_seen,
+        "elapsed_s": time.time() - ts.book.started, "cpu_s": time.process_time() - ts.cpu0,
+        "step_time_s": {k: v / max(1, window.steps) for k, v in window.times.items()},
+    }
+    if ts.ranks.rank == 0:
+        window.write(ts.metrics, eta, ts.val_metrics)
+    window.reset()
+
+
+def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
+    """A checkpoint of the run as it stands (every rank calls it; rank 0 writes)."""
+    now = time.time()
+    state = {"step": ts.step, "total_steps": ts.total_steps, "epoch": ts.position[0], "micro_batch": ts.position[1],
+             "resume_fingerprint": _resume_fingerprint(ts.book),
+             "tokens_seen": ts.tokens_seen, "samples_seen": ts.samples_seen, "world_size": ts.ranks.world,
+             "grad_accum": ts.cfg.train.grad_accum, "train_fingerprint": ts.book.fingerprint, "time": now,
+             "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
+             "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s,
+             "validation": ts.val_metrics}
+    save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
+                    device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale,
+                    keep=keep)
+
+
+# -------------------------------------------------------------------------------------------------
+# finish: last checkpoint, final/, manifest
+
+
+def finish(ts: TrainState, prog: Progress) -> dict | None:
+    """The last step's checkpoint (unless the attempt resumed from it), final/, and on rank 0 the
+    manifest, which it returns (None on the other ranks)."""
+    ema = ts.cfg.train.ema > 0
+    if ts.validation is not None and not ema and (ts.val_metrics or {}).get("step") != ts.step:
+        _validate(ts, prog, None)  # the figures the drafter leaves training with, kept in the checkpoints below
+    if ts.step > ts.start_step:
+        _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=ts.cfg.train.keep_checkpoints)
+    final_dir = ts.folder / "final"
+    if ema:
+        load_ema(ts.optimizer, ts.params)  # after the last checkpoint, which keeps the raw weights to resume from
+        if ts.validation is not None:
+            _validate(ts, prog, None)  # final/ holds the averaged weights: their figures, not the raw ones'
+    _save(ts, final_dir)
+    manifest = None
+    if ts.ranks.rank == 0:
+        m = ts.metrics or {}
+        counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
+                  "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
+                  "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2),
+                  "validation": ts.val_metrics}
+        outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
+        # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
+        peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
+        manifest = ts.book.finish(counts=counts, outputs=outputs,
+                                  extra={"aux_layers": ts.meta["aux_layers"], "final": f"{STAGE}/final",
+                                         "world_size": ts.ranks.world, "peak_memory_bytes": peak})
+    prog.end(steps=ts.step, tokens=ts.tokens_seen)
+    return manifest
