@@ -86,6 +86,9 @@ def test_two_ranks_resume_to_the_same_weights_and_only_rank_0_reads_checkpoint_a
     # ...and rank 1 made none of them: it got everything from rank 0
     assert not [x for x in one if str(step2) in x], [x for x in one if str(step2) in x]
     assert target_tensors not in one
+    # each rank freed its wrapped model before leaving the process group (else a rank can hang at exit)
+    for lines in (zero, one):
+        assert "destroy_process_group live_wrapped=0" in lines, [x for x in lines if "destroy" in x]
 
 
 def test_ddp_with_shared_gradient_buckets_accumulates_and_clips_like_one_rank(two_rank_run, tiny8, tmp_path):

@@ -28,9 +28,11 @@ ranks itself. State lives in one TrainState; every rank runs the same code, rank
 
 import contextlib
 import functools
+import gc
 import math
 import os
 import time
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -135,7 +137,25 @@ def run_train(run, cfg) -> dict:
 @journal_failures(STAGE)
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()
-    with process_group(cfg.device) as ranks, contextlib.ExitStack() as closing:
+    with process_group(cfg.device) as ranks:
+        # The DDP/FSDP model dies here, inside the group: its reducer holds the process group, and freed after
+        # destroy_process_group it dropped the group's last reference, whose destructor joined gloo's threads
+        # while holding the GIL one of them waited for (a two-rank run hung at exit, 1 in 5 on a loaded CPU).
+        # The model sits in reference cycles (hooks), so only a collection frees it; a raised error's traceback
+        # keeps the frames' locals (the model) unless they are cleared.
+        try:
+            manifest = _train_in_group(run, cfg, ranks, started, cpu0)
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)
+            gc.collect()
+            raise
+        gc.collect()
+    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+
+
+def _train_in_group(run, cfg, ranks: Ranks, started: float, cpu0: float) -> dict | None:
+    """The stage inside the process group; everything it builds is freed when it returns."""
+    with contextlib.ExitStack() as closing:
         inputs = read_inputs(run, cfg, ranks, started)
         if (done := finished_run(run, inputs)) is not None:
             return done
@@ -148,7 +168,7 @@ def _train(run, cfg) -> dict:
                 stop.raise_now()
         if ranks.world > 1:
             dist.barrier()
-    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+    return manifest
 
 
 # -------------------------------------------------------------------------------------------------
