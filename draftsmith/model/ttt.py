@@ -11,6 +11,7 @@ mask). Eagle3Drafter.ttt_forward (eagle3.py) unrolls the steps over these masks.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -197,29 +198,55 @@ def compiled_flex_attention():
     return torch.compile(_fused_flex, dynamic=True, fullgraph=True, backend=_counted_inductor)
 
 
+class _LimitNote(logging.Filter):
+    """Keeps Dynamo's multi-line notice of a hit recompile limit off the console, and its last reason (the guard
+    that failed) for run_flex's one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "recompile_limit" not in msg:
+            return True
+        self.reason = next((line.split("last reason:", 1)[1].strip() for line in msg.splitlines()
+                            if "last reason:" in line), None)
+        return False
+
+
 def run_flex(q, keys, values, block_mask, bound: int):
     """compiled_flex_attention on q [R, heads, Lp, d], keys/values [R, kv_heads, (k+1)Lp, d], with
     Dynamo's recompile limit at `bound` graphs (FlexShape.graph_bound) and failing when hit; hitting
     it, or any unfused run, stops with a one-line DraftsmithError instead of torch's silent eager
     fallback."""
     cfg = torch._dynamo.config
-    limits = dict(recompile_limit=bound, accumulated_recompile_limit=max(bound, cfg.accumulated_recompile_limit),
-                  fail_on_recompile_limit_hit=True)
+    # torch >= 2.7's names, else the older ones; past the limit without the fail flag Dynamo would run the call as
+    # plain Python, which _fused_flex refuses
+    limit, accumulated, fail = (new if hasattr(cfg, new) else old for new, old in (
+        ("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+        ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")))
+    limits = {limit: bound, accumulated: max(bound, getattr(cfg, accumulated)), fail: True}
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or torch._dynamo.exc.FailOnCacheLimitHit
+    note, dynamo_log = _LimitNote(), logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.addFilter(note)
     try:
         with cfg.patch(**limits):
             return compiled_flex_attention()(q, keys, values, block_mask)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
+    except limit_hit:
         raise DraftsmithError(
-            f"flex attention: Dynamo's recompile limit ({bound} graphs, this run's bound) is hit at q "
+            f"flex attention: a graph past this run's bound of {bound} (Dynamo's recompile limit) is needed at q "
             f"{list(q.shape)}, keys {list(keys.shape)}, {'with' if torch.is_grad_enabled() else 'without'} grad "
-            f"after {len(FLEX_GRAPHS)} graphs; past it torch runs flex unfused ([B, H, L, (k+1)L] fp32 scores, out "
-            "of memory at real widths): set train.attention: sdpa, and report the shape (TORCH_LOGS=recompiles "
-            "names the guard)") from None
+            f"(failed guard: {note.reason or 'not logged'}); past it torch would run flex unfused ([B, H, L, "
+            "(k+1)L] fp32 scores, out of memory at real widths): set train.attention: sdpa, and report this line"
+        ) from None
     except _Unfused:
         raise DraftsmithError(
             "flex attention: torch ran it without compiling it (TORCHDYNAMO_DISABLE, torch._dynamo.config.disable "
             "or suppress_errors), the unfused path that materialises [B, H, L, (k+1)L] fp32 scores; unset that, "
             "or set train.attention: sdpa") from None
+    finally:
+        dynamo_log.removeFilter(note)
 
 
 def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
