@@ -78,14 +78,22 @@ def test_flex_compiles_a_bounded_set_over_varying_lengths_and_a_one_row_tail():
     assert all(g.startswith("rows 2, ") and g.endswith("without grad") for g in graphs), graphs
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo without compiled graphs, before (the limit counts from none) and after (no state of a hit limit
+    or a disabled call left for later tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @torch.no_grad()
-def test_past_the_bound_flex_stops_with_one_line(monkeypatch):
+def test_past_the_bound_flex_stops_with_one_line(monkeypatch, fresh_dynamo):
     """A graph more than the bound (forced to 1 here) is an error naming the limit and what to do, one line;
     never torch's fallback to unfused flex."""
     d, _ = tiny_drafter(seed=4)
     ids, aux = torch.randint(0, 20, (1, 200)), torch.randn(1, 200, 3 * d.config.hidden_size)
-    monkeypatch.setattr(FlexShape, "graph_bound", property(lambda self: 1))
-    torch._dynamo.reset()  # no graph yet: the first fits the bound
+    monkeypatch.setattr(FlexShape, "graph_bound", property(lambda self: 1))  # no graph yet: the first fits it
     with pytest.raises(DraftsmithError) as err:
         # steps 0 and 1 take two graphs (keys as long as the queries, then twice): the second is past the bound
         d.ttt_forward(ids, aux, 2, attention="flex")
@@ -95,14 +103,12 @@ def test_past_the_bound_flex_stops_with_one_line(monkeypatch):
 
 
 @torch.no_grad()
-def test_flex_run_unfused_stops_with_one_line(monkeypatch):
+def test_flex_run_unfused_stops_with_one_line(fresh_dynamo):
     """Dynamo disabled (TORCHDYNAMO_DISABLE, say): flex would take its unfused path (all [B, H, L, (k+1)L]
     scores) behind one UserWarning; it stops instead, in one line."""
     d, _ = tiny_drafter(seed=5)
     ids, aux = torch.randint(0, 20, (1, 200)), torch.randn(1, 200, 3 * d.config.hidden_size)
-    torch._dynamo.reset()  # no compiled graph to reuse
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    with pytest.raises(DraftsmithError) as err:
+    with torch._dynamo.config.patch(disable=True), pytest.raises(DraftsmithError) as err:
         d.ttt_forward(ids, aux, 1, attention="flex")
     msg = str(err.value)
     assert "\n" not in msg and "without compiling it" in msg and "train.attention: sdpa" in msg, msg
