@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
+from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, fingerprinted
 from draftsmith.stage import StageBook, one_process
@@ -50,7 +51,6 @@ from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_sourc
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
-from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.train.objective import LossMix, flex_shape, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation, split
