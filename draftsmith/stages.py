@@ -62,6 +62,11 @@ class Stage:
     demo_group: str  # the demo's cost-model group that times it (demo.expected_seconds' keys)
     runs: Callable[[Any], bool] = always  # whether `run` runs it under a config (False: not planned at all)
 
+    @property
+    def module(self) -> str:
+        """The module of its run function (what running it imports)."""
+        return self.run.partition(":")[0]
+
     def run_function(self) -> Callable[..., Any]:
         """The stage's `run_<stage>`, imported now (torch and the stage's libraries with it)."""
         return load(self.run)

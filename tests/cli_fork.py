@@ -28,7 +28,7 @@ from pathlib import Path
 from draftsmith.stages import REGISTRY
 
 # The modules a CLI command imports when it computes (each stage's, by its record, the pipeline, the demo).
-PRELOAD = ("draftsmith.cli", *(s.run.split(":")[0] for s in REGISTRY.values()), "draftsmith.pipeline",
+PRELOAD = ("draftsmith.cli", *(s.module for s in REGISTRY.values()), "draftsmith.pipeline",
            "draftsmith.demo")
 
 # The zygote: imports PRELOAD, says "ready", then one JSON request per line on stdin -> forks a child

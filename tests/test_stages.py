@@ -14,7 +14,7 @@ import pytest
 from draftsmith import DraftsmithError, stages
 from draftsmith.cli import app
 from draftsmith.config import load_config
-from draftsmith.demo import stage_groups
+from draftsmith.demo import Calibration, expected_seconds, stage_groups
 from draftsmith.estimate import HARDWARE, estimate, target_shape
 from draftsmith.pipeline import planned_stages, run_pipeline
 from draftsmith.rundir import RunDir
@@ -115,3 +115,10 @@ def test_status_notes_a_journal_and_files_that_disagree_for_stages_counting_the_
     assert note in render_table({"run": "r", "stages": [row]})
     other = {**row, "name": "vocab"}  # vocab counts its files, not the samples its journal counts
     assert "the journal says" not in render_table({"run": "r", "stages": [other]})
+
+
+def test_every_stage_is_in_a_group_the_demos_cost_model_times():
+    timed = expected_seconds(100, 10, Calibration(batch_tokens_per_s=100.0, single_tokens_per_s=10.0, seconds=1.0),
+                             with_vllm=True, train_minutes=1.0)
+    assert set(stage_groups()) == set(timed)
+    assert sorted(n for members in stage_groups().values() for n in members) == sorted([*stages.names(), "eval-vllm"])
