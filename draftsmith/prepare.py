@@ -468,8 +468,8 @@ def run_prepare(run: RunDir, cfg) -> dict:
                      upstream={"generate": gen_manifest}, target=info,
                      fingerprint_extra={"generate_samples_sha256": gen_sha})
     out_path = run.stage_dir(STAGE) / "samples.jsonl"
-    if (old := book.skip_or_begin(outputs_ok=out_path.is_file(), said=lambda m: f"{m['counts'].get('done')} samples")
-            ) is not None:
+    if (old := book.skip_or_begin(outputs_ok=out_path.is_file(),
+                                  said=lambda m: f"{m['counts'].get('done')} samples")) is not None:
         return old
 
     tok = load_tokenizer(info, cfg.trust_remote_code)
