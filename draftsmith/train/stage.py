@@ -43,9 +43,9 @@ import torch.distributed as dist
 from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
 from draftsmith.model.ttt import FLEX_GRAPHS
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import Progress, log
 from draftsmith.rundir import RunDir, fingerprinted
-from draftsmith.stage import StageBook, one_process
+from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
@@ -137,8 +137,7 @@ def run_train(run, cfg) -> dict:
     return _train(run, cfg)
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()
     with process_group(cfg.device) as ranks:
@@ -164,8 +163,8 @@ def _train_in_group(run, cfg, ranks: Ranks, started: float, cpu0: float) -> dict
         if (done := finished_run(run, inputs)) is not None:
             return done
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
-        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step,
-                      stall_after_s=cfg.stall_after_s, console=False, shared=True) as prog, DeferredStop(say) as stop:
+        with ts.book.progress(total=ts.total_steps, unit="steps", done=ts.start_step, console=False,
+                              shared=True) as prog, DeferredStop(say) as stop:
             fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
             manifest = finish(ts, prog)
             if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
