@@ -140,7 +140,8 @@ def dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def soak(out: Path, work: Path, checks) -> dict:
+def soak(out: Path, work: Path, checks, drafters: tuple[str, ...] = tuple(n for n, _, _ in SOAK)) -> dict:
+    """`drafters`: SOAK's names to run (the suite's rehearsal runs the MLA one alone)."""
     import torch
     import torch._dynamo
 
@@ -156,9 +157,9 @@ def soak(out: Path, work: Path, checks) -> dict:
     precision = "bf16" if on_gpu else "fp32"
     act = torch.bfloat16 if on_gpu else torch.float32
     figures = {"drafters": []}
-    for name, recipe, (seq_len, batch_tokens) in SOAK:
+    for name, recipe, (seq_len, batch_tokens) in (s for s in SOAK if s[0] in drafters):
         if not on_gpu:
-            seq_len, batch_tokens = 256, 512
+            seq_len, batch_tokens = 128, 256
         sets = [f"train.seq_len={seq_len}", f"train.batch_tokens={batch_tokens}", f"train.precision={precision}",
                 "train.max_steps=1000", "generate.limit=1000"]
         cfg = load_config(REPO / "configs" / recipe, sets)
