@@ -1,7 +1,8 @@
 """The GPU check (issues 39, 55): the parts bench/device_check.sh runs, each in its own process under its own timeout.
 
     python bench/device_check.py probe                      # the distributions this Python lacks, one line
-    python bench/device_check.py pipeline --out O --work W  # every stage on the device, hf backends; online training
+    python bench/device_check.py pipeline --out O --work W  # every stage on the device, hf backends
+    python bench/device_check.py online --out O --work W    # train.mode=online on the pipeline's run
     python bench/device_check.py flex --out O               # flex against SDPA, states and gradients, every GPU recipe
     python bench/device_check.py memory --out O             # one real training step's peak beside the fake-tensor one
     python bench/device_check.py speed --out O              # training tokens/s at Llama-8B widths, flex and SDPA
@@ -154,14 +155,17 @@ def pipeline(out: Path, work: Path, checks: Checks) -> dict:
         figures["train_tokens"] = (t.get("counts") or {}).get("tokens")
     if "eval" in manifests:
         figures["tau"] = (manifests["eval"].get("report") or {}).get("acceptance_length")
-    if done:
-        figures["online"] = online(out, work, run, sets, checks)
     return figures
 
 
-def online(out: Path, work: Path, run: Path, sets: list[str], checks: Checks) -> dict:
+def online(out: Path, work: Path, checks: Checks) -> dict:
     """train.mode=online (the Llama recipe's: the target runs in the training process and hands its states to
-    each batch) on the pipeline's prepared data: the stage as a user runs it (export is the offline run's)."""
+    each batch) on the pipeline part's prepared data, with its settings: the stage as a user runs it."""
+    run = work / "run"
+    if not (run / "prepare" / "manifest.json").is_file() or not (work / "pipeline-sets.json").is_file():
+        checks.add("online training", False, f"no prepared run at {run}: the pipeline part must run first")
+        return {}
+    sets = json.loads((work / "pipeline-sets.json").read_text())
     copy = work / "run-online"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("extract", "train", "export", "eval"))
@@ -351,9 +355,9 @@ def speed(out: Path, checks: Checks) -> dict:
     return figures
 
 
-PARTS = {"pipeline": pipeline, "flex": flex, "memory": memory, "speed": speed, "soak": device_parts.soak,
+PARTS = {"pipeline": pipeline, "online": online, "flex": flex, "memory": memory, "speed": speed, "soak": device_parts.soak,
          "ranks": device_parts.ranks, "extract": device_parts.extract}
-WITH_WORK = {"pipeline", "soak", "ranks", "extract"}  # parts that take the scratch folder too
+WITH_WORK = {"pipeline", "online", "soak", "ranks", "extract"}  # parts that take the scratch folder too
 
 
 def run_part(name: str, out: Path, work: Path | None) -> int:

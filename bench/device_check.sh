@@ -39,9 +39,9 @@ export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 status=0
 # part:seconds, 9 minutes at most together (the GPU machine's command limit is 10). DEVICE_PARTS picks some (the
-# suite's rehearsal, tests/test_device_check.py, leaves out `ranks`: six 2-rank trainings, 4 minutes on the loaded 2-core CPU);
+# suite's rehearsal, tests/test_device_check.py, leaves out `online` and `ranks`, which its other tests cover);
 # DEVICE_TIMEOUT_SCALE stretches the limits for a slow CPU's full rehearsal (e.g. 4)
-for part in ${DEVICE_PARTS:-pipeline:140 ranks:90 flex:80 memory:50 speed:35 soak:110 extract:35}; do
+for part in ${DEVICE_PARTS:-pipeline:130 online:40 ranks:90 flex:80 memory:45 speed:30 soak:95 extract:30}; do
     name=${part%%:*}
     limit=$(( ${part##*:} * ${DEVICE_TIMEOUT_SCALE:-1} ))
     echo "== $name (at most ${limit}s)"

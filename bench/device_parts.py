@@ -16,6 +16,7 @@ Without CUDA each part runs at toy widths (the CPU rehearsal): what that proves 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -117,9 +118,10 @@ def synthetic_store(folder: Path, lengths: list[int], hidden: int, vocab: int, l
     return store.ExtractStore(folder)
 
 
-def soak_lengths(row_len: int, rows_per_batch: int, seed: int) -> list[int]:
-    """Sample lengths that pack into rows of many different lengths (each micro-batch's T is its longest row) and
-    an odd number of rows: the last micro-batch of each epoch holds one row, like an epoch's tail."""
+def soak_lengths(row_len: int, rows_per_batch: int, pack_seed: int, seed: int) -> list[int]:
+    """Sample lengths that pack (train.seed `pack_seed`'s plans of epochs 0 and 1) into micro-batches of at least 4 shapes
+    (each micro-batch's T is its longest row) and an odd number of rows: each epoch's last micro-batch holds one
+    row, like an epoch's tail."""
     import random
 
     from draftsmith.train.data import pack_epoch
@@ -127,10 +129,20 @@ def soak_lengths(row_len: int, rows_per_batch: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     for _ in range(100):
         lengths = [rng.randrange(row_len // 16, row_len + 1) for _ in range(5 * rows_per_batch)]
-        plans = [pack_epoch(lengths, row_len, rows_per_batch, 0, e) for e in range(2)]
-        if all(len(p[-1]) == 1 for p in plans):
+        plans = [pack_epoch(lengths, row_len, rows_per_batch, pack_seed, e) for e in range(2)]
+        shapes = {(len(rows), max(sum(lengths[i] for i in row) for row in rows)) for p in plans for rows in p}
+        if all(len(p[-1]) == 1 for p in plans) and len(shapes) >= 4:  # pack_rows pads to the longest row
             return lengths
     raise RuntimeError("no length set packs into a one-row tail")
+
+
+@contextlib.contextmanager
+def unfused_flex_is_an_error():
+    """Inside: torch's warning that flex attention runs unfused (uncompiled, or Dynamo past its recompile limit
+    falling back to eager) raises instead of passing as one line in a log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=UNFUSED, category=UserWarning)
+        yield
 
 
 def dynamo_graphs() -> int:
@@ -177,7 +189,7 @@ def soak(out: Path, work: Path, checks, drafters: tuple[str, ...] = tuple(n for 
         est_rate = estimate(cfg, shape, hw, 1, 300, 1800)["tokens_per_s"]["train_compute"]
 
         packing = Packing([], min(seq_len, batch_tokens), max(1, batch_tokens // seq_len), tc.seed)
-        lengths = soak_lengths(packing.row_len, packing.rows_per_batch, len(figures["drafters"]))
+        lengths = soak_lengths(packing.row_len, packing.rows_per_batch, tc.seed, len(figures["drafters"]))
         folder = work / f"soak-{len(figures['drafters'])}"
         shutil.rmtree(folder, ignore_errors=True)
         t0 = time.time()
@@ -197,8 +209,7 @@ def soak(out: Path, work: Path, checks, drafters: tuple[str, ...] = tuple(n for 
         del batch, _
         graphs0 = dynamo_graphs()
         shapes, tokens, timed_tokens, timed_s, tail = set(), 0, 0, 0.0, False
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=UNFUSED, category=UserWarning)
+        with unfused_flex_is_an_error():
             step = 0
             for epoch in range(2):
                 for rows in packing.plan(epoch):
@@ -245,7 +256,8 @@ def soak(out: Path, work: Path, checks, drafters: tuple[str, ...] = tuple(n for 
                    f"{rate:,.0f} tokens/s after the first 2 steps, estimate {est_rate:,.0f} "
                    f"(ratio {rate / est_rate:.2f}; floor {floor:g})")
         figures["drafters"].append(row)
-        del objective, optimizer, params
+        del objective, optimizer, params, b  # before the next drafter's peak is measured
+        gc.collect()
         shutil.rmtree(folder, ignore_errors=True)
     return figures
 
@@ -299,11 +311,11 @@ def nccl_two_on_one_gpu(work: Path) -> str | None:
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
-        outs = [p.communicate(timeout=60)[0] for p in procs]
+        outs = [p.communicate(timeout=25)[0] for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        return "2 NCCL ranks on GPU 0 hung for 60 s"
+        return "2 NCCL ranks on GPU 0 hung for 25 s"
     if all(p.returncode == 0 for p in procs):
         return None
     last = [ln for o in outs for ln in o.splitlines() if "Error" in ln or "error" in ln]
@@ -355,7 +367,9 @@ def ranks(out: Path, work: Path, checks) -> dict:
             same_w = wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
         figures["runs"][name] = {"exit": [rc, rc_cut, rc_resume], "losses": a, "resumed_losses": b}
         tail = "" if rc == 0 and rc_cut == 0 and rc_resume == 0 else f"; last line: {text.strip().splitlines()[-1:]}"
-        checks.add(f"{name.upper()} on {world} rank(s), {'nccl' if gpu() else 'gloo'}: save and resume",
+        how = (f"{name.upper()} on {world} ranks, {'nccl' if gpu() else 'gloo'}" if world > 1
+               else f"train.fsdp={str(fsdp).lower()} on 1 rank (no process group, nothing wrapped)")
+        checks.add(f"{how}: save and resume",
                    rc_resume == 0 and resumed and same_loss and same_w,
                    f"exits {rc}, {rc_cut}, {rc_resume}; resumed from step 2: {resumed}; last loss "
                    f"{a[-1] if a else None} uninterrupted, {b[-1] if b else None} resumed; final weights equal: "
