@@ -466,7 +466,7 @@ def extract(out: Path, work: Path, checks) -> dict:
 
     on_gpu = gpu()
     # Kimi-K2.5's width (7,168: its recipe extracts with vLLM), 61 layers; the CPU: a toy width
-    hidden, n_layers, samples, distinct, length = (7168, 61, 96, 6, 1024) if on_gpu else (256, 8, 24, 4, 128)
+    hidden, n_layers, samples, distinct, length = (7168, 61, 64, 6, 1024) if on_gpu else (256, 8, 24, 4, 128)
     target = extract_target(work / "extract-target", hidden, n_layers)
     info = target_info(str(target))
     layers = info.default_aux_layers()
