@@ -7,6 +7,8 @@ DeepSeek-V3 of tests/families.py (MLA, dense first layer, noaux_tc router) goes 
 serves it with the exported drafter and reads acceptance from /metrics. One line at the end.
 
     python bench/gpu_smoke_mla.py [RUN_DIR]      (a GPU machine with vLLM; bench/device_check.sh is the check without it)
+
+DRAFTSMITH_SMOKE_DEVICE=cpu runs it on the CPU: the training half passes there, the eval is the GPU's.
 """
 
 import json
