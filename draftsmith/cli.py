@@ -392,11 +392,14 @@ def estimate_cmd(
     answer_tokens: Annotated[Optional[int], typer.Option(
         help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on "
         "ShareGPT).")] = None,
+    load_rate: Annotated[Optional[float], typer.Option(
+        help="GB/s the target's weights are read at on each server start (default: the profile's, printed with "
+        "its source).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Estimate disk, memory per device and time of each stage, before running it."""
     cfg = stage_config(config, sets)
-    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens)
+    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens, load_rate)
     print(json.dumps(e) if json_out else render(e))
 
 
