@@ -37,6 +37,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.bounds import model_config
+from draftsmith.rundir import RunDir
 from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
@@ -368,10 +369,11 @@ def generate_time(t: TargetShape, hw: Hardware, gpus: int, samples: int, in_flig
     full = decode_step_s(t, hw, gpus, b, prompt + age, engine)
     tail, longest = 0.0, 0.0
     for i, p in enumerate(surv):
+        tokens = min(TAIL_STRIDE, cap - i * TAIL_STRIDE)  # this term's tokens (the last may be short)
         running = 1 - (1 - p) ** b  # P(the longest of b answers is past this token)
         width = b * p / running if engine == "vllm" and running > 0 else b
-        tail += TAIL_STRIDE * running * decode_step_s(t, hw, gpus, width, prompt + i * TAIL_STRIDE, engine)["total"]
-        longest += TAIL_STRIDE * running
+        tail += tokens * running * decode_step_s(t, hw, gpus, width, prompt + i * TAIL_STRIDE, engine)["total"]
+        longest += tokens * running
     if engine == "vllm":
         seconds = max(0, samples - b) * answer / b * full["total"] + tail
     else:
@@ -707,6 +709,98 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
                     None if load_rate is None else load_rate * 1e9)
 
 
+# -------------------------------------------------------------------------------------------------
+# Rates from a run's own measured stages (`estimate --from RUN`)
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values)
+
+
+def run_rates(path: str | Path) -> dict[str, dict]:
+    """What a run measured, per finished stage, from its manifests (<stage>/manifest.json): {stage: {rate (units a
+    second), unit, source}}; generate's also load_s (the server start it took, wall time less decoding), when its
+    backend started one. generate: completion tokens over decoding seconds (summary); extract and train: tokens
+    over the stage's seconds (train: its training minutes); eval: prompts x eval.max_tokens over its seconds."""
+    run = RunDir(path)
+    if not run.path.is_dir() or not run.is_run():
+        raise DraftsmithError(f"--from {path}: not a run directory (no run.json or stage folders)")
+    out: dict[str, dict] = {}
+    where = lambda stage: f"measured: {run.path / stage / 'manifest.json'}"  # noqa: E731
+    g = run.read_manifest("generate")
+    summary = (g or {}).get("summary") or {}
+    if _positive(summary.get("completion_tokens"), summary.get("seconds")):
+        gen = ((g.get("settings") or {}).get("generate") or {})
+        in_flight = summary.get("in_flight") or gen.get("batch_size")
+        out["generate"] = {"rate": summary["completion_tokens"] / summary["seconds"], "unit": "tok/s",
+                           "source": f"{where('generate')} ({summary['completion_tokens']:,} tokens"
+                                     + (f", {in_flight} in flight" if in_flight else "") + ")"}
+        wall = g.get("seconds")
+        if gen.get("backend") == "vllm" and _positive(wall) and wall > summary["seconds"]:
+            out["generate"]["load_s"] = wall - summary["seconds"]
+    load = (out.get("generate") or {}).get("load_s")
+
+    def work(m: dict, seconds: float, starts: int) -> tuple[float, str]:
+        """A served stage's seconds less its servers' starts, at generate's measured start (when there is one)."""
+        if not starts:
+            return seconds, ""
+        if load is not None and seconds > starts * load:
+            return seconds - starts * load, f", less {starts} server start(s) of {_seconds(load)} as generate's took"
+        return seconds, f", its {starts} server start(s) included"
+
+    for stage in ("extract", "train"):
+        m = run.read_manifest(stage)
+        counts = (m or {}).get("counts") or {}
+        seconds = 60 * counts["train_minutes"] if _positive(counts.get("train_minutes")) else (m or {}).get("seconds")
+        if _positive(counts.get("tokens"), seconds):
+            served = stage == "extract" and (m.get("settings") or {}).get("backend") == "vllm"
+            seconds, note = work(m, seconds, 1 if served else 0)
+            out[stage] = {"rate": counts["tokens"] / seconds, "unit": "tok/s",
+                          "source": f"{where(stage)} ({counts['tokens']:,} tokens in {_seconds(seconds)}{note})"}
+    m = run.read_manifest("eval")
+    if m:
+        prompts = ((m.get("counts") or {}).get("done"))
+        ev = ((m.get("settings") or {}).get("eval") or {})
+        if _positive(prompts, ev.get("max_tokens"), m.get("seconds")):
+            starts = (1 + bool(ev.get("baseline"))) if ev.get("engine") == "vllm" and not ev.get("server") else 0
+            seconds, note = work(m, m["seconds"], starts)
+            out["eval"] = {"rate": prompts * ev["max_tokens"] / seconds, "unit": "asked tok/s",
+                           "source": f"{where('eval')} ({prompts} prompts of up to {ev['max_tokens']} tokens, "
+                                     f"with drafting and the baseline{note})"}
+    if not out:
+        raise DraftsmithError(f"--from {path}: no finished stage with measured tokens and seconds to take rates from")
+    return out
+
+
+def apply_run_rates(e: dict, rates: dict[str, dict]) -> dict:
+    """`e` with each stage a run measured re-timed at the run's rate, scaled to this recipe's work (generate,
+    extract, train: its tokens; eval: its prompts x eval.max_tokens, the `tokens` the estimate counts halved), and
+    each server start at what the run's generate server took when it measured one. `e["rate_from"]`: per stage,
+    "model" or the manifest the rate came from. The run's hardware is taken as this recipe's: a pilot on the
+    same machines."""
+    e = {**e, "stages": {k: dict(v) for k, v in e["stages"].items()}, "rate_from": {}}
+    load = (rates.get("generate") or {}).get("load_s")
+    for name, s in e["stages"].items():
+        modelled = s.get("load_s", 0.0)
+        starts = round(modelled / e["load"]["seconds"]) if e["load"]["seconds"] else 0
+        if load is not None and starts:
+            s["load_s"] = starts * load
+        r = rates.get(name)
+        if r is None:
+            s["seconds"] += s.get("load_s", 0.0) - modelled
+            e["rate_from"][name] = "model"
+            continue
+        work = s["tokens"] / 2 if name == "eval" else s["tokens"]  # eval's tokens: with drafting and without
+        s["seconds"] = work / r["rate"] + s.get("load_s", 0.0)
+        e["rate_from"][name] = f"{r['rate']:,.1f} {r['unit']}, {r['source']}"
+    if load is not None:
+        e["rate_from"]["load"] = f"{_seconds(load)} a server start, {rates['generate']['source']}"
+        e["load"] = {**e["load"], "seconds": load, "source": "measured by the run's generate server"}
+    e["total"] = {**e["total"], "seconds": sum(s["seconds"] for s in e["stages"].values())}
+    return e
+
+
 def _bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
@@ -768,13 +862,18 @@ def render(e: dict) -> str:
                      f"{e['hardware']} holds ({_bytes(e['device_memory'])}); use more devices (--devices, tensor "
                      "parallelism in the servers' vllm_args) or a quantized target")
     lines.extend(["", "where the rates come from:", *rate_sources(e)])
+    if e.get("rate_from"):
+        lines.extend(["", "taken from the run (--from), scaled to this recipe's work; the rest modelled as above:",
+                      *(f"- {k}: {v}" for k, v in e["rate_from"].items() if v != "model")])
     return "\n".join(lines)
 
 
 def rate_sources(e: dict) -> list[str]:
     """One line per modelled rate of `e`: its value and where it comes from (a measurement, a spec sheet, or an
     assumption, named as such)."""
-    a, g, ld = e["assumptions"], e["generate_model"], e["load"]
+    a, ld = e["assumptions"], e["load"]
+    taken = {k for k, v in (e.get("rate_from") or {}).items() if v != "model"}  # from a run: listed apart
+    g = None if "generate" in taken else e["generate_model"]
     spec = (f"spec sheet: {a['flops'] / 1e12:,.0f} TFLOP/s bf16, {a['mem_bw'] / 1e12:.2f} TB/s"
             if a["cpu_ranks_gain"] is None else "calibrated on this machine (docs/experiments/)")
     out = []
@@ -782,23 +881,28 @@ def rate_sources(e: dict) -> list[str]:
         st = g["step"]
         out.append(f"- generate: {g['tokens_per_s']:,.0f} tok/s over the run, {g['in_flight']} in flight at "
                    f"{g['per_request_tokens_per_s']:,.1f} tok/s each; a full step {st['total'] * 1e3:.1f} ms = weights "
-                   f"{st['weights'] * 1e3:.1f} ({spec}; {a['bw_eff']:.0%} of the bandwidth: assumption) + KV cache "
-                   f"{st['kv'] * 1e3:.1f} (the target's config) + MoE layers {st['moe'] * 1e3:.1f} "
-                   f"({a['moe_layer_latency_s'] * 1e3:.2f} ms a layer: assumption, estimate.MOE_LAYER_LATENCY_S) + "
-                   f"overhead {st['overhead'] * 1e3:.1f} (assumption)")
+                   f"or matmuls {st['weights'] * 1e3:.1f} ({spec}; {a['bw_eff']:.0%} of the bandwidth: assumption) + "
+                   f"KV cache {st['kv'] * 1e3:.1f} (the target's config)"
+                   + (f" + MoE layers {st['moe'] * 1e3:.1f} ({a['moe_layer_latency_s'] * 1e3:.2f} ms a layer: "
+                      "assumption, estimate.MOE_LAYER_LATENCY_S)" if st["moe"] else "")
+                   + f" + overhead {st['overhead'] * 1e3:.1f} (assumption)")
         out.append(f"- thinking tail: answers exponential with mean {a['answer_tokens']:,} tokens, cut at "
                    f"generate.max_tokens (assumption: --answer-tokens is the mean); the last wave ends with the "
                    f"longest, ~{g['longest']:,.0f} tokens, {_seconds(g['tail_s'])}")
-    if ld["starts"]:
+    if ld["starts"] and "load" not in taken:
         out.append(f"- model load: {_bytes(e['target_weight_bytes'])} at {ld['rate'] / 1e9:.2f} GB/s + "
                    f"{ld['warmup_s']:.0f} s warm-up = {_seconds(ld['seconds'])} a server start ({ld['source']}); "
                    "starts: " + ", ".join(f"{k} {n}" for k, n in ld["starts"].items()))
     tps = e["tokens_per_s"]
-    out.append(f"- target prefill: {tps['extract_prefill']:,.0f} tok/s ({spec}; "
-               f"{a['mfu_prefill']:.0%} MFU: assumption)")
+    if "extract" not in taken:
+        out.append(f"- target prefill: {tps['extract_prefill']:,.0f} tok/s ({spec}; "
+                   f"{a['mfu_prefill']:.0%} MFU: assumption)")
+    else:
+        tps = {**tps, "extract_host": None}
     if tps.get("extract_host"):
         out.append(f"- extraction host work: {tps['extract_host']:,.0f} tok/s (bench/bench_data_thread.py: "
                    f"{EXTRACT_HOST_BYTES_PER_S / 1e9:.2f} GB/s of connector file a thread, measured on a 2-core "
                    "EPYC, times the threads estimate.extract_host_tokens_per_s credits)")
-    out.append(f"- train: {tps['train']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)")
+    if "train" not in taken:
+        out.append(f"- train: {tps['train']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)")
     return out

@@ -414,3 +414,74 @@ def test_the_estimate_reproduces_the_seeds_generate_and_load():
     for what in ("generate:", "thinking tail:", "model load:", "target prefill:", "extraction host work:", "train:"):
         assert what in sources
     assert sources.count("assumption") >= 5 and "spec sheet" in sources and "measured" in sources
+
+
+def test_estimate_from_a_run_takes_its_measured_rates_and_scales_them(tiny_run, cli, tmp_path):
+    """`estimate --from RUN`: each finished stage's rate from the run's manifests (generate: completion tokens over
+    decoding seconds; extract, train: tokens over their seconds; eval: the tokens it asked for), scaled to the
+    recipe's work, each saying which manifest it came from; stages it did not run stay modelled."""
+    import shutil
+
+    from draftsmith.estimate import apply_run_rates, run_rates
+
+    run, config, _, _ = tiny_run
+    rates = run_rates(run.path)
+    gen = run.read_manifest("generate")["summary"]
+    assert rates["generate"]["rate"] == pytest.approx(gen["completion_tokens"] / gen["seconds"])
+    assert "load_s" not in rates["generate"]  # backend local: no server started
+    ext = run.read_manifest("extract")
+    assert rates["extract"]["rate"] == pytest.approx(ext["counts"]["tokens"] / ext["seconds"])
+    assert set(rates) == {"generate", "extract", "train", "eval"}
+    assert all(str(run.path / s / "manifest.json") in rates[s]["source"] for s in rates)
+
+    cfg = load_config(config, ["generate.limit=40", "train.max_steps=60"])
+    shape = target_shape(Path(run.read_manifest("generate")["settings"]["target"]) / "config.json")
+    e = apply_run_rates(estimate(cfg, shape, HARDWARE["cpu"], 1, 60, 24), rates)
+    for stage in ("generate", "extract", "train"):
+        assert e["stages"][stage]["seconds"] == pytest.approx(e["stages"][stage]["tokens"] / rates[stage]["rate"])
+    assert e["rate_from"]["prepare"] == "model" and e["rate_from"]["train"].endswith(")")
+    # ten times the prompts: ten times generate's and extract's time at the run's rates
+    big = apply_run_rates(estimate(load_config(config, ["generate.limit=400", "train.max_steps=60"]), shape,
+                                   HARDWARE["cpu"], 1, 60, 24), rates)
+    for stage in ("generate", "extract"):
+        assert big["stages"][stage]["seconds"] == pytest.approx(10 * e["stages"][stage]["seconds"], rel=0.01)
+    assert e["total"]["seconds"] == pytest.approx(sum(s["seconds"] for s in e["stages"].values()))
+
+    # a run that stopped after generate: the rest stays modelled
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(run.path / "run.json", part / "run.json")
+    shutil.copytree(run.path / "generate", part / "generate")
+    p = cli("estimate", str(config), "--set", "generate.limit=40", "--from", str(part), check=True)
+    assert "- generate: " in p.stdout and str(part / "generate" / "manifest.json") in p.stdout
+    assert "- train: " in p.stdout.split("taken from the run")[0]  # modelled, with its source
+    # not a run, or a run with nothing measured: one line, exit 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(run.path / "run.json", empty / "run.json")
+    for bad in (tmp_path / "nothing", empty):
+        p = cli("estimate", str(config), "--set", "generate.limit=40", "--from", str(bad))
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--from" in p.stderr, p.stderr
+
+
+def test_the_thinking_tail_and_the_batch_that_thins():
+    """Answers exponential with the given mean, cut at max_tokens: a longer cap at the same mean leaves a longer
+    last wave; transformers' batches (each runs to its longest answer at full width) decode slower than a server
+    that refills its batch; the tail's expected longest answer is that of the in-flight answers."""
+    from draftsmith.estimate import answer_survival, generate_time
+
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2.5.json", attention="mla")
+    hw = HARDWARE["h200"]
+    surv = answer_survival(1800, 8192)
+    mean = 16 * sum(surv)  # E[min(X, cap)] from the survival function
+    assert mean == pytest.approx(1800, rel=0.01) and surv[0] == 1.0 and surv[-1] < 0.02
+    assert answer_survival(8192, 8192) == [1.0] * 512  # every answer at the cap
+    short = generate_time(shape, hw, 8, 10_000, 64, 300, 1800, 4096, "vllm")
+    long = generate_time(shape, hw, 8, 10_000, 64, 300, 1800, 32768, "vllm")
+    assert long["longest"] > short["longest"] and long["tail_s"] > short["tail_s"]
+    waves = generate_time(shape, hw, 8, 10_000, 64, 300, 1800, 8192, "hf")
+    refilled = generate_time(shape, hw, 8, 10_000, 64, 300, 1800, 8192, "vllm")
+    assert waves["seconds"] > 2 * refilled["seconds"]
+    # the bulk decodes at a full batch: its tokens over (in flight / step) plus the tail
+    bulk = (10_000 - 64) * 1800 / 64 * refilled["step"]["total"]
+    assert refilled["seconds"] == pytest.approx(bulk + refilled["tail_s"])
