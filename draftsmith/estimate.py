@@ -8,8 +8,15 @@ hardware profile. They are first-order models, stated with their assumptions:
 - prefill (extract, the target's half of online training) is compute-bound:
   tokens/s = FLOP/s x MFU / (2 x active parameters);
 - decoding (generate, eval) is memory-bound: a step reads the weights the batch touches (for an
-  MoE, the experts any of the batch's tokens is routed to) at the profile's bandwidth, plus a fixed
-  per-step overhead; tokens/s = concurrency / step time;
+  MoE, the experts any of the batch's tokens is routed to) and its requests' KV cache at the profile's
+  bandwidth, plus a latency per MoE layer in vLLM and a fixed per-step overhead (decode_step_s); generation
+  adds the thinking tail: answers exponential with the mean given, cut at generate.max_tokens, a server's
+  batch refilled until the queue runs dry and then thinning, transformers' batches each run to their longest
+  answer (generate_time);
+- a served stage (generate, extract, eval through vLLM) fits when the weights and one request's KV cache at the
+  served context stay under vLLM's utilisation cap (serve_fit), and it pays a start per server: the weights read
+  at a stated rate plus vLLM's warm-up (load_seconds), times the starts the pipeline makes;
+- `estimate --from RUN` replaces the modelled rates by those a run measured (run_rates, apply_run_rates);
 - training is compute-bound on the drafter (6 FLOP per parameter per token, per TTT step), and
   offline it also cannot read the stored states faster than the disk delivers them;
 - training memory per device is the training step's own, as bench/bench_train_memory.py measures
@@ -22,8 +29,9 @@ hardware profile. They are first-order models, stated with their assumptions:
 
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
 runs, docs/experiments/); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
-efficiencies typical of vLLM and PyTorch training. Expect the right order of magnitude, not the
-minute: `draftsmith status` gives the real ETA once a stage runs.
+efficiencies typical of vLLM and PyTorch training. Every rate is printed with where it comes from
+(rate_sources). Expect the right order of magnitude, not the minute: `draftsmith status` gives the real ETA
+once a stage runs.
 """
 
 from __future__ import annotations
@@ -695,6 +703,9 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
         raise DraftsmithError(f"--hardware {hardware}: unknown profile (one of {', '.join(HARDWARE)})")
     if devices < 1:
         raise DraftsmithError("--devices must be at least 1")
+    if prompt_tokens < 0 or (answer_tokens is not None and answer_tokens < 1):
+        raise DraftsmithError(f"--prompt-tokens {prompt_tokens} / --answer-tokens {answer_tokens}: the mean tokens "
+                              "of a prompt (0 or more) and of an answer (1 or more)")
     if target_config is None:
         from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
 

@@ -94,6 +94,10 @@ def test_cli_prints_estimate_and_rejects_unknown_hardware(cli):
     assert all(s["seconds"] > 0 for s in e["stages"].values())
     p = cli("estimate", "configs/demo.yaml", "--hardware", "tpu")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--hardware tpu" in p.stderr
+    for bad, named in ((["--answer-tokens", "0"], "--answer-tokens 0"),
+                       (["--prompt-tokens", "-5"], "--prompt-tokens -5"), (["--load-rate", "0"], "--load-rate 0")):
+        p = cli("estimate", "configs/demo.yaml", *bad)
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and named in p.stderr, p.stderr
 
 
 def test_backend_dataset_decodes_nothing():
