@@ -89,6 +89,8 @@ class Row:
 
 LLAMA = ("configs/llama-8b-1xh100.yaml", "configs/targets/llama-3.1-8b-instruct.json", "h100", 1)
 KIMI = ("configs/kimi-k2-8xh200.yaml", "configs/targets/kimi-k2-instruct.json", "h200", 8)
+# Kimi-K2.5's recipe trains the MLA drafter (train.drafter_attention: mla), sized by its own shapes
+KIMI25 = ("configs/kimi-k2.5-8xh200.yaml", "configs/targets/kimi-k2.5.json", "h200", 8)
 ROWS = {r.name: r for r in [
     Row("llama-8b 4096 ttt3", *LLAMA, 4096, 3),
     Row("llama-8b 4096 ttt7", *LLAMA, 4096, 7),
@@ -96,6 +98,8 @@ ROWS = {r.name: r for r in [
     Row("llama-8b 8192 ttt7", *LLAMA, 8192, 7),
     Row("kimi-k2 8192 ttt3", *KIMI, 8192, 3),
     Row("kimi-k2 8192 ttt7", *KIMI, 8192, 7),
+    Row("kimi-k2.5 mla 8192 ttt3", *KIMI25, 8192, 3),
+    Row("kimi-k2.5 mla 8192 ttt7", *KIMI25, 8192, 7),
 ]}
 
 
@@ -251,8 +255,10 @@ def measure(dcfg: DrafterConfig, tc, variant: str | dict, rows: int, seq_len: in
 
 def target_config(row: Row) -> types.SimpleNamespace:
     """The target's config.json as the attributes DrafterConfig.from_target_config reads (Kimi-K2's
-    own config class, remote code, has no head_dim: its drafter's heads are hidden // heads wide)."""
-    return types.SimpleNamespace(**json.loads((REPO / row.target_config).read_text()))
+    own config class, remote code, has no head_dim: its drafter's heads are hidden // heads wide); a multimodal
+    wrapper's (Kimi-K2.5) text_config."""
+    c = json.loads((REPO / row.target_config).read_text())
+    return types.SimpleNamespace(**c.get("text_config", c))
 
 
 def row_shapes(row: Row) -> tuple:
@@ -282,7 +288,7 @@ def table(names: list[str]) -> list[dict]:
     for name in names:
         row = ROWS[name]
         cfg = row.config()
-        shape = target_shape(REPO / row.target_config)
+        shape = target_shape(REPO / row.target_config, attention=cfg.train.drafter_attention)
         hw = HARDWARE[row.hardware]
         trainable, _ = _drafter_params(shape, cfg.vocab.draft_vocab_size, cfg.train.num_layers)
         # before gradient_as_bucket_view, DDP's buckets were a second copy of the gradients on every rank

@@ -23,7 +23,7 @@ import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
 from draftsmith import DraftsmithError, Terminated, one_line, stages
-from draftsmith.estimate import HARDWARE, estimate_config, render
+from draftsmith.estimate import HARDWARE, apply_run_rates, estimate_config, render, run_rates
 from draftsmith.journal import env_rank
 from draftsmith.progress import log, write_traceback
 from draftsmith.rundir import RunDir, is_disk_full
@@ -311,11 +311,20 @@ def estimate_cmd(
     answer_tokens: Annotated[Optional[int], typer.Option(
         help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on "
         "ShareGPT).")] = None,
+    load_rate: Annotated[Optional[float], typer.Option(
+        help="GB/s the target's weights are read at on each server start (default: the profile's, printed with "
+        "its source).")] = None,
+    from_run: Annotated[Optional[Path], typer.Option(
+        "--from", help="A run directory (a pilot on the same hardware): take each finished stage's measured rate "
+        "from its manifests and scale it to this recipe; the rest stays modelled.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Estimate disk, memory per device and time of each stage, before running it."""
     cfg = stage_config(config, sets)
-    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens)
+    rates = run_rates(from_run) if from_run is not None else None  # a bad --from fails before any work
+    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens, load_rate)
+    if rates is not None:
+        e = apply_run_rates(e, rates)
     print(json.dumps(e) if json_out else render(e))
 
 

@@ -8,8 +8,15 @@ hardware profile. They are first-order models, stated with their assumptions:
 - prefill (extract, the target's half of online training) is compute-bound:
   tokens/s = FLOP/s x MFU / (2 x active parameters);
 - decoding (generate, eval) is memory-bound: a step reads the weights the batch touches (for an
-  MoE, the experts any of the batch's tokens is routed to) at the profile's bandwidth, plus a fixed
-  per-step overhead; tokens/s = concurrency / step time;
+  MoE, the experts any of the batch's tokens is routed to) and its requests' KV cache at the profile's
+  bandwidth, plus a latency per MoE layer in vLLM and a fixed per-step overhead (decode_step_s); generation
+  adds the thinking tail: answers exponential with the mean given, cut at generate.max_tokens, a server's
+  batch refilled until the queue runs dry and then thinning, transformers' batches each run to their longest
+  answer (generate_time);
+- a served stage (generate, extract, eval through vLLM) fits when the weights and one request's KV cache at the
+  served context stay under vLLM's utilisation cap (serve_fit), and it pays a start per server: the weights read
+  at a stated rate plus vLLM's warm-up (load_seconds), times the starts the pipeline makes;
+- `estimate --from RUN` replaces the modelled rates by those a run measured (run_rates, apply_run_rates);
 - training is compute-bound on the drafter (6 FLOP per parameter per token, per TTT step), and
   offline it also cannot read the stored states faster than the disk delivers them;
 - training memory per device is the training step's own, as bench/bench_train_memory.py measures
@@ -22,8 +29,9 @@ hardware profile. They are first-order models, stated with their assumptions:
 
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
 runs, docs/experiments/); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
-efficiencies typical of vLLM and PyTorch training. Expect the right order of magnitude, not the
-minute: `draftsmith status` gives the real ETA once a stage runs.
+efficiencies typical of vLLM and PyTorch training. Every rate is printed with where it comes from
+(rate_sources). Expect the right order of magnitude, not the minute: `draftsmith status` gives the real ETA
+once a stage runs.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from typing import Any
 from draftsmith import DraftsmithError, kinds
 from draftsmith import stages as registry
 from draftsmith.bounds import model_config
+from draftsmith.rundir import RunDir
 from draftsmith.store_format import bytes_per_token as store_bytes
+from draftsmith.vllm_memory import GPU_MEMORY_CAP
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -63,6 +73,13 @@ class Hardware:
     # host CPU cores per device for draftsmith's host work (extraction's per-request work); GPU nodes
     # commonly have 24 vCPUs (12 cores) per GPU, e.g. 192 vCPUs for 8 H100 or H200
     host_cores: int = 12
+    # a vLLM decode step's latency per MoE layer beyond the weights it reads (routing, the grouped expert GEMMs'
+    # launches, two all-reduces under tensor parallelism): MOE_LAYER_LATENCY_S on GPUs, 0 on the calibrated cpu
+    moe_layer_latency_s: float = 0.0
+    # a server start: the target's weights read at load_bw (bytes/s), then warmup_s of compiling and CUDA graphs
+    load_bw: float = 0.0
+    warmup_s: float = 0.0
+    load_source: str = ""  # where load_bw and warmup_s come from, printed beside them
 
 
 # cpu: calibrated on this machine with float32 SmolLM2 (docs/experiments/): extract 640 tokens/s
@@ -71,12 +88,31 @@ class Hardware:
 # with `loss_on: all` ~700-790 tokens/s (the demo, smollm2-cpu); vLLM-CPU generate ~205 tokens/s
 # at 128 in flight (float32: its decode matmuls reach ~19% of peak); two one-thread training ranks
 # (`train.processes: 2`) ~950 tokens/s against ~730 for one two-thread process.
+# Assumption, not measured here: a vLLM decode step of a DeepSeek-V3-shaped MoE (61 layers, 58-60 of them MoE)
+# under tensor parallelism 8 on H100/H200 takes 25-30 ms at one request in flight, as public single-request
+# figures for DeepSeek-V3/Kimi-K2 there read (30-40 tokens/s), where reading the weights a token touches takes
+# ~5 ms: the rest, ~0.35 ms a MoE layer, is latency no bandwidth hides. Dense layers get none (Llama-8B on one
+# H100 decodes near its weights' roofline).
+MOE_LAYER_LATENCY_S = 0.35e-3
+# Assumption, not measured here: a GPU node reads a served target's weights from network or cloud storage at
+# 0.5 GB/s (such volumes deliver a few hundred MB/s to ~1 GB/s to a node; local NVMe several GB/s: pass
+# --load-rate), and vLLM then compiles the model and captures CUDA graphs for ~3 minutes.
+GPU_LOAD = dict(load_bw=0.5e9, warmup_s=180.0, moe_layer_latency_s=MOE_LAYER_LATENCY_S,
+                load_source="assumption: network or cloud storage; compile and CUDA graphs ~3 min")
+# cpu: calibrated on this machine with float32 SmolLM2 (docs/experiments/): extract 640 tokens/s
+# (prefill of 135M parameters = 170 GFLOP/s effective), local generate 118 tokens/s at batch 16
+# (0.135 s per step: decode matmuls reach ~10% of peak), ~20 tokens/s at batch 1, drafter training
+# with `loss_on: all` ~700-790 tokens/s (the demo, smollm2-cpu); vLLM-CPU generate ~205 tokens/s
+# at 128 in flight (float32: its decode matmuls reach ~19% of peak); two one-thread training ranks
+# (`train.processes: 2`) ~950 tokens/s against ~730 for one two-thread process; a vLLM-CPU server's start-up
+# 30-107 s (docs/experiments/suite-time.md; the smollm2-cpu run in docs/scaling.md), its weights on the local disk.
 HARDWARE = {
     "cpu": Hardware("cpu (2 cores, this machine)", 3.2e11, 2.0e10, 24e9, 1.0e9, 0.55, 0.38, 0.5, 0.10, 0.04, 0.02,
-                    0.19, 1.3, host_cores=2),
-    "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
-    "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03),
-    "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03),
+                    0.19, 1.3, host_cores=2, load_bw=1.0e9, warmup_s=60.0,
+                    load_source="measured: vLLM-CPU start-up 30-107 s, docs/experiments/suite-time.md"),
+    "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03, **GPU_LOAD),
+    "h200": Hardware("NVIDIA H200", 989e12, 4.8e12, 141e9, 3.0e9, 0.40, 0.35, 0.6, 0.30, 0.004, 0.03, **GPU_LOAD),
+    "a100": Hardware("NVIDIA A100 80GB", 312e12, 2.0e12, 80e9, 2.0e9, 0.40, 0.35, 0.6, 0.30, 0.005, 0.03, **GPU_LOAD),
 }
 
 
@@ -101,15 +137,18 @@ CPU_FP8_VALUES_PER_S = 3.5e8
 DATA_THREAD_BYTES_PER_S = 7.5e9
 # Extraction through vLLM: the host work per request (read the connector's bf16 file, check it, norm the
 # last state in float32, quantise and encode the store's file), bytes of connector file per second on one
-# thread, by the same bench: 0.22 GB/s (3,760 tokens/s at hidden 7168). It runs on extract.concurrency
-# threads, at most the host's cores.
+# thread, by the same bench: 0.22 GB/s (3,760 tokens/s at hidden 7168). Its quantising, hashing and writing run
+# on the store's extract.writers threads (4 by default), whatever extract.concurrency's fetch threads wait on: those
+# are the threads that run it, at most the host's cores.
 EXTRACT_HOST_BYTES_PER_S = 2.2e8
 
 
-def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, concurrency: int) -> float:
+def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, concurrency: int,
+                              writers: int) -> float:
     """Tokens/s extraction's host work sustains (extract.backend=vllm): the connector's file holds the
-    three aux states and the last, bf16."""
-    threads = min(concurrency, hw.host_cores * devices)
+    three aux states and the last, bf16; it runs on the fewest of the fetch threads, the writer threads and the
+    host's cores."""
+    threads = min(concurrency, writers, hw.host_cores * devices)
     return EXTRACT_HOST_BYTES_PER_S * threads / ((3 + 1) * hidden_size * 2)
 
 
@@ -143,10 +182,23 @@ class TargetShape:
     # the MLA drafter's (heads, q_lora_rank or 0, kv_lora_rank, nope, rope, v) for an MLA target
     # (train.drafter_attention auto); None: a Llama-attention drafter
     drafter_mla: tuple[int, int, int, int, int, int] | None = None
+    # the KV cache vLLM keeps per token of context, all layers, in the model's dtype: MLA (DeepSeek-V3, Kimi-K2)
+    # kv_lora_rank + qk_rope_head_dim values per layer, the same latent on every tensor-parallel rank; GQA
+    # 2 x kv_heads x head_dim per layer, split over the ranks (kv_cache_per_device)
+    kv_cache_bytes_per_token: float = 0.0
+    moe_layers: int = 0  # layers with routed experts
+    kv_mla: bool = False
+    kv_heads: int = 1
+    max_context: int | None = None  # max_position_embeddings: the context `vllm serve` serves by default
 
     @property
     def weight_bytes(self) -> float:
         return self.total_params * self.weight_bytes_per_param
+
+    def kv_cache_per_device(self, devices: int) -> float:
+        """Bytes of KV cache per token of context on each of `devices` tensor-parallel GPUs: MLA's latent is
+        whole on every rank; GQA's heads are split over at most kv_heads ranks (vLLM replicates them beyond)."""
+        return self.kv_cache_bytes_per_token / (1 if self.kv_mla else min(devices, self.kv_heads))
 
 
 def _attention_params(c: dict, h: int) -> float:
@@ -217,10 +269,11 @@ def target_shape(config_json: Path, name: str | None = None, attention: str = "a
     inter = c.get("intermediate_size", 4 * h)
     d_q, d_kv, d_inter = drafter_widths(c)
     view = SimpleNamespace(**c)
+    heads = int(c.get("num_attention_heads") or h // 64)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
     mla = None
     if drafter_attention(view, attention) == "mla":
         m = drafter_mla_shape(view)
-        heads = int(c.get("num_attention_heads") or h // 64)
         mla = (heads, m["q_lora_rank"] or 0, m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"],
                m["v_head_dim"])
         d_q = d_kv = heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"])  # per-head keys, as the TTT keeps them
@@ -245,33 +298,97 @@ def target_shape(config_json: Path, name: str | None = None, attention: str = "a
         # only the routed experts quantized (Kimi-K2.5's INT4: attention, shared experts, dense layers and the
         # head left in bf16 by its `ignore` list): the bytes a parameter takes on average
         bits = (routed * bits + common * dtype_bytes) / (common + routed)
+    if c.get("kv_lora_rank"):
+        kv_values = c["kv_lora_rank"] + c.get("qk_rope_head_dim", 64)
+    else:
+        kv_values = 2 * kv_heads * int(c.get("head_dim") or h // heads)
+    context = c.get("max_position_embeddings")
     return TargetShape(
         # a config.json is named by its folder (the model's), any other file by its own name
         name=name or top.get("_name_or_path") or c.get("_name_or_path")
         or (config_json.parent.name if config_json.name == "config.json" else config_json.stem),
         num_layers=n, hidden_size=h, vocab_size=v,
         total_params=common + routed, active_params=common + moe_layers * per_tok * expert_mlp,
-        expert_params=routed, experts=experts, experts_per_token=per_tok,
+        expert_params=routed, experts=experts, experts_per_token=per_tok, moe_layers=moe_layers if experts else 0,
         weight_bytes_per_param=bits or dtype_bytes, intermediate_size=d_inter, kv_dim=d_kv, q_dim=d_q,
-        drafter_mla=mla)
+        drafter_mla=mla, kv_cache_bytes_per_token=n * kv_values * dtype_bytes, kv_mla=bool(c.get("kv_lora_rank")),
+        kv_heads=kv_heads, max_context=int(context) if isinstance(context, int) and context > 0 else None)
 
 
 # -------------------------------------------------------------------------------------------------
 # The estimate
 
 
-def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: int, engine: str) -> float:
-    """Batched decoding: each step reads the weights the batch needs, once per step."""
+def decode_step_s(t: TargetShape, hw: Hardware, gpus: int, batch: float, context: float, engine: str) -> dict:
+    """One batched decode step of `batch` requests whose contexts average `context` tokens, seconds by part:
+    weights (the weights the batch touches, read once, or its matmuls where they take longer), kv (each request's
+    KV cache read on every device: kv_cache_per_device), moe (a per-MoE-layer latency, vLLM on GPUs) and overhead
+    (scheduling, sampling); `total` their sum."""
+    batch = max(1.0, batch)
     if t.experts:  # expected share of experts that at least one of the batch's tokens uses
-        touched = 1 - (1 - t.experts_per_token / t.experts) ** concurrency
+        touched = 1 - (1 - t.experts_per_token / t.experts) ** batch
         step_bytes = (t.total_params - t.expert_params + touched * t.expert_params) * t.weight_bytes_per_param
     else:
         step_bytes = t.weight_bytes
-    mem_s = step_bytes / (hw.mem_bw * hw.bw_eff * gpus)
+    bw = hw.mem_bw * hw.bw_eff
     mfu = hw.mfu_decode_vllm if engine == "vllm" and hw.mfu_decode_vllm else hw.mfu_decode
-    compute_s = concurrency * 2 * t.active_params / (hw.flops * mfu * gpus)
-    overhead = hw.step_overhead_s if engine == "vllm" else hw.hf_step_overhead_s
-    return concurrency / (max(mem_s, compute_s) + overhead)
+    out = {"weights": max(step_bytes / (bw * gpus), batch * 2 * t.active_params / (hw.flops * mfu * gpus)),
+           "kv": batch * context * t.kv_cache_per_device(gpus) / bw,
+           "moe": t.moe_layers * hw.moe_layer_latency_s if engine == "vllm" else 0.0,
+           "overhead": hw.step_overhead_s if engine == "vllm" else hw.hf_step_overhead_s}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _decode_tokens_per_s(t: TargetShape, hw: Hardware, gpus: int, concurrency: int, engine: str,
+                         context: float = 0.0) -> float:
+    """Batched decoding at a full batch: `concurrency` tokens a step."""
+    return concurrency / decode_step_s(t, hw, gpus, concurrency, context, engine)["total"]
+
+
+# The lengths of generated answers: exponential (the least-informed shape for a known mean on [0, inf)), cut at
+# generate.max_tokens, its mean the --answer-tokens given. An assumption: thinking answers run long-tailed like this,
+# and their mean is what a pilot or the seed measured; TAIL_STRIDE tokens per term of the sums below.
+TAIL_STRIDE = 16
+
+
+def answer_survival(mean: float, cap: int) -> list[float]:
+    """P(answer > s) for s = 0, TAIL_STRIDE, ... < cap: an exponential whose mean once cut at `cap` is `mean`."""
+    if mean >= cap * 0.999:  # every answer runs to the cap
+        return [1.0] * math.ceil(cap / TAIL_STRIDE)
+    scale = mean
+    for _ in range(100):  # E[min(X, cap)] = scale x (1 - exp(-cap / scale)): solve for the scale
+        scale = mean / (1 - math.exp(-cap / scale))
+    return [math.exp(-s / scale) for s in range(0, cap, TAIL_STRIDE)]
+
+
+def generate_time(t: TargetShape, hw: Hardware, gpus: int, samples: int, in_flight: int, prompt: int,
+                  answer: float, cap: int, engine: str) -> dict:
+    """Seconds to decode `samples` answers of mean length `answer` (cut at `cap`) with their thinking tail.
+
+    engine vllm (a server, continuous batching: generate keeps `in_flight` requests in flight, a finished one
+    replaced at once): the batch is full until the queue runs dry, each request at a context of prompt + the
+    answer's mean age; then the last `in_flight` requests (their remaining lengths exponential again: memoryless)
+    thin out, each step as wide as those still running, until the longest ends. engine hf (transformers'
+    generate, generate.batch_size at a time): every batch decodes at full width until its longest answer ends."""
+    surv = answer_survival(answer, cap)
+    b = max(1, min(in_flight, samples))
+    # the mean age of a decoding request's answer (length-biased): E[min(X, cap)^2] / (2 E[min(X, cap)])
+    age = sum((2 * i * TAIL_STRIDE + TAIL_STRIDE) * p for i, p in enumerate(surv)) / (2 * sum(surv))
+    full = decode_step_s(t, hw, gpus, b, prompt + age, engine)
+    tail, longest = 0.0, 0.0
+    for i, p in enumerate(surv):
+        tokens = min(TAIL_STRIDE, cap - i * TAIL_STRIDE)  # this term's tokens (the last may be short)
+        running = 1 - (1 - p) ** b  # P(the longest of b answers is past this token)
+        width = b * p / running if engine == "vllm" and running > 0 else b
+        tail += tokens * running * decode_step_s(t, hw, gpus, width, prompt + i * TAIL_STRIDE, engine)["total"]
+        longest += tokens * running
+    if engine == "vllm":
+        seconds = max(0, samples - b) * answer / b * full["total"] + tail
+    else:
+        seconds = math.ceil(samples / b) * tail
+    return {"seconds": seconds, "tokens_per_s": samples * answer / seconds, "step": full, "in_flight": b,
+            "tail_s": tail, "longest": longest, "per_request_tokens_per_s": 1 / full["total"]}
 
 
 def _drafter_params(t: TargetShape, draft_vocab: int, num_layers: int = 1, kind: str = "eagle3",
@@ -402,13 +519,60 @@ def fit_knobs(tr, t: TargetShape, hw: Hardware, gpus: int, draft_vocab: int, num
                      f"(train.num_layers={tr.num_layers})"]
 
 
+def _vllm_arg(args: list[str], flag: str) -> str | None:
+    """The value of `flag` in a server's arguments (`--flag V` or `--flag=V`), else None."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def served_context(args: list[str], default: int | None) -> int | None:
+    """The context a vLLM server serves: --max-model-len in its arguments, else `default`."""
+    value = _vllm_arg(args, "--max-model-len")
+    return int(value) if value is not None and value.isdigit() else default
+
+
+def serve_fit(t: TargetShape, hw: Hardware, gpus: int, context: int | None, needed: int) -> dict:
+    """A vLLM server holding the target over `gpus` devices: memory per device for its weights and the KV cache
+    of one `context`-token request (vLLM refuses to start without it; None: `needed`), against GPU_MEMORY_CAP of
+    each device. `reason`: None when it fits, else one line: what does not fit, and the --max-model-len that
+    does if that still holds the `needed` tokens the stage asks for. Activations and CUDA graphs are not counted:
+    a lower bound."""
+    cap, weights, kv = GPU_MEMORY_CAP * hw.mem, t.weight_bytes / gpus, t.kv_cache_per_device(gpus)
+    ctx = context or needed
+    out = {"memory": weights + kv * ctx, "cap": cap, "context": ctx, "reason": None}
+    if out["memory"] <= cap:
+        return out
+    under = f"vLLM's cap of {_bytes(cap)} per device ({GPU_MEMORY_CAP} x {_bytes(hw.mem)}, vllm_memory.GPU_MEMORY_CAP)"
+    if weights >= cap:
+        out["reason"] = (f"{_bytes(weights)} of weights per device exceed {under} before any KV cache: "
+                         "more devices or a smaller quantization")
+        return out
+    room = int((cap - weights) / kv) // 256 * 256
+    what = (f"a {ctx:,}-token context needs {_bytes(kv * ctx)} of {'MLA' if t.kv_mla else 'GQA'} KV cache per "
+            f"device; {_bytes(cap - weights)} is left under {under} after {_bytes(weights)} of weights")
+    out["reason"] = (what + f": serve it with --max-model-len {room}" if room >= needed else
+                     what + f"; {room:,} tokens fit, fewer than the {needed:,} a request needs: more devices")
+    return out
+
+
+def load_seconds(t: TargetShape, hw: Hardware, load_bw: float | None = None) -> float:
+    """One server start: the target's weights read at `load_bw` (None: the profile's), then its warm-up."""
+    return t.weight_bytes / (load_bw or hw.load_bw) + hw.warmup_s if (load_bw or hw.load_bw) else 0.0
+
+
 # Backend dataset tokenizes each reply and its templated prompt: ~770 samples/s measured on the
 # 2-core CPU (ShareGPT first turns, SmolLM2's tokenizer); one core's work, so no hardware scaling.
 DATASET_SAMPLES_PER_S = 770
 
 
-def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int) -> dict[str, Any]:
-    """Per-stage tokens, disk bytes, peak memory per device and seconds."""
+def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
+             load_rate: float | None = None) -> dict[str, Any]:
+    """Per-stage tokens, disk bytes, peak memory per device and seconds (a served stage's seconds include its
+    servers' starts: `load_s`); `load_rate`: bytes/s the target's weights are read at (None: the profile's)."""
     g, tr = cfg.generate, cfg.train
     if g.limit is None:
         raise DraftsmithError("generate.limit: set it (the number of prompts) for an estimate")
@@ -427,11 +591,19 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     # concurrency auto: the most it can be (a server's KV cache is not modelled here)
     in_flight = {"auto": AUTO_MAX_IN_FLIGHT if g.backend == "vllm" else AUTO_OPENAI_IN_FLIGHT}.get(g.concurrency,
                                                                                                  g.concurrency)
-    decode = _decode_tokens_per_s(t, hw, gpus, in_flight if served else g.batch_size, "vllm" if served else "hf")
+    start = load_seconds(t, hw, load_rate)
+    fits: dict[str, dict] = {}  # served stages: serve_fit
+    gen = generate_time(t, hw, gpus, samples, in_flight if served else g.batch_size, prompt_tokens, answer,
+                        g.max_tokens, "vllm" if served else "hf")
+    decode = gen["tokens_per_s"]
     stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
-                          "memory": weights_per_dev, "seconds": completion / decode}
+                          "memory": weights_per_dev, "seconds": gen["seconds"], "load_s": 0.0}
+    if served:  # backend openai: the server you start, at vLLM's default context (the model's); vllm: generate's
+        context = t.max_context if g.backend == "openai" else served_context(g.vllm_args, None)
+        fits["generate"] = serve_fit(t, hw, gpus, context, prompt_tokens + g.max_tokens)
+        stages["generate"].update(memory=fits["generate"]["memory"], load_s=start)
     if g.backend == "dataset":  # the file's own replies: tokenizing only, no weights, nothing decoded
-        decode = None
+        decode = gen = None
         stages["generate"].update(memory=1e9, seconds=samples / DATASET_SAMPLES_PER_S)
     stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
     stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
@@ -446,10 +618,15 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         writer = writer_tokens_per_s(hw, bytes_per_token, cfg.extract.store_format, t.hidden_size)
         bounds = [prefill, writer]
         if cfg.extract.backend == "vllm":  # the states reach the host as files: their host work is the third bound
-            extract_host = extract_host_tokens_per_s(hw, gpus, t.hidden_size, cfg.extract.concurrency)
+            extract_host = extract_host_tokens_per_s(hw, gpus, t.hidden_size, cfg.extract.concurrency,
+                                                     cfg.extract.writers)
             bounds.append(extract_host)
         stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
-                             "seconds": tokens / min(bounds)}
+                             "seconds": tokens / min(bounds), "load_s": 0.0}
+        if cfg.extract.backend == "vllm":  # a server of its own at prepare.max_length (+ the one token asked for)
+            context = t.max_context if cfg.extract.servers else served_context(cfg.extract.vllm_args, None)
+            fits["extract"] = serve_fit(t, hw, gpus, context, cfg.prepare.max_length + 1)
+            stages["extract"].update(memory=fits["extract"]["memory"], load_s=start)
 
     trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers, tr.method,
                                           tr.drafter_options, num_aux)
@@ -478,10 +655,18 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     stages["export"] = {"tokens": 0, "disk": 2 * trainable + t.vocab_size, "memory": ckpt, "seconds": 10}
     ev_prompts = cfg.eval.limit or 80
     ev_tokens = ev_prompts * cfg.eval.max_tokens
-    single = _decode_tokens_per_s(t, hw, gpus, 1, cfg.eval.engine if cfg.eval.engine == "vllm" else "hf")
+    ev_engine = "vllm" if cfg.eval.engine == "vllm" else "hf"
+    single = _decode_tokens_per_s(t, hw, gpus, 1, ev_engine, prompt_tokens + cfg.eval.max_tokens / 2)
     # with drafting, and the plain baseline; drafting roughly halves the steps but adds a draft pass
     stages["eval"] = {"tokens": ev_tokens * 2, "disk": ev_tokens * 8, "memory": weights_per_dev,
-                      "seconds": ev_tokens / single * (1 + (0.8 if cfg.eval.baseline else 0))}
+                      "seconds": ev_tokens / single * (1 + (0.8 if cfg.eval.baseline else 0)), "load_s": 0.0}
+    if ev_engine == "vllm":  # a server with the drafter, and one without it for the baseline: two starts
+        context = t.max_context if cfg.eval.server else served_context(cfg.eval.vllm_args, None)
+        fits["eval"] = serve_fit(t, hw, gpus, context, prompt_tokens + cfg.eval.max_tokens)
+        starts = 0 if cfg.eval.server else 1 + (1 if cfg.eval.baseline else 0)
+        stages["eval"].update(memory=fits["eval"]["memory"], load_s=starts * start)
+    for s in stages.values():  # a stage's time includes its servers' starts
+        s["seconds"] += s.get("load_s", 0.0)
     stages = {name: stages[name] for name in registry.planned(cfg)}  # the stages `run` runs, in its order
     return {
         "target": t.name, "hardware": hw.name, "devices": gpus,
@@ -495,8 +680,17 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
         "total": {"disk": sum(s["disk"] for s in stages.values()),
                   "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},
-        # stages whose memory per device exceeds the device's (train has its own line, with knobs)
-        "does_not_fit": [name for name, s in stages.items() if name != "train" and s["memory"] > hw.mem],
+        # stages whose memory per device exceeds the device's (train has its own line, with knobs), and served
+        # stages whose weights and KV cache exceed vLLM's cap: {stage: one-line reason}
+        "does_not_fit": {**{name: None for name, s in stages.items()
+                            if name not in ("train", *fits) and s["memory"] > hw.mem},
+                         **{name: f["reason"] for name, f in fits.items() if f["reason"]}},
+        "served": fits,
+        "generate_model": gen,
+        "load": {"seconds": start, "rate": load_rate or hw.load_bw, "warmup_s": hw.warmup_s,
+                 "source": ("--load-rate" if load_rate else hw.load_source),
+                 "starts": {name: round(s.get("load_s", 0.0) / start) if start else 0 for name, s in stages.items()
+                            if s.get("load_s")}},
         "device_memory": hw.mem,
         "train_notes": train_notes(tr),
         "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
@@ -504,13 +698,16 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
 
 
 def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None, prompt_tokens: int,
-                    answer_tokens: int | None) -> dict[str, Any]:
+                    answer_tokens: int | None, load_rate: float | None = None) -> dict[str, Any]:
     """`estimate` for a validated config on a named hardware profile; the target's shape from
     `target_config` (a config.json) or, when None, from the target the config names."""
     if hardware not in HARDWARE:
         raise DraftsmithError(f"--hardware {hardware}: unknown profile (one of {', '.join(HARDWARE)})")
     if devices < 1:
         raise DraftsmithError("--devices must be at least 1")
+    if prompt_tokens < 0 or (answer_tokens is not None and answer_tokens < 1):
+        raise DraftsmithError(f"--prompt-tokens {prompt_tokens} / --answer-tokens {answer_tokens}: the mean tokens "
+                              "of a prompt (0 or more) and of an answer (1 or more)")
     if target_config is None:
         from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
 
@@ -519,7 +716,102 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
     else:
         shape = target_shape(target_config, attention=cfg.train.drafter_attention)
     answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
-    return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer)
+    if load_rate is not None and not (math.isfinite(load_rate) and load_rate > 0):
+        raise DraftsmithError(f"--load-rate {load_rate}: GB/s the target's weights are read at, above 0")
+    return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer,
+                    None if load_rate is None else load_rate * 1e9)
+
+
+# -------------------------------------------------------------------------------------------------
+# Rates from a run's own measured stages (`estimate --from RUN`)
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values)
+
+
+def run_rates(path: str | Path) -> dict[str, dict]:
+    """What a run measured, per finished stage, from its manifests (<stage>/manifest.json): {stage: {rate (units a
+    second), unit, source}}; generate's also load_s (the server start it took, wall time less decoding), when its
+    backend started one. generate: completion tokens over decoding seconds (summary); extract and train: tokens
+    over the stage's seconds (train: its training minutes); eval: prompts x eval.max_tokens over its seconds."""
+    run = RunDir(path)
+    if not run.path.is_dir() or not run.is_run():
+        raise DraftsmithError(f"--from {path}: not a run directory (no run.json or stage folders)")
+    out: dict[str, dict] = {}
+    where = lambda stage: f"measured: {run.path / stage / 'manifest.json'}"  # noqa: E731
+    g = run.read_manifest("generate")
+    summary = (g or {}).get("summary") or {}
+    if _positive(summary.get("completion_tokens"), summary.get("seconds")):
+        gen = ((g.get("settings") or {}).get("generate") or {})
+        in_flight = summary.get("in_flight") or gen.get("batch_size")
+        out["generate"] = {"rate": summary["completion_tokens"] / summary["seconds"], "unit": "tok/s",
+                           "source": f"{where('generate')} ({summary['completion_tokens']:,} tokens"
+                                     + (f", {in_flight} in flight" if in_flight else "") + ")"}
+        wall = g.get("seconds")
+        if gen.get("backend") == "vllm" and _positive(wall) and wall > summary["seconds"]:
+            out["generate"]["load_s"] = wall - summary["seconds"]
+    load = (out.get("generate") or {}).get("load_s")
+
+    def work(m: dict, seconds: float, starts: int) -> tuple[float, str]:
+        """A served stage's seconds less its servers' starts, at generate's measured start (when there is one)."""
+        if not starts:
+            return seconds, ""
+        if load is not None and seconds > starts * load:
+            return seconds - starts * load, f", less {starts} server start(s) of {_seconds(load)} as generate's took"
+        return seconds, f", its {starts} server start(s) included"
+
+    for stage in ("extract", "train"):
+        m = run.read_manifest(stage)
+        counts = (m or {}).get("counts") or {}
+        seconds = 60 * counts["train_minutes"] if _positive(counts.get("train_minutes")) else (m or {}).get("seconds")
+        if _positive(counts.get("tokens"), seconds):
+            served = stage == "extract" and (m.get("settings") or {}).get("backend") == "vllm"
+            seconds, note = work(m, seconds, 1 if served else 0)
+            out[stage] = {"rate": counts["tokens"] / seconds, "unit": "tok/s",
+                          "source": f"{where(stage)} ({counts['tokens']:,} tokens in {_seconds(seconds)}{note})"}
+    m = run.read_manifest("eval")
+    if m:
+        prompts = ((m.get("counts") or {}).get("done"))
+        ev = ((m.get("settings") or {}).get("eval") or {})
+        if _positive(prompts, ev.get("max_tokens"), m.get("seconds")):
+            starts = (1 + bool(ev.get("baseline"))) if ev.get("engine") == "vllm" and not ev.get("server") else 0
+            seconds, note = work(m, m["seconds"], starts)
+            out["eval"] = {"rate": prompts * ev["max_tokens"] / seconds, "unit": "asked tok/s",
+                           "source": f"{where('eval')} ({prompts} prompts of up to {ev['max_tokens']} tokens, "
+                                     f"with drafting and the baseline{note})"}
+    if not out:
+        raise DraftsmithError(f"--from {path}: no finished stage with measured tokens and seconds to take rates from")
+    return out
+
+
+def apply_run_rates(e: dict, rates: dict[str, dict]) -> dict:
+    """`e` with each stage a run measured re-timed at the run's rate, scaled to this recipe's work (generate,
+    extract, train: its tokens; eval: its prompts x eval.max_tokens, the `tokens` the estimate counts halved), and
+    each server start at what the run's generate server took when it measured one. `e["rate_from"]`: per stage,
+    "model" or the manifest the rate came from. The run's hardware is taken as this recipe's: a pilot on the
+    same machines."""
+    e = {**e, "stages": {k: dict(v) for k, v in e["stages"].items()}, "rate_from": {}}
+    load = (rates.get("generate") or {}).get("load_s")
+    for name, s in e["stages"].items():
+        modelled = s.get("load_s", 0.0)
+        starts = round(modelled / e["load"]["seconds"]) if e["load"]["seconds"] else 0
+        if load is not None and starts:
+            s["load_s"] = starts * load
+        r = rates.get(name)
+        if r is None:
+            s["seconds"] += s.get("load_s", 0.0) - modelled
+            e["rate_from"][name] = "model"
+            continue
+        work = s["tokens"] / 2 if name == "eval" else s["tokens"]  # eval's tokens: with drafting and without
+        s["seconds"] = work / r["rate"] + s.get("load_s", 0.0)
+        e["rate_from"][name] = f"{r['rate']:,.1f} {r['unit']}, {r['source']}"
+    if load is not None:
+        e["rate_from"]["load"] = f"{_seconds(load)} a server start, {rates['generate']['source']}"
+        e["load"] = {**e["load"], "seconds": load, "source": "measured by the run's generate server"}
+    e["total"] = {**e["total"], "seconds": sum(s["seconds"] for s in e["stages"].values())}
+    return e
 
 
 def _bytes(n: float) -> str:
@@ -577,8 +869,53 @@ def render(e: dict) -> str:
         lines.append(f"train does not fit: {_bytes(m['total'])} per device, more than one {e['hardware']} holds "
                      f"({_bytes(m['device'])}); it fits with any one of: " + "; ".join(m["fits_with"]))
     lines.extend(e["train_notes"])
-    for name in e["does_not_fit"]:
-        lines.append(f"{name} does not fit: {_bytes(e['stages'][name]['memory'])} per device, more than one "
+    for name, reason in e["does_not_fit"].items():
+        lines.append(f"{name} does not fit: {reason}" if reason else
+                     f"{name} does not fit: {_bytes(e['stages'][name]['memory'])} per device, more than one "
                      f"{e['hardware']} holds ({_bytes(e['device_memory'])}); use more devices (--devices, tensor "
                      "parallelism in the servers' vllm_args) or a quantized target")
+    lines.extend(["", "where the rates come from:", *rate_sources(e)])
+    if e.get("rate_from"):
+        lines.extend(["", "taken from the run (--from), scaled to this recipe's work; the rest modelled as above:",
+                      *(f"- {k}: {v}" for k, v in e["rate_from"].items() if v != "model")])
     return "\n".join(lines)
+
+
+def rate_sources(e: dict) -> list[str]:
+    """One line per modelled rate of `e`: its value and where it comes from (a measurement, a spec sheet, or an
+    assumption, named as such)."""
+    a, ld = e["assumptions"], e["load"]
+    taken = {k for k, v in (e.get("rate_from") or {}).items() if v != "model"}  # from a run: listed apart
+    g = None if "generate" in taken else e["generate_model"]
+    spec = (f"spec sheet: {a['flops'] / 1e12:,.0f} TFLOP/s bf16, {a['mem_bw'] / 1e12:.2f} TB/s"
+            if a["cpu_ranks_gain"] is None else "calibrated on this machine (docs/experiments/)")
+    out = []
+    if g:
+        st = g["step"]
+        out.append(f"- generate: {g['tokens_per_s']:,.0f} tok/s over the run, {g['in_flight']} in flight at "
+                   f"{g['per_request_tokens_per_s']:,.1f} tok/s each; a full step {st['total'] * 1e3:.1f} ms = weights "
+                   f"or matmuls {st['weights'] * 1e3:.1f} ({spec}; {a['bw_eff']:.0%} of the bandwidth: assumption) + "
+                   f"KV cache {st['kv'] * 1e3:.1f} (the target's config)"
+                   + (f" + MoE layers {st['moe'] * 1e3:.1f} ({a['moe_layer_latency_s'] * 1e3:.2f} ms a layer: "
+                      "assumption, estimate.MOE_LAYER_LATENCY_S)" if st["moe"] else "")
+                   + f" + overhead {st['overhead'] * 1e3:.1f} (assumption)")
+        out.append(f"- thinking tail: answers exponential with mean {a['answer_tokens']:,} tokens, cut at "
+                   f"generate.max_tokens (assumption: --answer-tokens is the mean); the last wave ends with the "
+                   f"longest, ~{g['longest']:,.0f} tokens, {_seconds(g['tail_s'])}")
+    if ld["starts"] and "load" not in taken:
+        out.append(f"- model load: {_bytes(e['target_weight_bytes'])} at {ld['rate'] / 1e9:.2f} GB/s + "
+                   f"{ld['warmup_s']:.0f} s warm-up = {_seconds(ld['seconds'])} a server start ({ld['source']}); "
+                   "starts: " + ", ".join(f"{k} {n}" for k, n in ld["starts"].items()))
+    tps = e["tokens_per_s"]
+    if "extract" not in taken:
+        out.append(f"- target prefill: {tps['extract_prefill']:,.0f} tok/s ({spec}; "
+                   f"{a['mfu_prefill']:.0%} MFU: assumption)")
+    else:
+        tps = {**tps, "extract_host": None}
+    if tps.get("extract_host"):
+        out.append(f"- extraction host work: {tps['extract_host']:,.0f} tok/s (bench/bench_data_thread.py: "
+                   f"{EXTRACT_HOST_BYTES_PER_S / 1e9:.2f} GB/s of connector file a thread, measured on a 2-core "
+                   "EPYC, times the threads estimate.extract_host_tokens_per_s credits)")
+    if "train" not in taken:
+        out.append(f"- train: {tps['train']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)")
+    return out

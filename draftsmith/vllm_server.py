@@ -40,6 +40,7 @@ from draftsmith.http import health_ok
 from draftsmith.progress import log
 from draftsmith.rundir import file_lock
 from draftsmith.target import cache_dir
+from draftsmith.vllm_memory import GPU_MEMORY_CAP
 
 PACKAGE = Path(__file__).resolve().parent
 SETUP_SCRIPT = PACKAGE / "setup_vllm.sh"  # ships in the package: an installed draftsmith can run it too
@@ -105,7 +106,7 @@ def gpu_memory_utilization(free: int, total: int) -> float:
     """vLLM's --gpu-memory-utilization (the share of each GPU's total memory it may take; it refuses to start
     when that much is not free) from what is free now: vLLM's default 0.9 assumes an empty GPU, which a
     stage's caching allocator or a server still stopping may not have left."""
-    return round(max(0.05, min(0.9, free / total - GPU_HEADROOM)), 3)
+    return round(max(0.05, min(GPU_MEMORY_CAP, free / total - GPU_HEADROOM)), 3)
 
 
 def vllm_venv() -> Path:
