@@ -6,7 +6,7 @@ model's own earlier replies. Prompts containing these words change the answer:
   [reason-field]  -> `reasoning_content` field      [reasoning]    -> `reasoning` field
   [think]         -> `<think>...</think>` in content [open-think]   -> an unclosed `<think>`, finish length
   [long]          -> finish_reason "length"          [bad-request]  -> HTTP 400 echoing the request headers
-  [stall]         -> a streamed reply that stops after its first events (holds the connection `stall_s`)
+  [stall]         -> a streamed reply that stops after its first events (holds the connection `stall_s`; 0: none)
 A request with `stream: true` gets the same reply as server-sent events, as vLLM sends them (a role
 event, the reasoning then the content a word per event, the finish reason, the usage when
 `stream_options.include_usage`, `data: [DONE]`), `event_delay_s` apart, on a connection closed at
@@ -89,7 +89,7 @@ class FakeOpenAIServer:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                stall = "[stall]" in body["messages"][-1]["content"]
+                stall = "[stall]" in body["messages"][-1]["content"] and outer.stall_s > 0
                 try:
                     for k, event in enumerate(outer.stream_events(body, reply)):
                         if stall and k == 2:

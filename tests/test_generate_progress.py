@@ -73,28 +73,37 @@ def test_a_stalled_answer_is_cut_after_the_idle_timeout_and_counted_as_lost(tmp_
     run = RunDir(tmp_path / "run")
     d = run.path / "generate"
     with FakeOpenAIServer(stall_s=30.0) as srv:
+        sets = openai_sets(srv.base_url, idle_timeout_s=1, retries=1)
         t0 = time.monotonic()
-        m = run_generate(run, cfg_for(tiny_target, prompts, *openai_sets(srv.base_url, idle_timeout_s=1, retries=1)))
+        m = run_generate(run, cfg_for(tiny_target, prompts, *sets))
         took = time.monotonic() - t0
-    assert took < 15, took  # two attempts of about 1 s each (plus start-up), not 30 s each
-    assert m["counts"]["done"] == 3 and m["counts"]["total"] == 4 and m["counts"]["cut"] == 1
-    assert m["summary"]["cut"] == 1 and m["summary"]["failed"] == 0
-    assert {r["id"] for r in lines_of(d / "samples.jsonl")} == {"p0", "p1", "p3"}
-    (fail,) = lines_of(d / "failures.jsonl")
-    assert fail["id"] == "p2" and fail["cut"] is True and fail["attempts"] == 2
-    assert fail["error"].startswith("no data for 1s after 2 stream events (http://127.0.0.1:")
-    log = (d / "stage.log").read_text()
-    assert "sample p2 cut for time (lost) (turn 1, 2 attempts): no data for 1s" in log
-    assert "done: ok 3, failed 0, skipped 0 (finished earlier), cut for time 1 (lost: no data for " in log
+        assert took < 15, took  # two attempts of about 1 s each (plus start-up), not 30 s each
+        assert m["counts"]["done"] == 3 and m["counts"]["total"] == 4 and m["counts"]["cut"] == 1
+        assert m["summary"]["cut"] == 1 and m["summary"]["failed"] == 0
+        assert {r["id"] for r in lines_of(d / "samples.jsonl")} == {"p0", "p1", "p3"}
+        (fail,) = lines_of(d / "failures.jsonl")
+        assert fail["id"] == "p2" and fail["cut"] is True and fail["attempts"] == 2
+        assert fail["error"].startswith("no data for 1s after 2 stream events (http://127.0.0.1:")
+        log = (d / "stage.log").read_text()
+        assert "sample p2 cut for time (lost) (turn 1, 2 attempts): no data for 1s" in log
+        assert "done: ok 3, failed 0, skipped 0 (finished earlier), cut for time 1 (lost: no data for " in log
 
-    row = next(r for r in run_status(run.path)["stages"] if r["name"] == "generate")
-    assert row["cut"] == 1
-    p = cli("status", str(run.path))
-    assert p.returncode == 0, p.stderr
-    assert ("generate: 1 answers cut for time (no data for generate.idle_timeout_s), counted as lost: not in "
-            "samples.jsonl nor the training data; `generate --retry-failed` asks again") in p.stdout
-    assert json.loads(cli("status", str(run.path), "--json").stdout)["stages"][0]["cut"] == 1
-    assert "cut for time" in render_table(run_status(run.path))
+        assert run_status(run.path)["stages"][0]["cut"] == 1
+        p = cli("status", str(run.path))
+        assert p.returncode == 0, p.stderr
+        assert ("generate: 1 answers cut for time (no data for generate.idle_timeout_s), counted as lost: not in "
+                "samples.jsonl nor the training data; `generate --retry-failed` asks again") in p.stdout
+        assert json.loads(cli("status", str(run.path), "--json").stdout)["stages"][0]["cut"] == 1
+
+        # a plain rerun leaves it lost (up to date); --retry-failed asks again, and the server answers this time
+        assert run_generate(run, cfg_for(tiny_target, prompts, *sets))["counts"]["cut"] == 1
+        srv.stall_s = 0
+        sent = len(srv.chat_requests())
+        m2 = run_generate(run, cfg_for(tiny_target, prompts, *sets), retry_failed=True)
+        assert len(srv.chat_requests()) == sent + 1
+    assert m2["counts"]["done"] == 4 and m2["counts"]["cut"] == 0 and not (d / "failures.jsonl").exists()
+    assert run_status(run.path)["stages"][0]["cut"] == 0
+    assert "cut for time" not in render_table(run_status(run.path))
 
 
 def test_an_interruption_raised_while_a_connection_opens_comes_out_as_itself():
