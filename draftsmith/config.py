@@ -99,8 +99,15 @@ class GenerateConfig(_Section):
         default_factory=list, description="More `vllm serve` arguments for the server backend vllm starts (e.g. "
         "[--enforce-eager]: a faster start-up, slower batched decoding).")
     batch_size: int = Field(8, ge=1, description="Prompts per batch (backend local).")
-    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout in seconds (backend openai).")
-    retries: int = Field(5, ge=0, description="Retries per request on 408/409/425/429/5xx and connection errors.")
+    idle_timeout_s: float = Field(
+        600.0, gt=0, description="Backends openai and vllm: the longest wait, in seconds, for the next piece of a "
+        "streamed answer (the first included, which waits for the server's queue and prefill). An answer that keeps "
+        "coming is never cut, however long it takes (8,192 tokens at 15 tokens/s: 9 minutes); one that stalls this "
+        "long is cut and retried, and if its last attempt is cut too it is counted as cut for time: lost (not in "
+        "samples.jsonl nor the training data), shown in the log, the manifest and `draftsmith status`, asked again by "
+        "--retry-failed. Replaces `timeout_s`, which bounded the whole request.")
+    retries: int = Field(
+        5, ge=0, description="Retries per request on 408/409/425/429/5xx, connection errors and idle timeouts.")
     backoff_s: float = Field(
         0.5, ge=0.0, description="First retry delay in seconds; doubles per retry (x0.5-1.5 jitter, at most 30 s; a "
         "429's Retry-After wins).")
@@ -499,13 +506,18 @@ class Config(_Section):
 # Loading
 
 
+# Keys that were renamed: an old one is refused with the new name (its meaning changed with it, so it is not mapped).
+RENAMED = {("generate", "timeout_s"): "renamed generate.idle_timeout_s: the longest wait for the next piece of a "
+           "streamed answer, no longer a bound on the whole request"}
+
+
 def _format_validation_error(e: ValidationError, source: str) -> str:
     parts = []
     for err in e.errors()[:3]:
         loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + (f" ({RENAMED[err['loc']]})" if err["loc"] in RENAMED else "")
         inp = err.get("input")
         if err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")

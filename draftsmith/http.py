@@ -12,6 +12,10 @@ completions, extract's hidden-states completions and eval's requests to a vLLM s
 - `SampleFailed`: a request failed for good; the stage records its sample as failed and goes on.
 - `OpenAIClient`: one client over one or several servers, called from threads (`request`) or from
   an event loop (`arequest`), the same rule either way.
+- Streamed replies (`arequest(stream=True)`: server-sent events, OpenAI's `stream: true`): bounded by progress, not
+  by their total time. An attempt is cut when no data came for the client's timeout (the wait for the
+  first event included); a reply that keeps coming may take as long as it takes. A request whose last
+  attempt was cut so is `SampleFailed.timed_out`.
 
 An API key goes in the Authorization header only. Every error text the client raises has the key
 replaced by `***` first, so it never reaches a log line, a failures file or a message.
@@ -20,6 +24,8 @@ replaced by `***` first, so it never reaches a log line, a failures file or a me
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import re
 import threading
@@ -79,14 +85,36 @@ def backoff_delay(attempt: int, base_s: float, retry_after: str | None = None) -
     return min(MAX_BACKOFF_S, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
 
 
+@contextlib.contextmanager
+def _signals_unwrapped():
+    """A Ctrl-C or SIGTERM (draftsmith.Terminated) raised while httpx's async client opens a connection comes out
+    of anyio's connect, a task group, wrapped in an exception group: the command would end with a traceback, and its
+    stage as failed rather than interrupted. Re-raise the interruption itself (streamed requests open connections
+    often: a server that ends each stream by closing it)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        group = [e]
+        while group:
+            inner = getattr(group.pop(), "exceptions", None) or ()
+            for x in inner:
+                if isinstance(x, KeyboardInterrupt):
+                    raise x from None
+                group.append(x)
+        raise
+
+
 class SampleFailed(Exception):
     """A request failed for good (out of retries, or an answer retrying cannot fix); the stage
     records its sample as failed and goes on. `attempts`: requests sent for it (0: none could be);
-    `turn`: the user turn (0-based) a generate conversation failed at."""
+    `turn`: the user turn (0-based) a generate conversation failed at; `timed_out`: its last attempt
+    was cut for time (no reply, or no more of a streamed one, within the timeout)."""
 
-    def __init__(self, error: str, attempts: int = 1, turn: int = 0):
+    def __init__(self, error: str, attempts: int = 1, turn: int = 0, timed_out: bool = False):
         super().__init__(error)
-        self.error, self.attempts, self.turn = error, attempts, turn
+        self.error, self.attempts, self.turn, self.timed_out = error, attempts, turn, timed_out
 
 
 class BadReply(Exception):
@@ -173,6 +201,7 @@ class _Outcome:
     retry: bool = False
     retry_after: str | None = None  # a 429's Retry-After header
     no_answer: bool = False  # refused, dropped or timed out: the server itself may be gone
+    timed_out: bool = False  # no (more) reply within the timeout
 
 
 _RAISED = _Outcome(ok=False)  # the attempt raised (a fatal error): the server is not to blame
@@ -191,10 +220,12 @@ class OpenAIClient:
     """Requests to OpenAI-compatible servers given by base URL (see normalize_server), retried by
     the rule in the module doc and spread by a Balancer.
 
-    From threads: `request()`; from an event loop: `await arequest()` (its httpx client is made
-    on first use, in that loop). timeout_s: per request (from an event loop a deadline for the
-    whole request, where httpx's read timeout is per read). concurrency: how many requests the
-    caller keeps in flight (sizes the connection pool). api_key: sent as `Authorization: Bearer`;
+    From threads: `request()`; from an event loop: `await arequest()` (its httpx client is made on
+    first use, in that loop). timeout_s: per request (from an event loop a deadline for the whole
+    request, where httpx's read timeout is per read); for a streamed reply (`arequest(stream=True)`)
+    the longest wait for the next piece of the stream, not a bound on the whole reply.
+    concurrency: how many requests the caller keeps in flight (sizes the connection pool). api_key:
+    sent as `Authorization: Bearer`;
     api_key_env, the variable it came from, is what a 401/403 error names. on_no_answer(server):
     called after an attempt of a balanced request (no `server=` given) that the server did not
     answer (refused, dropped, timed out): extract checks the server's health there and may mark
@@ -248,8 +279,15 @@ class OpenAIClient:
             time.sleep(self._retry_delay(s, attempt, outcome, balanced=server is None))
 
     async def arequest(self, method: str, path: str, body: dict | Callable[[str], dict] | None = None, *,
-                       server: str | None = None, parse: Callable[[str, dict], Any] | None = None) -> tuple[Any, int]:
-        """`request` for an event loop; the same rule, the same results."""
+                       server: str | None = None, parse: Callable[[str, Any], Any] | None = None,
+                       stream: bool = False) -> tuple[Any, int]:
+        """`request` for an event loop; the same rule, the same results.
+
+        stream=True: a streamed reply (`body` asks for one: `stream: true`), read as server-sent
+        events; `parse(server, events)` gets the JSON object of each `data:` line, in order, up to
+        `data: [DONE]`. An event holding `error` (vLLM's way to fail a request once its stream has
+        begun) and a stream that ends without [DONE] are retried like a 5xx. An attempt is cut when
+        no data came for timeout_s (see the class doc): SampleFailed.timed_out when it was the last."""
         if self._async is None:
             self._async = httpx.AsyncClient(**self._options)
         attempt, s = 0, None
@@ -258,7 +296,8 @@ class OpenAIClient:
             s = self._start(server, s, attempt)
             outcome = _RAISED
             try:
-                outcome = await self._asend(s, method, path, body, parse)
+                outcome = await (self._astream(s, method, path, body, parse) if stream
+                                 else self._asend(s, method, path, body, parse))
             finally:
                 self._end(server, s, outcome)
             if outcome.ok:
@@ -279,14 +318,56 @@ class OpenAIClient:
             # one deadline for the whole request (httpx's read timeout is per read). asyncio.timeout where it
             # exists (3.11+): Python 3.11's wait_for loses a cancellation that lands as the request completes,
             # so a Ctrl-C (asyncio.run cancels the main task) was swallowed and generate finished with exit 0
-            if hasattr(asyncio, "timeout"):
-                async with asyncio.timeout(self.timeout_s):
-                    r = await request
-            else:  # pragma: no cover - Python 3.10
-                r = await asyncio.wait_for(request, self.timeout_s)
+            with _signals_unwrapped():
+                if hasattr(asyncio, "timeout"):
+                    async with asyncio.timeout(self.timeout_s):
+                        r = await request
+                else:  # pragma: no cover - Python 3.10
+                    r = await asyncio.wait_for(request, self.timeout_s)
         except (asyncio.TimeoutError, httpx.TransportError) as e:
             return self._judge_error(s, e, self.timeout_s)
         return self._judge_reply(s, r, parse)
+
+    async def _astream(self, s: str, method: str, path: str, body, parse) -> _Outcome:
+        events: list[dict] = []
+        try:
+            # httpx's read timeout bounds each read, the response's head included: the idle time, not the total
+            with _signals_unwrapped():
+                r = await self._async.send(self._async.build_request(method, s + path,
+                                                                     json=body(s) if callable(body) else body),
+                                           stream=True)
+            async with contextlib.aclosing(r):
+                if r.status_code != 200:
+                    await r.aread()
+                    return self._judge_reply(s, r, parse)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, `:` comments, `event:` names
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        event = json.loads(data)
+                        if not isinstance(event, dict):
+                            raise ValueError("not a JSON object")
+                    except ValueError as e:
+                        return _Outcome(ok=False, error=f"malformed stream event from {s}: {e}", retry=True)
+                    if event.get("error"):
+                        err = self.scrub(f"error event from {s}: {json.dumps(event['error'])}")[:400]
+                        return _Outcome(ok=False, error=err, retry=True)
+                    events.append(event)
+                else:
+                    return _Outcome(ok=False, error=f"stream from {s} ended without [DONE] after {len(events)} events",
+                                    retry=True)
+        except httpx.TransportError as e:  # includes httpx's timeouts
+            out = self._judge_error(s, e, self.timeout_s)
+            if out.timed_out:
+                out.error = f"no data for {self.timeout_s:g}s after {len(events)} stream events ({s})"
+            return out
+        try:
+            return _Outcome(ok=True, value=parse(s, events))
+        except BadReply as e:
+            return _Outcome(ok=False, error=f"{e} ({s})", retry=True)
 
     # -- the rule ------------------------------------------------------------------------------
     def _start(self, server: str | None, previous: str | None, attempt: int) -> str:
@@ -318,18 +399,16 @@ class OpenAIClient:
                         retry_after=r.headers.get("retry-after") if r.status_code == 429 else None)
 
     def _judge_error(self, s: str, e: Exception, timeout_s: float) -> _Outcome:
-        if isinstance(e, (asyncio.TimeoutError, httpx.TimeoutException)):
-            err = f"timeout after {timeout_s:g}s ({s})"
-        else:
-            err = f"{type(e).__name__} ({s}): {e}"
-        return _Outcome(ok=False, error=err, retry=True, no_answer=True)
+        timed_out = isinstance(e, (asyncio.TimeoutError, httpx.TimeoutException))
+        err = f"timeout after {timeout_s:g}s ({s})" if timed_out else f"{type(e).__name__} ({s}): {e}"
+        return _Outcome(ok=False, error=err, retry=True, no_answer=True, timed_out=timed_out)
 
     def _retry_delay(self, s: str, attempt: int, outcome: _Outcome, balanced: bool) -> float:
         """Seconds before the next attempt; SampleFailed when there is to be none."""
         if outcome.no_answer and balanced and self.on_no_answer is not None:
             self.on_no_answer(s)
         if not outcome.retry or attempt > self.retries:
-            raise SampleFailed(self.scrub(outcome.error), attempt)
+            raise SampleFailed(self.scrub(outcome.error), attempt, timed_out=outcome.timed_out)
         with self._count_lock:
             self.retried += 1
         return backoff_delay(attempt, self.backoff_s, outcome.retry_after)

@@ -55,6 +55,23 @@ def _files(d: Path, suffix: str = "") -> tuple[int, int]:
     return n, size
 
 
+def generate_cut(d: Path) -> int:
+    """Answers of generate cut for time and counted as lost (generate/stage.py): the ids whose latest line in
+    failures.jsonl says `"cut": true` (the last line of an id is its state; a torn last line is skipped)."""
+    latest: dict[str, bool] = {}
+    try:
+        with open(d / "failures.jsonl", "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    latest[str(rec["id"])] = rec.get("cut") is True
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue
+    except OSError:
+        return 0
+    return sum(latest.values())
+
+
 def _shard_files(d: Path, suffix: str) -> tuple[int, int]:
     """Files ending in `suffix` in the `rows_*` shard folders of `d` (the extract store)."""
     n = size = 0
@@ -216,6 +233,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["bytes_per_token"] = extract_bytes_per_token(d, row["bytes_on_disk"])
     if stage == "train":
         row["validation"] = last_validation(d / "metrics.jsonl")
+    if stage == "generate":
+        row["cut"] = generate_cut(d)
     return row
 
 
@@ -309,6 +328,9 @@ def render_table(status: dict[str, Any]) -> str:
                                if isinstance(a, (int, float)))
             notes.append(f"{r['name']}: validation tau {val['acceptance_length']:.2f} at step {val.get('step')} "
                          f"(per position {per_pos}; {val.get('samples')} held-out samples)")
+        if r.get("cut"):
+            notes.append(f"{r['name']}: {r['cut']} answers cut for time (no data for generate.idle_timeout_s), counted "
+                         "as lost: not in samples.jsonl nor the training data; `generate --retry-failed` asks again")
         if r.get("bad_journal_lines"):
             notes.append(f"{r['name']}: {r['bad_journal_lines']} line(s) of its progress journal are not valid events "
                          "and were skipped")

@@ -6,6 +6,11 @@ model's own earlier replies. Prompts containing these words change the answer:
   [reason-field]  -> `reasoning_content` field      [reasoning]    -> `reasoning` field
   [think]         -> `<think>...</think>` in content [open-think]   -> an unclosed `<think>`, finish length
   [long]          -> finish_reason "length"          [bad-request]  -> HTTP 400 echoing the request headers
+  [stall]         -> a streamed reply that stops after its first events (holds the connection `stall_s`; 0: none)
+A request with `stream: true` gets the same reply as server-sent events, as vLLM sends them (a role
+event, the reasoning then the content a word per event, the finish reason, the usage when
+`stream_options.include_usage`, `data: [DONE]`), `event_delay_s` apart, on a connection closed at
+its end (no Content-Length, as HTTP/1.0 allows: FaultProxy reads it to the end and forwards it whole).
 It records every request (path, headers, JSON body) in `.requests`.
 
 FaultProxy forwards to an upstream and answers a share of requests with a fault instead:
@@ -18,14 +23,17 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeOpenAIServer:
-    def __init__(self, model: str = "fake-model", delay_s: float = 0.0, api_key: str | None = None):
+    def __init__(self, model: str = "fake-model", delay_s: float = 0.0, api_key: str | None = None,
+                 event_delay_s: float = 0.0, stall_s: float = 30.0):
         self.model, self.delay_s, self.api_key = model, delay_s, api_key
+        self.event_delay_s, self.stall_s = event_delay_s, stall_s
         self.requests: list[dict] = []
         self._lock = threading.Lock()
         outer = self
@@ -73,7 +81,25 @@ class FakeOpenAIServer:
                 if outer.delay_s:
                     time.sleep(outer.delay_s)
                 code, reply = outer.answer(body, dict(self.headers))
-                self._send(code, reply)
+                if code != 200 or not body.get("stream"):
+                    self._send(code, reply)
+                    return
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                stall = "[stall]" in body["messages"][-1]["content"] and outer.stall_s > 0
+                try:
+                    for k, event in enumerate(outer.stream_events(body, reply)):
+                        if stall and k == 2:
+                            time.sleep(outer.stall_s)
+                            return
+                        self.wfile.write(f"data: {event}\n\n".encode())
+                        self.wfile.flush()
+                        time.sleep(outer.event_delay_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client gave up (an idle timeout): what a real server sees too
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -114,6 +140,25 @@ class FakeOpenAIServer:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
+
+    @staticmethod
+    def stream_events(body: dict, reply: dict) -> list[str]:
+        """`reply` (a whole chat completion) as the `data:` payloads of its stream, [DONE] last."""
+        msg, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
+
+        def chunk(delta: dict, finish_reason=None) -> str:
+            return json.dumps({"id": reply["id"], "object": "chat.completion.chunk", "model": reply["model"],
+                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        for field in ("reasoning_content", "reasoning"):
+            events += [chunk({field: w}) for w in re.findall(r"\s*\S+\s*", msg.get(field) or "")]
+        events += [chunk({"content": w}) for w in re.findall(r"\s*\S+\s*", msg["content"])]
+        events.append(chunk({}, finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(json.dumps({"id": reply["id"], "object": "chat.completion.chunk", "model": reply["model"],
+                                      "choices": [], "usage": reply["usage"]}))
+        return events + ["[DONE]"]
 
     def chat_requests(self) -> list[dict]:
         with self._lock:
@@ -180,6 +225,8 @@ chat requests get faults. Change `rate` at any time (0 for a clean retry run); `
         """(status line + headers without Content-Length/Connection, body) from the upstream."""
         head, _, body = raw.partition(b"\r\n\r\n")
         lines = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"connection:")]
+        # as HTTP/1.0: a server streaming its reply then ends it by closing instead of in chunked encoding
+        lines[0] = lines[0].replace(b" HTTP/1.1", b" HTTP/1.0")
         req = b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + body
         r, w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         w.write(req)

@@ -97,7 +97,10 @@ def test_resolved_config_written_next_to_stage(tmp_path):
     ("train.lr=.nan", r"train\.lr: .*finite number|train\.lr: Input should be greater than 0"),
     ("train.max_minutes=.inf", r"train\.max_minutes: Input should be a finite number"),
     ("train.epochs=1e309", r"train\.epochs: Input should be a finite number"),
-    ("generate.timeout_s='inf'", r"generate\.timeout_s: Input should be a finite number"),
+    ("generate.idle_timeout_s='inf'", r"generate\.idle_timeout_s: Input should be a finite number"),
+    ("generate.idle_timeout_s=0", r"generate\.idle_timeout_s: Input should be greater than 0"),
+    ("generate.timeout_s=600", r"^--set: generate\.timeout_s: unknown key \(renamed generate\.idle_timeout_s: the "
+     r"longest wait for the next piece of a streamed answer, no longer a bound on the whole request\)$"),
     ("train.lr=true", r"train\.lr: expects a number, not true/false"),
     ("generate.limit=false", r"generate\.limit: expects a number, not true/false"),
     ("generate.skip_invalid=1", r"generate\.skip_invalid: expects true or false"),

@@ -71,7 +71,7 @@ def refused(url: str) -> bool:
 
 def cfg_for(target, prompts: Path, *urls: str, **gen):
     sets = {"generate.backend": "openai", "generate.servers": json.dumps(list(urls)), "generate.concurrency": 4,
-            "generate.timeout_s": 10, **{f"generate.{k}": v for k, v in gen.items()}}
+            "generate.idle_timeout_s": 10, **{f"generate.{k}": v for k, v in gen.items()}}
     return load_config(None, [f"target={target}", f"generate.prompts={prompts}", *(f"{k}={v}" for k, v in sets.items())])
 
 

@@ -21,7 +21,7 @@ from draftsmith import DraftsmithError
 from draftsmith.vllm_server import VLLMServer, group_members, parse_metrics, vllm_python
 
 sys.path.insert(0, str(Path(__file__).parent))
-from openai_fakes import FaultProxy  # noqa: E402
+from openai_fakes import FAULTS, FaultProxy  # noqa: E402
 
 STANDIN = '''
 import http.server, os, subprocess, sys, time
@@ -244,6 +244,41 @@ def test_generate_against_vllm(vllm, tmp_path, cli):
 
 
 @pytest.mark.vllm
+def test_streamed_answers_equal_whole_ones(vllm):
+    """generate streams its answers (bounded by progress, tests/test_generate_progress.py): with greedy sampling
+    vLLM's stream, joined by parse_stream, is the reply it gives without streaming (text, reasoning, finish reason,
+    token counts), for an answer that stops and one cut at max_tokens."""
+    import asyncio
+
+    from draftsmith.config import load_config
+    from draftsmith.generate.openai import chat_body, parse_stream, parse_turn
+    from draftsmith.http import OpenAIClient
+
+    gen = load_config(None, ["generate.max_tokens=48", "generate.temperature=0"]).generate
+    model = vllm.models()[0]
+
+    async def both(question: str):
+        client = OpenAIClient([vllm.base_url], timeout_s=120)
+        try:
+            body = chat_body(gen, model, [{"role": "user", "content": question}])
+            streamed, _ = await client.arequest("POST", "/chat/completions", body, parse=parse_stream, stream=True)
+            whole_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+            whole, _ = await client.arequest("POST", "/chat/completions", whole_body, parse=parse_turn)
+            return body, streamed, whole
+        finally:
+            await client.aclose()
+
+    finishes = set()
+    for question in ("What is the capital of France?", "Write a long poem about the sea."):
+        body, streamed, whole = asyncio.run(both(question))
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert streamed == whole, question
+        assert streamed.content.strip() and streamed.prompt_tokens > 0 and 0 < streamed.completion_tokens <= 48
+        finishes.add(streamed.finish_reason)
+    assert finishes == {"stop", "length"}
+
+
+@pytest.mark.vllm
 def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
     n = 16
     prompts = tmp_path / "p.jsonl"
@@ -252,10 +287,11 @@ def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
     run = tmp_path / "run"
     d = run / "generate"
     host_port = int(vllm.base_url.rsplit(":", 1)[1].split("/")[0])
-    with FaultProxy(host_port, rate=0.5, seed=3, hang_s=4.0) as px:
+    # no hang: a sample whose last attempt hangs is cut for time, not failed (test_generate_progress.py)
+    with FaultProxy(host_port, rate=0.5, seed=3, faults=tuple(f for f in FAULTS if f != "hang")) as px:
         args = ["generate", "--run", str(run), "--prompts", str(prompts), "--backend", "openai", "--server", px.base_url,
                 "--max-tokens", "16", "--concurrency", "8", "--set", "generate.backoff_s=0.05"]
-        p1 = cli(*args, "--set", "generate.retries=1", "--set", "generate.timeout_s=3")
+        p1 = cli(*args, "--set", "generate.retries=1", "--set", "generate.idle_timeout_s=3")
         samples = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
         failures = [json.loads(x)["id"] for x in (d / "failures.jsonl").read_text().splitlines()] if (d / "failures.jsonl").exists() else []
         assert len(samples) == len(set(samples)) and len(failures) == len(set(failures))
@@ -263,7 +299,7 @@ def test_faults_in_front_of_vllm(vllm, tmp_path, cli):
         assert sum(v for k, v in px.counts.items() if k != "ok") > 0
         assert (p1.returncode == 0) == (not failures) and (d / "manifest.json").exists() == (not failures)
         px.rate = 0.0
-        p2 = cli(*args, "--retry-failed", "--set", "generate.timeout_s=120")
+        p2 = cli(*args, "--retry-failed", "--set", "generate.idle_timeout_s=120")
         assert p2.returncode == 0, p2.stderr
     final = [json.loads(x)["id"] for x in (d / "samples.jsonl").read_text().splitlines()]
     assert sorted(final) == sorted(f"q{i}" for i in range(n)) and not (d / "failures.jsonl").exists()

@@ -1,9 +1,13 @@
 """generate.backend=openai: any OpenAI-compatible chat server (vLLM, SGLang).
 
 One or several base URLs, requests spread over them (least in flight first), bounded
-concurrency, a per-request deadline, retries with exponential backoff and jitter on
-408/409/425/429/5xx, connection errors, timeouts and malformed replies (all of it the one
-client's, draftsmith/http.py). The API key comes from the environment variable named by
+concurrency, retries with exponential backoff and jitter on 408/409/425/429/5xx, connection
+errors, timeouts and malformed replies (all of it the one client's, draftsmith/http.py). Each
+answer is streamed (`stream: true`, usage in the last event) and bounded by its progress, not its
+length: an attempt is cut only when no data came for `generate.idle_timeout_s`, so a long thinking
+answer at a slow server's pace completes. The streamed deltas are joined into the reply a
+non-streamed request gets and read by the same `parse_turn`: content, reasoning (either field) and
+token counts come out the same. The API key comes from the environment variable named by
 `generate.api_key_env`; it is sent in the Authorization header only, never logged or stored
 (error texts are scrubbed of it).
 """
@@ -37,7 +41,8 @@ def decode(run, cfg, info, pending, prog, on_done, on_fail) -> dict:
 
 def chat_body(gen, model: str, messages: list[dict], sampling: dict | None = None) -> dict:
     """One chat request; `sampling` ({temperature, seed}) overrides generate.temperature (a resampled answer)."""
-    body = {"model": model, "messages": messages, "max_tokens": gen.max_tokens, "temperature": gen.temperature}
+    body = {"model": model, "messages": messages, "max_tokens": gen.max_tokens, "temperature": gen.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
     if sampling:
         body.update({k: v for k, v in sampling.items() if v is not None})
     if gen.top_p < 1.0:  # 1.0 is every server's default: leave it out
@@ -68,6 +73,33 @@ def parse_turn(server: str, data: dict) -> TurnResult:
     return TurnResult(content, reasoning, choice.get("finish_reason"), prompt_tokens, completion_tokens)
 
 
+def parse_stream(server: str, events: list[dict]) -> TurnResult:
+    """`parse` of a streamed chat reply (see http.OpenAIClient.arequest, stream=True): the deltas of choice 0 joined
+    into the reply a non-streamed request gets (content, `reasoning_content` or `reasoning`, the
+    finish reason, the usage of the last event that has one), then read by parse_turn."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    finish, usage, seen = None, None, False
+    try:
+        for event in events:
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                if choice.get("index", 0) != 0:
+                    continue
+                seen = True
+                delta = choice.get("delta") or {}
+                content.append(delta.get("content") or "")
+                if piece := delta.get("reasoning_content") or delta.get("reasoning"):
+                    reasoning.append(piece)
+                finish = choice.get("finish_reason") or finish
+        if not seen:
+            raise KeyError("no choice in the stream")
+        message = {"content": "".join(content), "reasoning_content": "".join(reasoning) if reasoning else None}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BadReply(f"malformed stream: {type(e).__name__}: {e}") from None
+    return parse_turn(server, {"choices": [{"message": message, "finish_reason": finish}], "usage": usage})
+
+
 async def _sample(client: OpenAIClient, gen, model: str, prompt) -> list[TurnResult]:
     """One conversation, turn by turn: each user turn answered with the answers so far as history."""
     messages = prompt.system_messages()
@@ -76,7 +108,7 @@ async def _sample(client: OpenAIClient, gen, model: str, prompt) -> list[TurnRes
         messages.append({"role": "user", "content": user})
         body = chat_body(gen, model, messages, prompt.meta.get(SAMPLING))
         try:
-            t, _ = await client.arequest("POST", "/chat/completions", body, parse=parse_turn)
+            t, _ = await client.arequest("POST", "/chat/completions", body, parse=parse_stream, stream=True)
         except SampleFailed as e:
             e.turn = k
             raise
@@ -92,7 +124,7 @@ async def ask_servers(pending, gen, servers, api_key, prog, on_done, on_fail, *,
     backend resolved it). server_gone (backend vllm): why draftsmith's own server is gone, or None; a sample
     that fails after it has gone stops the stage with that reason instead of failing every sample in turn.
     Returns the model, retries, requests per server and in_flight."""
-    client = OpenAIClient(servers, timeout_s=gen.timeout_s, retries=gen.retries, backoff_s=gen.backoff_s,
+    client = OpenAIClient(servers, timeout_s=gen.idle_timeout_s, retries=gen.retries, backoff_s=gen.backoff_s,
                           concurrency=in_flight, api_key=api_key, api_key_env=gen.api_key_env)
     try:
         model = await _served_model(client, gen, prog)

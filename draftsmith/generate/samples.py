@@ -128,10 +128,13 @@ class SampleStore:
         # Append (not rewrite): the last line of an id wins when the file is read back.
         append_text(self.failures_path, jsonl_text([rec]))
 
-    def forget_failures(self) -> None:
-        """Failures of prompts no longer selected: nothing to retry (rewritten at the next flush)."""
-        if self.failures:
-            self.failures.clear()
+    def forget_failures(self, keep: set[str]) -> None:
+        """Failures of prompts no longer selected (not in `keep`): nothing to retry (rewritten at the next
+        flush). A selected one left here is an answer cut for time, counted as lost."""
+        gone = [i for i in self.failures if i not in keep]
+        for i in gone:
+            del self.failures[i]
+        if gone:
             self._failures_dirty = True
 
     def _rewrite_failures(self) -> None:

@@ -25,6 +25,12 @@ Resume: a rerun skips finished ids (and, unless --retry-failed, failed ones); a 
 crash at the end of a file is truncated away before anything is appended. At the end a sample
 is in exactly one of samples.jsonl / failures.jsonl. If any sample failed the stage raises
 (non-zero exit) and writes no manifest, so `run` never proceeds on partial data.
+
+Cut for time: a sample whose last attempt got no (more) data for generate.idle_timeout_s (a
+server that stalled; an answer that keeps coming is never cut) is counted as lost, not failed: it
+stays in failures.jsonl with `"cut": true`, is not in samples.jsonl nor the training data, does not
+stop the stage, and is counted in the `done:` log line, the manifest (`counts.cut`) and `draftsmith
+status`; --retry-failed asks for it again.
 """
 
 import contextlib
@@ -57,7 +63,7 @@ BACKENDS: dict[str, Callable[..., dict]] = {"openai": openai.decode, "vllm": vll
                                             "dataset": dataset.decode}
 
 # Settings that change how the stage runs but not what it produces: left out of the fingerprint.
-OPERATIONAL_KEYS = ("concurrency", "servers", "timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env")
+OPERATIONAL_KEYS = ("concurrency", "servers", "idle_timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env")
 # What backend dataset (the source's own replies) never looks at.
 DATASET_IGNORES = ("model", "temperature", "top_p", "batch_size", "vllm_args")
 
@@ -178,8 +184,9 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
             counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
             store.flush_failures()
             sel_done = [store.done[i] for i in selected if i in store.done]
-            sel_failed = [i for i in selected if i in store.failures]
-            summary = _summary(counts, extra, seconds, sel_done, sel_failed, already,
+            sel_cut = [i for i in selected if i in store.failures and store.failures[i].get("cut")]
+            sel_failed = [i for i in selected if i in store.failures and not store.failures[i].get("cut")]
+            summary = _summary(counts, extra, seconds, sel_done, sel_failed, sel_cut, already,
                               not_retried=earlier_failed if not retry_failed else 0, decoded=bool(pending), prog=prog)
             if sel_failed:
                 raise GenerateFailed(len(sel_failed), run)
@@ -195,7 +202,7 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
 
     totals = {k: sum(s[k] or 0 for s in sel_done) for k in ("prompt_tokens", "completion_tokens")}
     manifest = book.finish(
-        counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0,
+        counts={"done": len(sel_done), "total": len(prompts), "unit": "samples", "failed": 0, "cut": len(sel_cut),
                 "truncated": summary["truncated"], "reasoning": summary["reasoning"],
                 "answers": summary["answers"], "reasoning_answers": summary["reasoning_answers"], **totals},
         outputs=[SAMPLES], extra={"summary": summary},
@@ -231,10 +238,11 @@ def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore,
 
     def on_fail(p, e: SampleFailed) -> None:
         store.add_failure({"id": p.id, "error": e.error, "attempts": e.attempts, "time": round(time.time(), 3),
-                           "turn": e.turn})
+                           "turn": e.turn, **({"cut": True} if e.timed_out else {})})
         counts.failed += 1
         if counts.failed <= 10 or counts.failed % 100 == 0:
-            prog.log(f"sample {p.id} failed (turn {e.turn + 1}, {e.attempts} attempts): {e.error}"
+            what = "cut for time (lost)" if e.timed_out else "failed"
+            prog.log(f"sample {p.id} {what} (turn {e.turn + 1}, {e.attempts} attempts): {e.error}"
                      + (" (further failures: every 100th is logged)" if counts.failed == 10 else ""))
 
     extra: dict[str, Any] = {}
@@ -245,12 +253,15 @@ def decode_pending(run: RunDir, cfg, info, pending: list, store: SampleStore,
 
 
 def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[dict], sel_failed: list[str],
-             already: int, *, not_retried: int, decoded: bool, prog) -> dict:
+             sel_cut: list[str], already: int, *, not_retried: int, decoded: bool, prog) -> dict:
     """Log the `done: ...` line; return the summary the manifest and the journal's end record keep."""
     reasoning_n = sum(1 for s in sel_done if s["reasoning"])
     truncated_n = sum(1 for s in sel_done if s["truncated"])
     rate = counts.completion_tokens / seconds if seconds > 0 and counts.completion_tokens else 0.0
     line = f"done: ok {counts.ok}, failed {len(sel_failed)}, skipped {already} (finished earlier)"
+    if sel_cut:
+        line += (f", cut for time {len(sel_cut)} (lost: no data for generate.idle_timeout_s; not in samples.jsonl "
+                 "nor the training data; --retry-failed asks again)")
     if decoded:
         line += (f" | {counts.completion_tokens} completion tokens ({counts.prompt_tokens} prompt) in {seconds:.1f}s"
                  f" = {rate:,.1f} tokens/s")
@@ -270,7 +281,8 @@ def _summary(counts: DecodeCounts, extra: dict, seconds: float, sel_done: list[d
         line += " | requests per server: " + ", ".join(f"{s} {n}" for s, n in extra["requests_per_server"].items())
     prog.log(line)
     return {
-        "ok": counts.ok, "failed": len(sel_failed), "skipped": already, "failed_not_retried": not_retried,
+        "ok": counts.ok, "failed": len(sel_failed), "cut": len(sel_cut), "skipped": already,
+        "failed_not_retried": not_retried,
         "completion_tokens": counts.completion_tokens, "prompt_tokens": counts.prompt_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(rate, 2),
         "truncated": truncated_n, "reasoning": reasoning_n,
@@ -287,7 +299,7 @@ def _keep_selection(d: Path, store: SampleStore, selected: set[str], say) -> Non
     if dropped:
         _append_unselected(d, dropped)
         say(f"{len(dropped)} finished samples outside the current selection moved to {UNSELECTED}")
-    store.forget_failures()  # of prompts no longer selected: nothing to retry
+    store.forget_failures(keep=selected)  # of prompts no longer selected: nothing to retry
 
 
 def _check_state(d: Path, settings: dict, say) -> None:
