@@ -28,7 +28,6 @@ minute: `draftsmith status` gives the real ETA once a stage runs.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError, kinds
-from draftsmith.bounds import model_config
 from draftsmith.store_format import bytes_per_token as store_bytes
+from draftsmith.target.identity import is_mla, read_identity
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
 
@@ -150,7 +149,7 @@ class TargetShape:
 
 def _attention_params(c: dict, h: int) -> float:
     heads = c.get("num_attention_heads", h // 64)
-    if c.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3, Kimi K2)
+    if is_mla(c):  # multi-head latent attention (DeepSeek-V3, Kimi K2)
         qk_head = c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)
         v_head = c.get("v_head_dim", 128)
         q_rank, kv_rank = c.get("q_lora_rank") or 0, c["kv_lora_rank"]
@@ -206,12 +205,9 @@ def _quantized_bytes_per_param(qc: dict) -> float | None:
 
 def target_shape(config_json: Path, name: str | None = None, attention: str = "auto") -> TargetShape:
     """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention."""
-    try:
-        c = json.loads(config_json.read_text())
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{config_json}: cannot read the model config ({e})") from None
     # multimodal wrappers keep the language model's config inside; every size checked (bounds.py)
-    top, c = model_config(c, str(config_json), required=("hidden_size", "num_hidden_layers", "vocab_size"))
+    identity = read_identity(config_json, required=("hidden_size", "num_hidden_layers", "vocab_size"))
+    top, c = identity.config, identity.text
     h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     inter = c.get("intermediate_size", 4 * h)
     d_q, d_kv, d_inter = drafter_widths(c)

@@ -37,7 +37,8 @@ from draftsmith.progress import Progress, journal_failures
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
 from draftsmith.stage import StageBook, one_process, upstream
-from draftsmith.target import chat_template_sha256, load_tokenizer, pick_device, pick_dtype, target_info
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
 STAGE = "eval"
 

@@ -30,7 +30,8 @@ from draftsmith.prepare import Prepared, index_prepared, prepared_path
 from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, one_process, upstream
-from draftsmith.target import pick_device, pick_dtype, target_info
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import target_info
 
 
 @one_process(STAGE)

