@@ -2,9 +2,10 @@
 
 One `Identity` holds the config once: the whole file, its language model's config (a multimodal wrapper's
 `text_config`) under the names the drafter's rules read (the family's layout maps its own, layout.py), and the
-family's facts every stage asks: MLA or not, layer count, widths, the stop tokens, where its decoder stack sits.
-target_info (load.py) adds transformers' reading of the same file (`hf_config`, `hf_text_config`), so that a
-stage needing the config by attribute, with transformers' defaults, asks `view()` instead of reading it again.
+family's facts every stage asks: MLA or not, a wrapper or not, the stop tokens, and its layout (layout.py: where
+its decoder stack sits). target_info (load.py) adds transformers' reading of the same file (`hf_config`,
+`hf_text_config`), so that a stage needing the config by attribute, with transformers' defaults, asks `view()`
+instead of reading it again.
 """
 
 from __future__ import annotations
@@ -40,27 +41,6 @@ class Identity:
         return self.path.parent
 
     @property
-    def model_type(self) -> str:
-        return str(self.text.get("model_type") or self.config.get("model_type") or "")
-
-    @property
-    def architecture(self) -> str:
-        archs = self.config.get("architectures") or []
-        return str(archs[0]) if archs else self.model_type
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.text["num_hidden_layers"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.text["hidden_size"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.text["vocab_size"])
-
-    @property
     def is_mla(self) -> bool:
         return is_mla(self.text)
 
@@ -68,12 +48,6 @@ class Identity:
     def is_wrapper(self) -> bool:
         """A language model beside a vision or audio tower (Kimi-K2.5, Gemma 3, Llama 4, Qwen3-VL)."""
         return "text_config" in self.config and any(k in self.config for k in ("vision_config", "audio_config"))
-
-    @property
-    def stack_prefix(self) -> str:
-        """The decoder stack's prefix in the family's own causal LM checkpoint ("model.", GPT-2's "transformer.");
-        a wrapper's is found from its tensors (layout.language_model_names)."""
-        return self.layout.root
 
     def view(self) -> Any:
         """The text config by attribute, as the drafter's sizing rules read it: transformers' (with its

@@ -178,7 +178,8 @@ def target_info(spec: str, trust_remote_code: bool = False, log=print) -> Target
     # its checkpoint laid out as its family's adapter says (layout.py), told by the first stage, not at training, and
     # before its fields are held to the drafter rules' names (which the adapter maps)
     language_model_names(info)
-    check_model_numbers(identity.text, str(folder / "config.json"),
+    # required as transformers reads them (a field left to its class default counts), in the drafter rules' names
+    check_model_numbers({**text_cfg.to_dict(), **identity.text}, str(folder / "config.json"),
                         required=("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
     return info
 
