@@ -153,9 +153,10 @@ def flex_without_compile(live: LiveBytes):
     allocates what a GPU's does). The op's autograd set-up makes fake example values with
     factories, which LiveBytes would make real: it runs with LiveBytes set aside, and its output
     and log-sum-exp (what it keeps for backward besides its inputs) are counted after."""
-    def flex(*args, **kwargs):
+    def flex(q, keys, values, block_mask):  # compiled_flex_attention's call (model.ttt._fused_flex)
         with _pop_mode_temporarily():
-            out, aux = flex_module.flex_attention(*args, return_aux=flex_module.AuxRequest(lse=True), **kwargs)
+            out, aux = flex_module.flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True,
+                                                  return_aux=flex_module.AuxRequest(lse=True))
         live.watch([out, aux.lse])
         return out
 

@@ -1,11 +1,13 @@
-"""The GPU check (issue 39): the parts bench/device_check.sh runs, each in its own process under its own timeout.
+"""The GPU check (issues 39, 55): the parts bench/device_check.sh runs, each in its own process under its own timeout.
 
     python bench/device_check.py probe                      # the distributions this Python lacks, one line
     python bench/device_check.py pipeline --out O --work W  # every stage on the device, hf backends
-    python bench/device_check.py flex --out O               # flex attention against SDPA, states and gradients
+    python bench/device_check.py online --out O --work W    # train.mode=online on the pipeline's run
+    python bench/device_check.py flex --out O               # flex against SDPA, states and gradients, every GPU recipe
     python bench/device_check.py memory --out O             # one real training step's peak beside the fake-tensor one
     python bench/device_check.py speed --out O              # training tokens/s at Llama-8B widths, flex and SDPA
-    python bench/device_check.py summary --out O            # one line; O/device_check.json
+    python bench/device_check.py soak|ranks|extract --out O --work W   # issue 55's parts: bench/device_parts.py
+    python bench/device_check.py summary --out O [--parts "pipeline flex ..."]   # one line; O/device_check.json
 
 Each part writes O/<part>.json: {"ok": bool, "device": ..., "seconds": ..., "checks": [...], ...}. On a machine
 without CUDA (the CPU rehearsal, tests/test_device_check.py) every part runs the same code at widths a CPU
@@ -27,8 +29,9 @@ import shutil
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
+
+import device_parts  # beside this file: issue 55's parts (no torch imported at its top: the probe runs first)
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE_DIR = REPO / "bench" / "device"
@@ -127,6 +130,8 @@ def pipeline(out: Path, work: Path, checks: Checks) -> dict:
             f"train.seq_len={1024 if gpu else 256}", "train.checkpoint_every=1000", "train.log_every_s=5",
             "eval.engine=local", f"eval.prompts={DEVICE_DIR / 'questions.jsonl'}", f"eval.limit={8 if gpu else 2}",
             f"eval.max_tokens={32 if gpu else 8}"]
+    # the ranks part trains on this run with the same settings
+    (work / "pipeline-sets.json").write_text(json.dumps(sets))
     cmd = [sys.executable, "-m", "draftsmith", "run", str(REPO / "configs" / "demo.yaml"), "--run", str(run)]
     for s in sets:
         cmd += ["--set", s]
@@ -153,30 +158,47 @@ def pipeline(out: Path, work: Path, checks: Checks) -> dict:
     return figures
 
 
+def online(out: Path, work: Path, checks: Checks) -> dict:
+    """train.mode=online (the Llama recipe's: the target runs in the training process and hands its states to
+    each batch) on the pipeline part's prepared data, with its settings: the stage as a user runs it."""
+    run = work / "run"
+    if not (run / "prepare" / "manifest.json").is_file() or not (work / "pipeline-sets.json").is_file():
+        checks.add("online training", False, f"no prepared run at {run}: the pipeline part must run first")
+        return {}
+    sets = json.loads((work / "pipeline-sets.json").read_text())
+    copy = work / "run-online"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("extract", "train", "export", "eval"))
+    more = ["train.mode=online", "train.epochs=1"]
+    t0 = time.time()
+    logs = []
+    cmd = [sys.executable, "-m", "draftsmith", "train", "--run", str(copy), "--config",
+           str(REPO / "configs" / "demo.yaml")] + [a for x in sets + more for a in ("--set", x)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    (out / "pipeline-online.log").write_text(p.stdout + p.stderr)
+    f = copy / "train" / "manifest.json"
+    m = json.loads(f.read_text()) if f.is_file() else {}
+    tokens = (m.get("counts") or {}).get("tokens")
+    mode = ((m.get("settings") or {}).get("train") or {}).get("mode")
+    ok = p.returncode == 0 and mode == "online" and bool(tokens) and (copy / "train" / "final").is_dir()
+    tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+    checks.add("online training (train.mode=online) on the device", ok,
+               f"exit {p.returncode}, {tokens} tokens trained with the target in-process in {time.time() - t0:.0f}s"
+               + ("" if ok else f"; last line: {tail[0][:200]}"))
+    return {"seconds": time.time() - t0, "tokens": tokens, "peak_memory_bytes": m.get("peak_memory_bytes")}
+
+
 def _recipe_drafters():
-    """{name: DrafterConfig} of the drafters the GPU recipes train, at their real widths, one layer:
-    Llama-3.1-8B's (configs/llama-8b-1xh100.yaml) and Kimi-K2.5's MLA drafter (configs/kimi-k2.5-8xh200.yaml)."""
+    """{name: DrafterConfig} of the drafters the GPU recipes train (device_parts.RECIPES: Kimi-K2.5's MLA drafter,
+    Kimi-K2's GQA drafter, Llama-3.1-8B's), at their real widths, one layer, each with its kind's options."""
     from draftsmith.config import load_config
-    from draftsmith.model.config import DrafterConfig
 
     out = {}
-    for name, recipe, target in (("llama-8b", "llama-8b-1xh100.yaml", "llama-3.1-8b-instruct.json"),
-                                 ("kimi-k2.5 mla", "kimi-k2.5-8xh200.yaml", "kimi-k2.5.json")):
+    for recipe in device_parts.RECIPES:
         cfg = load_config(REPO / "configs" / recipe, [])
-        hf = json.loads((REPO / "configs" / "targets" / target).read_text())
-        hf = hf.get("text_config") or hf  # a multimodal wrapper: its language model's config
-        out[name] = DrafterConfig.from_target_config(types.SimpleNamespace(**hf),
-                                                    draft_vocab_size=cfg.vocab.draft_vocab_size,
-                                                    num_hidden_layers=1, attention=cfg.train.drafter_attention)
+        dcfg = device_parts.recipe_drafter(recipe, cfg, num_layers=1)
+        out[f"{recipe.split('-', 2)[0]}-{recipe.split('-')[1]} {cfg.train.method}"] = dcfg
     return out
-
-
-def _toy(cfg):
-    """A CPU-sized drafter of the same kind (attention, head layout ratios kept where they can be)."""
-    from dataclasses import replace
-
-    return replace(cfg, hidden_size=128, intermediate_size=256, vocab_size=512, draft_vocab_size=128,
-                   num_attention_heads=4, num_key_value_heads=min(4, cfg.num_key_value_heads), head_dim=32)
 
 
 def _paths(d, ids, aux, pos, doc, autocast: bool, names) -> dict:
@@ -203,7 +225,7 @@ def flex(out: Path, checks: Checks) -> dict:
     documents with padding. The CPU has no flex backward: there, SDPA against the dense mask only."""
     import torch
 
-    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith import kinds
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -212,9 +234,9 @@ def flex(out: Path, checks: Checks) -> dict:
     names = ("flex", "sdpa", "dense") if gpu else ("sdpa", "dense")
     L = 1000 if gpu else 300
     for cname, cfg in _recipe_drafters().items():
-        cfg = cfg if gpu else _toy(cfg)
+        cfg = cfg if gpu else device_parts.toy(cfg)
         torch.manual_seed(0)
-        d = Eagle3Drafter(cfg)
+        d = kinds.drafter_class(cfg)(cfg)
         with torch.no_grad():  # random norm weights: a swapped or skipped norm shows
             for n, p in d.named_parameters():
                 if n.endswith("norm.weight"):
@@ -262,7 +284,7 @@ def memory(out: Path, checks: Checks) -> dict:
     if device().type != "cuda":
         from draftsmith.config import load_config
 
-        dcfg = _toy(_recipe_drafters()["llama-8b"])
+        dcfg = device_parts.toy(_recipe_drafters()["llama-8b eagle3"])
         tc = load_config(None, ["train.ttt_steps=3"]).train
         fake = bm.measure(dcfg, tc, "after", 2, 256)["peak"]
         checks.add("memory (cpu fallback: fake tensors only)", fake > 0, f"toy drafter, 2 x 256 tokens: "
@@ -300,15 +322,15 @@ def speed(out: Path, checks: Checks) -> dict:
     layers (the loss and optimizer are bench_train.py's)."""
     import torch
 
-    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith import kinds
 
     dev = device()
     gpu = dev.type == "cuda"
-    cfg = _recipe_drafters()["llama-8b"]
-    cfg = cfg if gpu else _toy(cfg)
+    cfg = _recipe_drafters()["llama-8b eagle3"]
+    cfg = cfg if gpu else device_parts.toy(cfg)
     rows, L = (4, 4096) if gpu else (1, 256)
     torch.manual_seed(0)
-    d = Eagle3Drafter(cfg).to(dev)
+    d = kinds.drafter_class(cfg)(cfg).to(dev)
     ids = torch.randint(0, cfg.vocab_size, (rows, L), device=dev)
     aux = torch.randn(rows, L, 3 * cfg.hidden_size, device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
     figures = {}
@@ -333,14 +355,16 @@ def speed(out: Path, checks: Checks) -> dict:
     return figures
 
 
-PARTS = {"pipeline": pipeline, "flex": flex, "memory": memory, "speed": speed}
+PARTS = {"pipeline": pipeline, "online": online, "flex": flex, "memory": memory, "speed": speed, "soak": device_parts.soak,
+         "ranks": device_parts.ranks, "extract": device_parts.extract}
+WITH_WORK = {"pipeline", "online", "soak", "ranks", "extract"}  # parts that take the scratch folder too
 
 
 def run_part(name: str, out: Path, work: Path | None) -> int:
     checks = Checks(out / f"{name}.json", name)
     t0 = time.time()
     try:
-        figures = PARTS[name](out, work, checks) if name == "pipeline" else PARTS[name](out, checks)
+        figures = PARTS[name](out, work, checks) if name in WITH_WORK else PARTS[name](out, checks)
     except Exception as e:  # the part's own failure, recorded as such: the next part still runs
         checks.add(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         figures = {}
@@ -350,9 +374,9 @@ def run_part(name: str, out: Path, work: Path | None) -> int:
     return 0 if checks.ok else 1
 
 
-def summary(out: Path) -> int:
+def summary(out: Path, names: list[str]) -> int:
     parts = {}
-    for name in PARTS:
+    for name in names:
         f = out / f"{name}.json"
         parts[name] = json.loads(f.read_text()) if f.is_file() else {"part": name, "ok": False,
                                                                      "checks": [], "missing": "no result (timed out?)"}
@@ -360,13 +384,19 @@ def summary(out: Path) -> int:
     dev = next((p["device"] for p in parts.values() if p.get("device")), "?")
     bits = [f"{n} {'ok' if p['ok'] else 'cut by its timeout' if p.get('unfinished') else 'FAILED'}"
             + (f" ({p['seconds']:.0f}s)" if p.get("seconds") else "") for n, p in parts.items()]
-    sp = parts["speed"]
+    sp = parts.get("speed", {})
     if sp.get("flex_tokens_per_s") or sp.get("sdpa_tokens_per_s"):
         bits.append("train " + ", ".join(f"{k.split('_')[0]} {sp[k]:,.0f} tok/s" for k in ("flex_tokens_per_s", "sdpa_tokens_per_s")
                                          if sp.get(k)))
-    mem = [r for r in parts["memory"].get("rows", []) if r.get("real")]
+    mem = [r for r in parts.get("memory", {}).get("rows", []) if r.get("real")]
     if mem:
         bits.append("memory real/fake " + ", ".join(f"{r['row']} {r['ratio']:.3f}" for r in mem))
+    for r in parts.get("soak", {}).get("drafters", []):
+        bits.append(f"soak {r['drafter']}: {r['graphs']} graphs, {r['tokens_per_s']:,.0f} tok/s "
+                    f"({r['rate_ratio']:.2f} of the estimate)"
+                    + (f", peak/estimate {r['ratio']:.3f}" if "ratio" in r else ""))
+    if parts.get("extract", {}).get("samples_per_s"):
+        bits.append(f"extract host {parts['extract']['samples_per_s']:.1f} samples/s")
     line = f"device check on {dev}: {'PASSED' if ok else 'FAILED'}; " + "; ".join(bits)
     (out / "device_check.json").write_text(json.dumps({"ok": ok, "device": dev, "line": line, "parts": parts,
                                                        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
@@ -380,12 +410,13 @@ def main() -> int:
     ap.add_argument("part", choices=["probe", *PARTS, "summary"])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/draftsmith-device-check")))
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (the pipeline's target and run)")
+    ap.add_argument("--parts", default=" ".join(PARTS), help="summary: the parts that ran (space-separated)")
     args = ap.parse_args()
     if args.part == "probe":
         return probe()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part == "summary":
-        return summary(args.out)
+        return summary(args.out, args.parts.split())
     work = args.work or args.out / "work"
     return run_part(args.part, args.out, work)
 

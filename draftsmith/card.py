@@ -30,12 +30,12 @@ import yaml
 
 from draftsmith import __version__, kinds
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
+from draftsmith.stages import names as stage_names
 
 CARD = "README.md"
 PROVENANCE = "provenance.json"
 # what `hf upload` publishes of RUN/export (the rest is the stage's bookkeeping, which names this machine)
 PUBLISHED = ("config.json", "model.safetensors", CARD, PROVENANCE)
-STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
 REPO_PLACEHOLDER = "YOUR-ORG/YOUR-DRAFTER"  # the card's serve and upload lines until export.repo_id names the repo
 
 
@@ -145,7 +145,7 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     cj = _json(export_dir / "config.json")
     layer = cj.get("transformer_layer_config") or cj
     ds = cj.get("draftsmith") or {}
-    man = {s: run.read_manifest(s) or {} for s in STAGES}
+    man = {s: run.read_manifest(s) or {} for s in stage_names()}
     resolved = stage_configs(run)
     gen_settings = (resolved.get("generate") or {}).get("generate") or {}
     train_settings = (resolved.get("train") or {}).get("train") or {}
@@ -243,7 +243,7 @@ def render_card(f: dict) -> str:
 def stage_configs(run: RunDir) -> dict[str, dict]:
     """The resolved config each stage ran with (RUN/<stage>/config.yaml), by stage; unreadable ones left out."""
     configs = {}
-    for stage in STAGES:
+    for stage in stage_names():
         try:
             c = yaml.safe_load((run.path / stage / "config.yaml").read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError):

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
-from draftsmith import DraftsmithError, Terminated, one_line
+from draftsmith import DraftsmithError, Terminated, one_line, stages
 from draftsmith.estimate import HARDWARE, estimate_config, render
 from draftsmith.journal import env_rank
 from draftsmith.progress import log, write_traceback
@@ -76,22 +76,14 @@ def torch_threads(cfg) -> None:
 # in torch and transformers (~3 s), which `--help`, `status` and a config error must not pay for.
 
 
-@app.command(epilog="""Examples:
+def stage_command(name: str):
+    """Register a stage's command under its record's name, help and examples (stages.py); the function's
+    parameters are the command's options."""
+    record = stages.get(name)
+    return app.command(record.name, help=record.help, epilog=record.epilog)
 
-  draftsmith generate --run runs/r1 --limit 100
 
-  draftsmith generate --run runs/r1 --backend openai --server http://127.0.0.1:8000/v1 --concurrency 32
-
-  draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 \
---prompts chats.jsonl --max-tokens 1024
-
-  draftsmith generate --run runs/r1 --retry-failed
-
-  draftsmith generate --run runs/r1 --set generate.backend=openai --set generate.servers=[http://127.0.0.1:8000/v1] \
---set generate.api_key_env=MY_KEY
-
-  draftsmith generate --run runs/r1 --backend vllm --concurrency 64   (starts and stops its own vLLM server)
-""")
+@stage_command("generate")
 def generate(
     run: RunOpt,
     config: ConfigOpt = None,
@@ -112,8 +104,6 @@ def generate(
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
 ):
-    """Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible
-    servers), or keep the file's own (--backend dataset)."""
     cfg = stage_config(
         config, sets,
         **{"generate.backend": backend,
@@ -122,20 +112,13 @@ def generate(
            "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
            "generate.concurrency": concurrency},
     )
-    from draftsmith.generate.stage import run_generate
+    run_generate = stages.get("generate").run_function()
     if cfg.generate.backend == "local":
         torch_threads(cfg)
     run_generate(RunDir(run), cfg, retry_failed=retry_failed)
 
 
-@app.command(epilog="""Examples:
-
-  draftsmith prepare --run runs/r1
-
-  draftsmith prepare --run runs/r1 --max-length 4096 --overflow drop
-
-  draftsmith prepare --run runs/r1 --config my.yaml --set prepare.max_length=1024
-""")
+@stage_command("prepare")
 def prepare(
     run: RunOpt,
     config: ConfigOpt = None,
@@ -145,18 +128,12 @@ def prepare(
     overflow: Annotated[Optional[str], typer.Option(
         "--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
 ):
-    """Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens."""
     cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
-    from draftsmith.prepare import run_prepare
+    run_prepare = stages.get("prepare").run_function()
     run_prepare(RunDir(run), cfg)
 
 
-@app.command(epilog="""Examples:
-
-  draftsmith vocab --run runs/r1
-
-  draftsmith vocab --run runs/r1 --draft-vocab-size 32000
-""")
+@stage_command("vocab")
 def vocab(
     run: RunOpt,
     config: ConfigOpt = None,
@@ -164,28 +141,12 @@ def vocab(
     draft_vocab_size: Annotated[Optional[int], typer.Option(
         "--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
 ):
-    """Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage."""
     cfg = stage_config(config, sets, **{"vocab.draft_vocab_size": draft_vocab_size})
-    from draftsmith.vocab import run_vocab
+    run_vocab = stages.get("vocab").run_function()
     run_vocab(RunDir(run), cfg)
 
 
-@app.command(epilog="""Examples:
-
-  draftsmith extract --run runs/r1
-
-  draftsmith extract --run runs/r1 --set extract.layers='[2, 15, 27]' --set extract.batch_tokens=16384
-
-  draftsmith extract --run runs/r1 --verify
-
-  draftsmith extract --run runs/r1 --set extract.backend=vllm
-
-  draftsmith extract --run runs/r1 --set extract.backend=vllm --set extract.servers='[http://gpu-node:8000/v1]'
-
-  draftsmith extract --run runs/r1 --rank 1 --world-size 2
-
-  torchrun --nproc-per-node 8 -m draftsmith extract --run runs/r1
-""")
+@stage_command("extract")
 def extract(
     run: RunOpt,
     config: ConfigOpt = None,
@@ -200,29 +161,15 @@ def extract(
     world_size: Annotated[Optional[int], typer.Option(
         "--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
 ):
-    """Run the target over the prepared samples; store aux-layer and final hidden states per sample."""
     cfg = stage_config(config, sets)
-    from draftsmith.extract.stage import run_extract
+    run_extract = stages.get("extract").run_function()
     torch_threads(cfg)
     manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
     if manifest is None:
         log("this rank is done; extract/manifest.json is written when the other ranks finish", stage="extract")
 
 
-@app.command(epilog="""Examples:
-
-  draftsmith train --run runs/r1
-
-  draftsmith train --run runs/r1 --mode online --max-steps 200
-
-  draftsmith train --run runs/r1 --mode online --set extract.backend=vllm   (states streamed from a vLLM server)
-
-  draftsmith train --run runs/r1 --set train.lr=3e-4 --set train.ttt_steps=5
-
-  torchrun --nproc-per-node 2 -m draftsmith -- train --run runs/r1
-
-  (the `--` stops torchrun from reading `--run` as an abbreviation of its own `--run-path`)
-""")
+@stage_command("train")
 def train(
     run: RunOpt,
     config: ConfigOpt = None,
@@ -233,9 +180,8 @@ def train(
     max_steps: Annotated[Optional[int], typer.Option(
         "--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
 ):
-    """Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly."""
     cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
-    from draftsmith.train.stage import run_train
+    run_train = stages.get("train").run_function()
     torch_threads(cfg)
     rank = env_rank()[0]
     m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
@@ -247,14 +193,7 @@ def train(
               + f" -> {RunDir(run).path / 'train' / 'final'}")
 
 
-@app.command(epilog="""Examples:
-
-  draftsmith export --run runs/r1
-
-  draftsmith export --run runs/r1 --checkpoint runs/r1/train/checkpoints/step_400
-
-  vllm serve TARGET --speculative-config '{"model": "runs/r1/export", "method": "eagle3", "num_speculative_tokens": 3}'
-""")
+@stage_command("export")
 def export(
     run: RunOpt,
     checkpoint: Annotated[Optional[str], typer.Option(
@@ -262,31 +201,13 @@ def export(
     config: ConfigOpt = None,
     sets: SetOpt = None,
 ):
-    """Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable by
-    vLLM as is."""
     cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
-    from draftsmith.export import run_export
+    run_export = stages.get("export").run_function()
     m = run_export(RunDir(run), cfg)
     print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir('export')}")
 
 
-@app.command("eval", epilog="""Examples:
-
-  draftsmith eval --run runs/r1
-
-  draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128
-
-  draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl
-
-  draftsmith eval --run runs/r1 --engine vllm   (starts vLLM with the export, and one without it for the baseline)
-
-  draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server with the drafter)
-
-  draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower start-up)
-
-  draftsmith eval --run runs/other --engine vllm --drafter path/to/drafter   \
-(a speculators-format drafter from elsewhere)
-""")
+@stage_command("eval")
 def eval_(
     run: RunOpt,
     engine: Annotated[Optional[str], typer.Option(
@@ -310,14 +231,12 @@ def eval_(
     config: ConfigOpt = None,
     sets: SetOpt = None,
 ):
-    """Measure acceptance length, acceptance per position and speedup of the exported drafter; writes
-    RUN/eval/report.json."""
     cfg = stage_config(config, sets, **{
         "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts,
         "eval.limit": limit, "eval.offset": offset,
         "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
         "eval.max_tokens": max_tokens})
-    from draftsmith.eval.stage import run_eval
+    run_eval = stages.get("eval").run_function()
     from draftsmith.eval.report import REPORT_JSON, fmt_value
     torch_threads(cfg)
     m = run_eval(RunDir(run), cfg)

@@ -174,7 +174,9 @@ class ExtractConfig(_Section):
         600.0, gt=0, description="Per-request timeout in seconds, file write included (backend vllm).")
     vllm_args: list[str] = Field(
         ["--enforce-eager"], description="More `vllm serve` arguments for the server draftsmith starts (backend vllm), "
-        "e.g. ['--tensor-parallel-size', '8']; default `--enforce-eager` (a one-minute start-up on CPU).")
+        "e.g. ['--tensor-parallel-size', '8']; default `--enforce-eager` (a one-minute start-up on CPU). On a GPU, "
+        "unless these name a compilation of their own, the server captures no CUDA graphs (extraction is prefill "
+        "only).")
     staging_dir: str | None = Field(
         None, description="Folder under which the server draftsmith starts writes its hidden-states files until they "
         "are read (backend vllm); default RUN/<stage>/.vllm_states. A tmpfs such as /dev/shm keeps them off the disk.")

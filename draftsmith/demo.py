@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, stages
 from draftsmith.config import load_config
 from draftsmith.export import speculative_config
 from draftsmith.pipeline import current_evals, run_pipeline
@@ -53,9 +53,15 @@ EXTRACT_TOKEN_S_PER_PROMPT = REF_EXTRACT_S * REF_BATCH / REF_PROMPTS
 EVAL_TOKEN_S_PER_QUESTION = REF_EVAL_S * REF_SINGLE / REF_QUESTIONS
 VLLM_EVAL_S = 600.0  # the demo's second evaluation, by vLLM, when installed: two server start-ups dominate
 MIN_PROMPTS, MIN_QUESTIONS = 48, 8
-# the cost model's groups of stages (expected_seconds' keys)
-GROUPS = {"generate": ("generate",), "extract": ("prepare", "vocab", "extract"), "train": ("train", "export"),
-          "eval": ("eval",), "eval-vllm": ("eval-vllm",)}
+
+
+def stage_groups() -> dict[str, tuple[str, ...]]:
+    """The cost model's groups of stages (expected_seconds' keys): each stage's record names its group
+    (stages.Stage.demo_group); the second evaluation, by vLLM, is a group of its own."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for s in stages.REGISTRY.values():
+        groups[s.demo_group] = (*groups.get(s.demo_group, ()), s.name)
+    return {**groups, "eval-vllm": ("eval-vllm",)}
 
 
 @dataclass
@@ -131,7 +137,7 @@ def plan_demo(run: RunDir, cfg, with_vllm: bool, user_sized: bool) -> DemoPlan |
     if path.is_file():
         try:
             d = json.loads(path.read_text())
-            if set(d["expected_s"]) - {"eval-vllm"} != set(GROUPS) - {"eval-vllm"}:
+            if set(d["expected_s"]) - {"eval-vllm"} != set(stage_groups()) - {"eval-vllm"}:
                 raise KeyError("expected_s")  # planned by another cost model (its groups): calibrate again
             return DemoPlan(prompts=d["prompts"], questions=d["questions"], expected_s=d["expected_s"],
                             calibration=Calibration(**d["calibration"]))
@@ -161,7 +167,7 @@ CLOCKED = ("train",)  # train.max_minutes: the same minutes at any pace, and no 
 
 def remaining_line(plan: DemoPlan, done: dict[str, float]) -> str:
     """After a stage: what is left by the plan, scaled by how the finished stages compared with it."""
-    groups = GROUPS
+    groups = stage_groups()
     finished = [k for k, members in groups.items() if k in plan.expected_s and all(m in done for m in members)]
     # stages skipped as up to date (seconds None) say nothing of this machine's pace
     timed = [k for k in finished if k not in CLOCKED and all(done[m] is not None for m in groups[k])]

@@ -35,6 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from draftsmith import DraftsmithError, kinds
+from draftsmith import stages as registry
 from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.target.identity import is_mla, read_identity
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
@@ -477,6 +478,7 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     # with drafting, and the plain baseline; drafting roughly halves the steps but adds a draft pass
     stages["eval"] = {"tokens": ev_tokens * 2, "disk": ev_tokens * 8, "memory": weights_per_dev,
                       "seconds": ev_tokens / single * (1 + (0.8 if cfg.eval.baseline else 0))}
+    stages = {name: stages[name] for name in registry.planned(cfg)}  # the stages `run` runs, in its order
     return {
         "target": t.name, "hardware": hw.name, "devices": gpus,
         "target_params": t.total_params, "target_active_params": t.active_params, "target_weight_bytes": t.weight_bytes,

@@ -40,9 +40,9 @@ from draftsmith.bounds import check_model_numbers
 from draftsmith.card import CARD, PROVENANCE, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import DrafterConfig
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import log
 from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
-from draftsmith.stage import StageBook, one_process
+from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import config_sha256, target_info, verifier_name
 
 STAGE = "export"
@@ -304,8 +304,7 @@ def _swap_into_place(built: Path, dest: Path) -> None:
     replace_dir(built, dest)
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
     to RUN/export/. Returns the manifest."""
@@ -357,7 +356,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     for stale in [*run.path.glob(f".{STAGE}.*.tmp"), *home.parent.glob(f".{home.name}.*.tmp")]:  # a crash's
         shutil.rmtree(stale, ignore_errors=True)
 
-    with Progress(run, STAGE, total=1, unit="exports", stall_after_s=cfg.stall_after_s) as prog:
+    with book.progress(total=1, unit="exports") as prog:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
                  f"dtype {dtype_name}")
         check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))

@@ -18,25 +18,15 @@ import socket
 import time
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.stage import run_eval
-from draftsmith.export import run_export
-from draftsmith.extract.stage import run_extract
-from draftsmith.generate.stage import run_generate
-from draftsmith.prepare import run_prepare
+from draftsmith import stages as registry
 from draftsmith.progress import error_line, log
-from draftsmith.rundir import STAGES, RunDir, atomic_write_json
+from draftsmith.rundir import RunDir, atomic_write_json
 from draftsmith.host import release_device_memory, thread_policy
-from draftsmith.train.stage import run_train
-from draftsmith.vocab import run_vocab
-
-STAGE_FUNCTIONS = {"generate": run_generate, "prepare": run_prepare, "vocab": run_vocab, "extract": run_extract,
-                   "train": run_train, "export": run_export, "eval": run_eval}
-
 
 
 def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
-    """The stages `run` executes: all of them, less extract when training online."""
-    stages = [s for s in STAGES if not (s == "extract" and cfg.train.mode == "online")]
+    """The stages `run` executes: those of the registry its config runs (not extract when training online)."""
+    stages = list(registry.planned(cfg))
     for name, flag in ((from_stage, "--from"), (until_stage, "--until")):
         if name is not None and name not in stages:
             raise DraftsmithError(f"{flag} {name}: not a stage of this run (stages: {', '.join(stages)})")
@@ -68,8 +58,8 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
     stages = planned_stages(cfg, from_stage, until_stage)
     if "eval" in stages:
         stages += [f"eval-{e}" for e in extra_engines]
-    before = [s for s in STAGES if s not in stages and STAGES.index(s) < STAGES.index(stages[0])
-              and not (s == "extract" and cfg.train.mode == "online")]
+    planned = registry.planned(cfg)
+    before = planned[:planned.index(stages[0])]
     for s in before:
         run.require_manifest(s, by=f"run --from {stages[0]}")
     state = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "stages": stages,
@@ -85,11 +75,11 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
             log(f"=== {stage} ({stages.index(stage) + 1}/{len(stages)})", stage="run")
             if retake_threads and stages.index(stage) > 0:  # the CLI took it for the first
                 log(thread_policy(cfg.threads, cfg.device)[1], stage="run")
-            stage_cfg, fn = cfg, STAGE_FUNCTIONS.get(stage)
-            if fn is None:  # eval-<engine>
+            stage_cfg, fn = cfg, registry.get(stage).run_function()
+            if stage not in registry.REGISTRY:  # eval-<engine>
                 stage_cfg = cfg.model_copy(deep=True)
                 stage_cfg.eval.engine = stage.split("-", 1)[1]
-                fn = functools.partial(run_eval, folder=stage)
+                fn = functools.partial(fn, folder=stage)
             if stage == "extract" and not cfg.extract.overwrite:
                 # `run` promises that a changed input reruns every later stage; a store built from
                 # other prepared samples or settings is useless to them, so it is replaced (a

@@ -51,10 +51,10 @@ import numpy as np
 
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import log
 from draftsmith.rundir import (RunDir, append_bytes, atomic_write_json, file_sha256, jsonl_text, naming_full_disk,
                               repair_jsonl_tail)
-from draftsmith.stage import StageBook, check_target, one_process, upstream
+from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
 STAGE = "prepare"
@@ -444,8 +444,7 @@ def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], PreparedT
 # The stage
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_prepare(run: RunDir, cfg) -> dict:
     """Build prepare/samples.jsonl from generate/samples.jsonl; returns the manifest."""
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
@@ -462,17 +461,15 @@ def run_prepare(run: RunDir, cfg) -> dict:
                      upstream={"generate": gen_manifest}, target=info,
                      fingerprint_extra={"generate_samples_sha256": gen_sha})
     out_path = run.stage_dir(STAGE) / "samples.jsonl"
-    if (old := book.up_to_date(outputs_ok=out_path.is_file())) is not None:
-        say(f"up to date ({old['counts'].get('done')} samples); nothing to do")
+    if (old := book.skip_or_begin(outputs_ok=out_path.is_file(),
+                                  said=lambda m: f"{m['counts'].get('done')} samples")) is not None:
         return old
-    book.begin()
 
     tok = load_tokenizer(info, cfg.trust_remote_code)
     encoder = ChatEncoder.for_target(tok, info)
     keys = scan_generated(gen_path)
     done_keys, tally = _resume(run, book, keys, say)
-    with Progress(run, STAGE, total=len(keys), unit="samples", done=len(done_keys),
-                  stall_after_s=cfg.stall_after_s) as prog:
+    with book.progress(total=len(keys), unit="samples", done=len(done_keys)) as prog:
         prog.log(f"target {info.name}; {len(keys)} generated samples, {len(done_keys)} already prepared; "
                  f"max_length {cfg.prepare.max_length} ({cfg.prepare.overflow}); reasoning "
                  + (f"via the template's '{encoder.reasoning_key}' field" if encoder.reasoning_key else

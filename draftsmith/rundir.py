@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterator
 
 from draftsmith import DraftsmithError, __version__
 from draftsmith.redact import has_secrets, redact_secrets
+from draftsmith.stages import names as stage_names
 
-STAGES = ("generate", "prepare", "vocab", "extract", "train", "export", "eval")
 MANIFEST = "manifest.json"
 RUN_MARKER = "run.json"
 LOCKS = ".locks"  # RUN/.locks/<folder>.lock: RunDir.stage_lock's and run_lock's files
@@ -484,7 +484,7 @@ class RunDir:
 
     def is_run(self) -> bool:
         return (self.path / RUN_MARKER).is_file() or any(
-            (self.path / s).is_dir() for s in STAGES
+            (self.path / s).is_dir() for s in stage_names()
         )
 
     # -- stage folders ------------------------------------------------------------------------

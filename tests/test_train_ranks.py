@@ -86,6 +86,9 @@ def test_two_ranks_resume_to_the_same_weights_and_only_rank_0_reads_checkpoint_a
     # ...and rank 1 made none of them: it got everything from rank 0
     assert not [x for x in one if str(step2) in x], [x for x in one if str(step2) in x]
     assert target_tensors not in one
+    # each rank freed its wrapped model before leaving the process group (else a rank can hang at exit)
+    for lines in (zero, one):
+        assert "destroy_process_group live_wrapped=0" in lines, [x for x in lines if "destroy" in x]
 
 
 def test_ddp_with_shared_gradient_buckets_accumulates_and_clips_like_one_rank(two_rank_run, tiny8, tmp_path):
@@ -196,7 +199,8 @@ def test_on_rank0_raises_rank_0s_error_on_every_rank(tmp_path):
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
-    """Simulated: rank 1 of 2 on a GPU node joins NCCL with device_id = its own GPU."""
+    """Simulated: rank 1 of 2 on a GPU node joins NCCL with device_id = its own GPU, and a collective timeout past
+    NCCL's 10-minute default (the others wait while rank 0 alone writes a checkpoint)."""
     calls = []
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -208,7 +212,9 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroyed"))
     with distributed.process_group("auto") as ranks:
         assert ranks == Ranks(rank=1, world=2, device=torch.device("cuda", 1))
-    assert calls == [("nccl", {"device_id": torch.device("cuda", 1)}), "destroyed"]
+    assert calls == [("nccl", {"device_id": torch.device("cuda", 1), "timeout": distributed.COLLECTIVE_TIMEOUT}),
+                     "destroyed"]
+    assert distributed.COLLECTIVE_TIMEOUT.total_seconds() >= 30 * 60
 
 
 @pytest.mark.parametrize("chunk", [0, None], ids=["unchunked", "chunked"])

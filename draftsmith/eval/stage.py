@@ -33,10 +33,9 @@ from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggre
                                     write_report)
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
 from draftsmith.export import CONFIG_FILE, speculative_config
-from draftsmith.progress import Progress, journal_failures
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
-from draftsmith.stage import StageBook, one_process, upstream
+from draftsmith.stage import StageBook, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
 from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
@@ -45,8 +44,7 @@ STAGE = "eval"
 ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_engine, "vllm": vllm_engine}
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
     Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
@@ -79,14 +77,12 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     # limit reuses the answers already written)
     record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
     record_fp = replace(book, settings=record_settings).fingerprint
-    if (old := book.up_to_date(outputs_ok=(run.path / folder / REPORT_JSON).is_file())) is not None:
+    if (old := book.skip_or_begin(outputs_ok=(run.path / folder / REPORT_JSON).is_file())) is not None:
         return old  # up to date: same export, target, prompts and settings (`run` skips it)
-    book.begin()
     d = run.stage_dir(folder)
     done = resume_records(d / ANSWERS, record_fp, keep={p.id for p in prompts})
 
-    with Progress(run, folder, total=len(prompts), unit="prompts", done=len(done),
-                  stall_after_s=cfg.stall_after_s) as prog:
+    with book.progress(total=len(prompts), unit="prompts", done=len(done)) as prog:
         if done:
             prog.log(f"resuming: {len(done)} of {len(prompts)} prompts already in {d / ANSWERS}")
         trained = exported_for.get("ttt_steps")

@@ -27,15 +27,14 @@ from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_DTYPE, FOR
                                       SHARD_RECORD, STAGE, bytes_per_token, shard_name, shard_ranges)
 from draftsmith.journal import env_rank
 from draftsmith.prepare import Prepared, index_prepared, prepared_path
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import log
 from draftsmith.rundir import RunDir
-from draftsmith.stage import StageBook, check_target, one_process, upstream
+from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
 from draftsmith.target import target_info
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, rank: int | None = None,
                 world_size: int | None = None, target=None) -> dict | None:
     """Extract hidden states for every prepared sample of this rank's shards.
@@ -100,8 +99,8 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     mine = [s for i, s in enumerate(shards) if i % world_size == rank]
     present = {s: store.present(d, s) for s in mine}
     total = sum(e - s for s, e in mine)
-    with Progress(run, STAGE, total=total, unit="samples", done=sum(len(p) for p in present.values()),
-                  stall_after_s=cfg.stall_after_s, rank=rank, world_size=world_size) as prog:
+    with book.progress(total=total, unit="samples", done=sum(len(p) for p in present.values()), rank=rank,
+                       world_size=world_size) as prog:
         if damaged:
             prog.log(f"{len(damaged)} file(s) of the finished store changed since ({', '.join(damaged[:3])}"
                      + (", ..." if len(damaged) > 3 else "") + "); extracting them again")

@@ -56,7 +56,7 @@ from draftsmith.rundir import append_text
 from draftsmith.host import pick_device, pick_dtype
 from draftsmith.target import language_model_names, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
-from draftsmith.vllm_server import MIN_VLLM, VLLMServer, serving, vllm_python
+from draftsmith.vllm_server import MIN_VLLM, VLLMServer, on_cuda_machine, serving, vllm_python
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -123,6 +123,12 @@ def server_args(layer_ids: list[int], storage: Path, connector: str, dtype: str,
         kv.update(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE)
         env["PYTHONPATH"] = plugin_pythonpath()
     args = ["--dtype", dtype, *extra, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+    if on_cuda_machine() and not any(a == "--enforce-eager" or a.startswith(("--compilation-config", "-cc", "-O"))
+                                     for a in extra):
+        # Extraction is prefill only (max_tokens 1): CUDA graphs serve small decode batches, so capturing them is
+        # start-up time and memory for nothing (vLLM 0.33 captures by default); torch.compile stays, as prefill
+        # gains from it. extract.vllm_args naming its own compilation wins.
+        args += ["--compilation-config", json.dumps({"cudagraph_mode": "NONE"})]
     return args, env
 
 

@@ -44,11 +44,11 @@ from draftsmith.generate.samples import (FAILURES, SAMPLES, SAMPLING, STAGE, STA
                                          read_records, resampled_id)
 from draftsmith.generate.vllm import own_server_seeds, served_dtype
 from draftsmith.http import SampleFailed
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.progress import log
 from draftsmith.prompts import LoadStats, load_prompts, source_identity
 from draftsmith.rundir import (RunDir, atomic_write_json, atomic_write_text, fingerprint, fingerprinted,
                                jsonl_text)
-from draftsmith.stage import StageBook, one_process
+from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 
 # A backend: decode(run, cfg, info, pending prompts, prog, on_done(record), on_fail(prompt, SampleFailed))
@@ -104,8 +104,7 @@ def expand_answers(prompts: list, gen, seeded: bool = True) -> list:
     return out
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     """Regenerate the assistant turns of the configured prompts (backend dataset: keep the prompt
     file's own); return the manifest.
@@ -140,10 +139,9 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
     book = StageBook(run, STAGE, cfg, settings=section, target=info, started=started,
                      fingerprint_extra={"prompts": source, "dtype": dtype})
-    if (old := book.up_to_date(outputs_ok=(d / SAMPLES).is_file() and not retry_failed)) is not None:
-        say(f"up to date ({old['counts']['done']} samples); nothing to do")
+    if (old := book.skip_or_begin(outputs_ok=(d / SAMPLES).is_file() and not retry_failed,
+                                  said=lambda m: f"{m['counts']['done']} samples")) is not None:
         return old
-    book.begin()
     stats = LoadStats()
     invalid: list = []  # records that cannot be prompts: each a failure of its own, the others are generated
     prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
@@ -176,8 +174,7 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
             + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
             + f"; {len(pending)} to generate with backend {gen.backend}")
 
-        with Progress(run, STAGE, total=len(prompts), unit="samples", done=already,
-                      stall_after_s=cfg.stall_after_s) as prog:
+        with book.progress(total=len(prompts), unit="samples", done=already) as prog:
             counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
             store.flush_failures()
             sel_done = [store.done[i] for i in selected if i in store.done]

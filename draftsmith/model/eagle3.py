@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from draftsmith.model.config import ATTN_BLOCK, DrafterConfig
 from draftsmith.model.mla import MLAAttention
 from draftsmith.model.parts import RMSNorm, apply_rope, register_vocab_maps, rope_cos_sin
-from draftsmith.model.ttt import FlexTTTMask, TTTMask, ttt_step_masks
+from draftsmith.model.ttt import FlexShape, FlexTTTMask, TTTMask, ttt_step_masks
 
 __all__ = ["DrafterCache", "Eagle3Drafter", "RMSNorm", "rope_cos_sin"]
 
@@ -261,6 +261,7 @@ class Eagle3Drafter(nn.Module):
         attn_block: int | None = ATTN_BLOCK,
         attention: str = "sdpa",
         key_floors: list[int] | None = None,
+        flex_shape: FlexShape | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test: simulate `steps` steps of chain drafting at every
         position at once.
@@ -287,6 +288,8 @@ class Eagle3Drafter(nn.Module):
         runs it forward only, and its first compile takes ~20 s).
         key_floors: the SDPA path's key_floors(doc_ids, attn_block), computed where doc_ids is on
         the host; None: computed here, one device->host read (a sync on CUDA) per call.
+        flex_shape: the rows and length buckets flex pads every call to (FlexShape: a bounded set of
+        compiled graphs over a run); None: this call's own rows and length, for one-off calls.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -296,7 +299,9 @@ class Eagle3Drafter(nn.Module):
             position_ids = torch.arange(L, device=device).expand(B, L)
         if doc_ids is None:
             doc_ids = torch.zeros(B, L, dtype=torch.long, device=device)
-        mask_of = ttt_step_masks(doc_ids, attention, attn_block, key_floors)  # k -> step k's mask
+        if attention == "flex" and flex_shape is None:
+            flex_shape = FlexShape(B, L, steps)
+        mask_of = ttt_step_masks(doc_ids, attention, attn_block, key_floors, flex_shape)  # k -> step k's mask
         hidden = self.fuse(aux_hidden)  # [B, L, H]
         # per layer: keys/values of steps 0..k-1, [B, kv_heads, kL, head_dim]
         pasts: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)

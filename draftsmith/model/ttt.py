@@ -11,11 +11,14 @@ mask). Eagle3Drafter.ttt_forward (eagle3.py) unrolls the steps over these masks.
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from draftsmith import DraftsmithError
 from draftsmith.model.config import ATTN_BLOCK
 
 try:  # flex attention exists from torch 2.5 on; draftsmith allows 2.4, which then has the SDPA path only
@@ -107,15 +110,143 @@ class TTTMask:
         return torch.cat(out, dim=2)
 
 
+@dataclass(frozen=True)
+class FlexShape:
+    """The shapes a run calls flex attention at, so that Dynamo compiles a bounded set of graphs.
+
+    Every call is padded to `rows` rows (a micro-batch's train rows: a tail micro-batch of fewer
+    rows, down to the 1-row tail of an epoch, is padded up) and to a bucketed length (length):
+    2, 3, 4, 6, 8, 12, 16, ... tiles of 128 tokens (2^i and 3 x 2^(i-1)), capped at the tiles of
+    `row_len` (no row is longer). Padding costs memory, not compute: the padded q/k/v copies and
+    output are at most 1.5x the unpadded ones (a short row in a length bucket), never more than a
+    full micro-batch of row_len rows; the padding's query tiles visit no key tile, so the kernel
+    skips them. The loss is untouched: the outputs are cut back to the rows and length asked for.
+
+    What Dynamo may key graphs on is then: the length bucket, the TTT step (keys (k+1) x length)
+    and the grad mode (training; validation under no_grad): graph_bound at most. With
+    dynamic shapes it compiles far fewer (tests/test_flex_bounds.py counts them).
+    """
+
+    rows: int  # rows every call is padded to (train rows_per_batch)
+    row_len: int  # tokens of the longest row (train row_len)
+    steps: int  # TTT steps (train ttt_steps): the keys of step k are (k + 1) x the length
+
+    def __post_init__(self) -> None:
+        if min(self.rows, self.row_len, self.steps) < 1:
+            raise ValueError(f"FlexShape needs rows, row_len and steps >= 1, got {self}")
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles of the longest bucket: row_len's, at least 2 (one tile would compile a graph of its own:
+        Dynamo specialises a size-1 dimension)."""
+        return max(2, -(-self.row_len // FLEX_BLOCK))
+
+    def tiles(self, length: int) -> int:
+        """The bucket of a row of `length` tokens, in tiles of FLEX_BLOCK."""
+        if not 1 <= length <= self.row_len:
+            raise ValueError(f"flex attention: a row of {length} tokens is outside 1..{self.row_len} (row_len)")
+        need, b = -(-length // FLEX_BLOCK), 2
+        while b < need:
+            b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3  # 2 -> 3 -> 4 -> 6 -> 8 -> 12 -> 16 ...
+        return min(b, self.max_tiles)
+
+    def buckets(self) -> list[int]:
+        """Every bucket, in tiles."""
+        return sorted({self.tiles(min(self.row_len, n * FLEX_BLOCK)) for n in range(1, self.max_tiles + 1)})
+
+    @property
+    def graph_bound(self) -> int:
+        """The most graphs flex can compile for these shapes: one per length bucket, TTT step and grad
+        mode (Dynamo's recompile limit is set to it)."""
+        return len(self.buckets()) * self.steps * 2
+
+
+# One entry per graph Dynamo compiled for flex attention in this process (what it was compiled at):
+# its count is what the train stage logs and records (flex_graphs)
+FLEX_GRAPHS: list[str] = []
+
+
+def _counted_inductor(gm, example_inputs):
+    """torch.compile's inductor backend, counting each graph it is handed (one per Dynamo compile)."""
+    FLEX_GRAPHS.append("")  # the shape is filled in by FlexTTTMask.attend, which knows it
+    return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+
+class _Unfused(Exception):
+    """flex attention reached its eager (unfused) path: Dynamo ran the call without compiling it."""
+
+
+def _fused_flex(q, keys, values, block_mask):
+    # Traced by Dynamo, is_compiling() is True and this test vanishes from the graph. Run as plain
+    # Python (Dynamo disabled, or it skipped the frame) flex_attention would take its unfused path,
+    # materialising [B, H, L, (k+1)L] fp32 scores (~100 GB at Kimi-K2.5's widths) behind one
+    # UserWarning per process: refused instead.
+    if not torch.compiler.is_compiling():
+        raise _Unfused()
+    return flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
+
+
 @functools.cache
 def compiled_flex_attention():
     """flex_attention compiled once per process. Uncompiled it is a reference implementation that
     materialises every score ([B, heads, L, (k+1)L]); compiled it is a fused kernel that visits only
-    the tiles the block mask lists. dynamic=True: one kernel for every row length and TTT step
-    (each new key length would otherwise compile again, ~20 s each)."""
+    the tiles the block mask lists. dynamic=True: few graphs over the buckets and TTT steps (each new
+    key length would otherwise compile again, ~20 s each); fullgraph=True: a graph break is an error,
+    never a partly eager call."""
     if flex_attention is None:
         raise ValueError(f"flex attention needs torch >= 2.5 (this is {torch.__version__})")
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(_fused_flex, dynamic=True, fullgraph=True, backend=_counted_inductor)
+
+
+class _LimitNote(logging.Filter):
+    """Keeps Dynamo's multi-line notice of a hit recompile limit off the console, and its last reason (the guard
+    that failed) for run_flex's one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "recompile_limit" not in msg:
+            return True
+        self.reason = next((line.split("last reason:", 1)[1].strip() for line in msg.splitlines()
+                            if "last reason:" in line), None)
+        return False
+
+
+def run_flex(q, keys, values, block_mask, bound: int):
+    """compiled_flex_attention on q [R, heads, Lp, d], keys/values [R, kv_heads, (k+1)Lp, d], with
+    Dynamo's recompile limit at `bound` graphs (FlexShape.graph_bound) and failing when hit; hitting
+    it, or any unfused run, stops with a one-line DraftsmithError instead of torch's silent eager
+    fallback."""
+    cfg = torch._dynamo.config
+    # torch >= 2.7's names, else the older ones; past the limit without the fail flag Dynamo would run the call as
+    # plain Python, which _fused_flex refuses
+    limit, accumulated, fail = (new if hasattr(cfg, new) else old for new, old in (
+        ("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+        ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")))
+    limits = {limit: bound, accumulated: max(bound, getattr(cfg, accumulated)), fail: True}
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or torch._dynamo.exc.FailOnCacheLimitHit
+    note, dynamo_log = _LimitNote(), logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.addFilter(note)
+    try:
+        with cfg.patch(**limits):
+            return compiled_flex_attention()(q, keys, values, block_mask)
+    except limit_hit:
+        raise DraftsmithError(
+            f"flex attention: a graph past this run's bound of {bound} (Dynamo's recompile limit) is needed at q "
+            f"{list(q.shape)}, keys {list(keys.shape)}, {'with' if torch.is_grad_enabled() else 'without'} grad "
+            f"(failed guard: {note.reason or 'not logged'}); past it torch would run flex unfused ([B, H, L, "
+            "(k+1)L] fp32 scores, out of memory at real widths): set train.attention: sdpa, and report this line"
+        ) from None
+    except _Unfused:
+        raise DraftsmithError(
+            "flex attention: torch ran it without compiling it (TORCHDYNAMO_DISABLE, torch._dynamo.config.disable "
+            "or suppress_errors), the unfused path that materialises [B, H, L, (k+1)L] fp32 scores; unset that, "
+            "or set train.attention: sdpa") from None
+    finally:
+        dynamo_log.removeFilter(note)
 
 
 def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,31 +266,39 @@ class FlexTTTMask:
     key copies of TTTMask nor the expanded kv heads are kept for backward.
 
     Built once per batch: which step-0 tiles are visible, and which of those fully, from the
-    document ids alone ([B, tiles, documents]; no [L, L] mask). Extended per TTT step k: one diagonal
+    document ids alone ([R, tiles, documents]; no [L, L] mask). Extended per TTT step k: one diagonal
     tile per query tile and later step (block_mask(k), cached for the layers of that step).
-    Rows are padded to Lp, a multiple of 128, and each step's keys too, so that every step's keys
-    start on a tile; the padding is a document of its own, which no real query sees.
+    The B rows of L tokens are padded to the FlexShape's R rows of Lp tokens (its length bucket, a
+    multiple of 128), and each step's keys too, so that every step's keys start on a tile; the
+    padding is a document of its own, which no real query sees, and a query tile of padding alone
+    (a padded row, or the tiles past L) visits no key tile.
     """
 
-    def __init__(self, doc_ids: torch.Tensor) -> None:
+    def __init__(self, doc_ids: torch.Tensor, shape: FlexShape) -> None:
+        """shape: the run's FlexShape (ttt_forward's default: this batch's own rows and length)."""
         B, L = doc_ids.shape
-        self.L = L
-        self.Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
-        nb = self.Lp // FLEX_BLOCK
+        self.shape = shape
+        if B > shape.rows:
+            raise ValueError(f"flex attention: {B} rows, more than the {shape.rows} rows of its FlexShape")
+        R, nb = shape.rows, shape.tiles(L)
+        self.B, self.L, self.Lp = B, L, nb * FLEX_BLOCK
+        device = doc_ids.device
         # documents renumbered 1..L per row by their first position (any ids, -1 padding included;
-        # fixed-shape, no device->host read as torch.unique and a max would need); the tile padding is 0
-        self.doc = F.pad(first_positions(doc_ids) + 1, (0, self.Lp - L))  # [B, Lp]
-        n_docs = L + 1
-        present = torch.zeros(B, nb, n_docs, dtype=torch.bool, device=doc_ids.device)
-        present.scatter_(2, self.doc.view(B, nb, FLEX_BLOCK), True)  # [B, tiles, documents]
+        # fixed-shape, no device->host read as torch.unique and a max would need); the padding is 0
+        self.doc = torch.zeros(R, self.Lp, dtype=torch.long, device=device)
+        self.doc[:B, :L] = first_positions(doc_ids) + 1
+        present = torch.zeros(R, nb, L + 1, dtype=torch.bool, device=device)
+        present.scatter_(2, self.doc.view(R, nb, FLEX_BLOCK), True)  # [R, tiles, documents]
         # a query tile sees a key tile before it iff they share a document (every j < i there);
         # fully iff both hold that one document only; its own tile is causal, so partly
-        shared = torch.bmm(present.float(), present.float().transpose(1, 2)) > 0  # [B, nb, nb]
+        shared = torch.bmm(present.float(), present.float().transpose(1, 2)) > 0  # [R, nb, nb]
         single = present.sum(-1) == 1
-        t = torch.arange(nb, device=doc_ids.device)
+        t = torch.arange(nb, device=device)
         below = t[:, None] > t[None, :]
-        self.full0 = below & shared & single[:, :, None] & single[:, None, :]
-        self.partial0 = (below & shared & ~self.full0) | (t[:, None] == t[None, :])
+        # [R, nb, 1]: query tiles holding a real token (rows < B, tiles < ceil(L / 128)); the others visit nothing
+        self.real = ((torch.arange(R, device=device) < B)[:, None] & (t < -(-L // FLEX_BLOCK))[None, :])[..., None]
+        self.full0 = below & shared & single[:, :, None] & single[:, None, :] & self.real
+        self.partial0 = ((below & shared & ~self.full0) | (t[:, None] == t[None, :])) & self.real
         self._masks: dict[int, Any] = {}
         doc = self.doc
 
@@ -174,9 +313,9 @@ class FlexTTTMask:
     def block_mask(self, k: int):
         """The block mask of TTT step k: the step-0 tiles, then k diagonal tiles per query tile."""
         if k not in self._masks:
-            B, nb, _ = self.partial0.shape
-            eye = torch.eye(nb, dtype=torch.bool, device=self.doc.device).expand(B, nb, nb)
-            partial = torch.cat([self.partial0] + [eye] * k, dim=-1)  # [B, nb, (k+1)nb]
+            R, nb, _ = self.partial0.shape
+            eye = torch.eye(nb, dtype=torch.bool, device=self.doc.device).expand(R, nb, nb) & self.real
+            partial = torch.cat([self.partial0] + [eye] * k, dim=-1)  # [R, nb, (k+1)nb]
             full = torch.cat([self.full0] + [torch.zeros_like(eye)] * k, dim=-1)
             self._masks[k] = BlockMask.from_kv_blocks(
                 *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_BLOCK,
@@ -185,24 +324,32 @@ class FlexTTTMask:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [B, heads, L, d]; keys, values [B, kv_heads, (k+1)L, d] -> [B, heads, L, d]."""
-        L, pad = self.L, self.Lp - self.L
+        B, L, Lp, R = self.B, self.L, self.Lp, self.shape.rows
         steps = keys.shape[2] // L
-        if pad:
-            q = F.pad(q, (0, 0, 0, pad))
-            keys = F.pad(keys.unflatten(2, (steps, L)), (0, 0, 0, pad)).flatten(2, 3)
-            values = F.pad(values.unflatten(2, (steps, L)), (0, 0, 0, pad)).flatten(2, 3)
-        else:  # the padded ones are contiguous: one memory layout, so the compiled kernel serves both
-            q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
-        out = compiled_flex_attention()(q, keys, values, block_mask=self.block_mask(steps - 1), enable_gqa=True)
-        return out[:, :, :L]
 
+        def padded(x: torch.Tensor, n: int) -> torch.Tensor:
+            # [B, h, n*L, d] -> [R, h, n*Lp, d], contiguous and not a view (Dynamo guards a view's base: more
+            # graphs); x itself when it is so already (the concatenated keys of full rows: no copy)
+            if B == R and L == Lp:
+                return x if x.is_contiguous() and x._base is None else x.clone(memory_format=torch.contiguous_format)
+            out = x.new_zeros(R, x.shape[1], n * Lp, x.shape[3])  # zeros but for x, written through a view
+            out.view(R, x.shape[1], n, Lp, x.shape[3])[:B, :, :, :L] = x.unflatten(2, (n, L))
+            return out
+
+        graphs = len(FLEX_GRAPHS)
+        out = run_flex(padded(q, 1), padded(keys, steps), padded(values, steps), self.block_mask(steps - 1),
+                       self.shape.graph_bound)
+        if len(FLEX_GRAPHS) > graphs:  # this call compiled a graph: say at what
+            FLEX_GRAPHS[-1] = (f"rows {R}, length {Lp}, keys {steps * Lp}, heads {q.shape[1]}/{keys.shape[1]}, "
+                               f"{'with' if torch.is_grad_enabled() else 'without'} grad")
+        return out[:B, :, :L]
 
 
 def ttt_step_masks(doc_ids: torch.Tensor, attention: str, attn_block: int | None,
-                   floors: list[int] | None) -> Callable[[int], Any]:
+                   floors: list[int] | None, flex_shape: FlexShape | None = None) -> Callable[[int], Any]:
     """Step k's attention mask as a function of k, for doc_ids [B, L]; what Eagle3Attention takes.
 
-    attention "flex": a FlexTTTMask, built once (its block mask grows by a diagonal per step);
+    attention "flex": a FlexTTTMask of flex_shape, built once (its block mask grows by a diagonal per step);
     "sdpa" with attn_block: a TTTMask of that query block (floors: key_floors(doc_ids, attn_block)
     from the host, or None: read here from the device); "sdpa" with attn_block None: the dense
     bool mask [B, 1, L, (k+1)L], True = may attend.
@@ -210,7 +357,9 @@ def ttt_step_masks(doc_ids: torch.Tensor, attention: str, attn_block: int | None
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
     if attention == "flex":
-        flex_mask = FlexTTTMask(doc_ids)
+        if flex_shape is None:
+            raise ValueError("attention flex needs a flex_shape")
+        flex_mask = FlexTTTMask(doc_ids, flex_shape)
         return lambda k: flex_mask
 
     # Attention at step k for query i: step-0 keys j <= i of the same document (the verified

@@ -77,10 +77,15 @@ class Packing:
     seed: int
     _plans: dict[int, list] = field(default_factory=dict, repr=False)
 
+    @staticmethod
+    def rows_of(tc) -> tuple[int, int]:
+        """(row_len, rows_per_batch) of the train section `tc`."""
+        row_len = min(tc.seq_len, tc.batch_tokens)
+        return row_len, max(1, tc.batch_tokens // row_len)
+
     @classmethod
     def of(cls, lengths: list[int], tc) -> "Packing":
-        row_len = min(tc.seq_len, tc.batch_tokens)
-        return cls(lengths, row_len, max(1, tc.batch_tokens // row_len), tc.seed)
+        return cls(lengths, *Packing.rows_of(tc), tc.seed)
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """pack_epoch of this epoch, kept until another epoch is asked for."""

@@ -7,6 +7,7 @@ few named numbers in one all-reduce (sum_by_name).
 """
 
 import contextlib
+import datetime
 import inspect
 import math
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ class Ranks:
     device: torch.device
 
 
+# How long a rank waits in a collective before the group gives up on the others. The longest lawful wait is
+# the other ranks' while rank 0 alone writes a checkpoint (on_rank0: ~11 GB written and fsynced at Kimi-K2.5's
+# widths, minutes on network storage) or reads the target's head; NCCL's default, 10 minutes, would abort a healthy
+# run there. A rank that really hangs is still told by the stall line and `draftsmith status` long before this.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 @contextlib.contextmanager
 def process_group(device_spec: str) -> Iterator[Ranks]:
     """This process's Ranks, inside the process group when there are several (joined here unless
@@ -40,9 +48,9 @@ def process_group(device_spec: str) -> Iterator[Ranks]:
     own_group = world > 1 and not dist.is_initialized()
     if own_group:
         if device.type == "cuda":  # device_id: NCCL binds this rank's communicator to its own GPU at once
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
         yield Ranks(rank, world, device)
     finally:

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
-from draftsmith.model.ttt import flex_attention, key_floors
-from draftsmith.train.data import Batch
+from draftsmith.model.ttt import FlexShape, flex_attention, key_floors
+from draftsmith.train.data import Batch, Packing
 
 
 def ttt_masks(input_ids, loss_mask, doc_ids, t2d, steps: int) -> list[tuple[Any, Any]]:
@@ -111,6 +111,13 @@ def ttt_layout(input_ids, loss_mask, doc_ids, t2d, steps: int, chunk: int, atten
         bounds.append(torch.searchsorted(row_of[vi + 1 + k], cuts).tolist() if cuts is not None else [])
     floors = key_floors(doc_ids) if attention == "sdpa" else None
     return TTTLayout(counts=counts, teacher=N, bounds=bounds, key_floors=floors)
+
+
+def flex_shape(tc) -> FlexShape:
+    """The FlexShape of a run of train section `tc`: its micro-batches' rows and row length (Packing.rows_of)
+    and its TTT steps; validation packs the same rows."""
+    row_len, rows = Packing.rows_of(tc)
+    return FlexShape(rows, row_len, tc.ttt_steps)
 
 
 def resolve_attention(spec: str, device) -> str:
@@ -301,11 +308,13 @@ class TTTObjective(nn.Module):
     chunk_tokens: teacher positions per chunk of the loss (ChunkedKL); None: LOSS_CHUNK_ELEMENTS // Dv;
     0: the whole micro-batch as one autograd graph (the loss before chunks: [N, Dv] float32
     blocks kept for backward; the reference the chunked loss is tested against).
+    flex_shape: with flex attention, the rows and length buckets every micro-batch is padded to in
+    it (flex_shape(tc)); None: each micro-batch's own (one-off use).
     """
 
     def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None,
                  teacher_temperature: float = 1.0, feature_noise: float = 0.0, attention: str = "sdpa",
-                 chunk_tokens: int | None = None, mix: LossMix = LossMix()):
+                 chunk_tokens: int | None = None, mix: LossMix = LossMix(), flex_shape: FlexShape | None = None):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
@@ -315,6 +324,7 @@ class TTTObjective(nn.Module):
         self.teacher_temperature = teacher_temperature
         self.feature_noise = feature_noise
         self.attention = attention
+        self.flex_shape = flex_shape
         self.mix = mix
         self.chunk_tokens = (max(1, LOSS_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None
                              else chunk_tokens)
@@ -363,7 +373,7 @@ class TTTObjective(nn.Module):
             aux_hidden = aux_hidden * self.fc_input_scale.to(aux_hidden.dtype)
         states = d.ttt_forward(input_ids, aux_hidden, self.steps, position_ids=batch.position_ids,
                                doc_ids=doc_ids, return_hidden=True, attention=self.attention,
-                               key_floors=layout.key_floors)  # steps x [R, T, H]
+                               key_floors=layout.key_floors, flex_shape=self.flex_shape)  # steps x [R, T, H]
 
         # The teacher rows, each once for all steps; sizes from the layout, so no nonzero()
         need_idx = fixed_positions(teacher_need(masks).flatten(), layout.teacher)  # [N]

@@ -28,9 +28,11 @@ ranks itself. State lives in one TrainState; every rank runs the same code, rank
 
 import contextlib
 import functools
+import gc
 import math
 import os
 import time
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,10 @@ import torch.distributed as dist
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
-from draftsmith.progress import Progress, journal_failures, log
+from draftsmith.model.ttt import FLEX_GRAPHS
+from draftsmith.progress import Progress, log
 from draftsmith.rundir import RunDir, fingerprinted
-from draftsmith.stage import StageBook, one_process
+from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
@@ -50,7 +53,7 @@ from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_sourc
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
 from draftsmith.train.launch import launch_ranks
-from draftsmith.train.objective import LossMix, resolve_attention
+from draftsmith.train.objective import LossMix, flex_shape, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation, split
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
@@ -112,6 +115,9 @@ class TrainState:
     validation: Validation | None = None  # the held-out samples (None: train.validation 0, or too few samples)
     val_metrics: dict | None = None  # the last validation pass's figures (with its step)
     trackers: Trackers | None = None  # train.report_to (rank 0; closed with the stage)
+    flex_bound: int | None = None  # flex attention: the most graphs it may compile (FlexShape.graph_bound); else None
+    flex_before: int = 0  # graphs flex had compiled in this process before this run (len(FLEX_GRAPHS))
+    flex_noted: int = 0  # graphs logged so far
 
     @property
     def folder(self) -> Path:
@@ -131,24 +137,41 @@ def run_train(run, cfg) -> dict:
     return _train(run, cfg)
 
 
-@one_process(STAGE)
-@journal_failures(STAGE)
+@stage_run(STAGE)
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()
-    with process_group(cfg.device) as ranks, contextlib.ExitStack() as closing:
+    with process_group(cfg.device) as ranks:
+        # The DDP/FSDP model dies here, inside the group: its reducer holds the process group, and freed after
+        # destroy_process_group it dropped the group's last reference, whose destructor joined gloo's threads
+        # while holding the GIL one of them waited for (a two-rank run hung at exit, 1 in 5 on a loaded CPU).
+        # The model sits in reference cycles (hooks), so only a collection frees it; a raised error's traceback
+        # keeps the frames' locals (the model) unless they are cleared.
+        try:
+            manifest = _train_in_group(run, cfg, ranks, started, cpu0)
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)
+            gc.collect()
+            raise
+        gc.collect()
+    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+
+
+def _train_in_group(run, cfg, ranks: Ranks, started: float, cpu0: float) -> dict | None:
+    """The stage inside the process group; everything it builds is freed when it returns."""
+    with contextlib.ExitStack() as closing:
         inputs = read_inputs(run, cfg, ranks, started)
         if (done := finished_run(run, inputs)) is not None:
             return done
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
-        with Progress(run, STAGE, total=ts.total_steps, unit="steps", done=ts.start_step,
-                      stall_after_s=cfg.stall_after_s, console=False, shared=True) as prog, DeferredStop(say) as stop:
+        with ts.book.progress(total=ts.total_steps, unit="steps", done=ts.start_step, console=False,
+                              shared=True) as prog, DeferredStop(say) as stop:
             fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
             manifest = finish(ts, prog)
             if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
                 stop.raise_now()
         if ranks.world > 1:
             dist.barrier()
-    return manifest if manifest is not None else (run.read_manifest(STAGE) or {})
+    return manifest
 
 
 # -------------------------------------------------------------------------------------------------
@@ -294,7 +317,9 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     total_steps=total_steps, planned=total_steps,
                     position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
-                    metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"))
+                    metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"),
+                    flex_bound=flex_shape(tc).graph_bound if attention == "flex" else None,
+                    flex_before=len(FLEX_GRAPHS), flex_noted=len(FLEX_GRAPHS))
     names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
     ts.trackers = Trackers(ts.folder, names, tc.tracker_project, cfg.model_dump(mode="json"), start_step, ranks.rank,
                            say)
@@ -378,12 +403,14 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
                 prog.set_total(ts.step)
             prog.advance(1)
 
+            _note_flex(ts)
             if shared["log"] > 0:
                 _log_window(ts, window, grad_norm, stop_now, prog)
             if stop_now:
                 break
             if ts.validation is not None and ts.step % tc.validate_every == 0 and ts.step < ts.total_steps:
                 _validate(ts, prog, window)  # before a checkpoint of this step, which keeps its figures
+                _note_flex(ts)
             if shared["interrupt"] > 0 and ts.step < ts.total_steps:  # every rank sees it at the same step
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
                 say(f"checkpoint of step {ts.step} written: the same command resumes from it")
@@ -392,6 +419,16 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
                 _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=tc.keep_checkpoints)
     finally:
         data.close()
+
+
+def _note_flex(ts: TrainState) -> None:
+    """A line per graph flex attention compiled since the last note (rank 0): each costs its step tens of
+    seconds, and their count stays within the run's bound (past it flex stops with an error, model/ttt.py)."""
+    if ts.flex_bound is None:
+        return
+    for n, what in enumerate(FLEX_GRAPHS[ts.flex_noted:], start=ts.flex_noted - ts.flex_before + 1):
+        say(f"flex attention: compiled graph {n} ({what}); at most {ts.flex_bound} in this run")
+    ts.flex_noted = len(FLEX_GRAPHS)
 
 
 def _act_dtype(ts: TrainState):
@@ -603,6 +640,11 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
             _validate(ts, prog, None)  # final/ holds the averaged weights: their figures, not the raw ones'
     _save(ts, final_dir)
     manifest = None
+    _note_flex(ts)
+    flex = None if ts.flex_bound is None else {"graphs": len(FLEX_GRAPHS) - ts.flex_before, "bound": ts.flex_bound}
+    if flex is not None:
+        say(f"flex attention: {flex['graphs']} graph(s) compiled in this run (at most {flex['bound']}: its length "
+            "buckets x TTT steps x 2 grad modes)")
     if ts.ranks.rank == 0:
         m = ts.metrics or {}
         counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
@@ -614,6 +656,7 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
                                   extra={"aux_layers": ts.meta["aux_layers"], "final": f"{STAGE}/final",
-                                         "world_size": ts.ranks.world, "peak_memory_bytes": peak})
+                                         "world_size": ts.ranks.world, "peak_memory_bytes": peak,
+                                         "flex_graphs": flex})
     prog.end(steps=ts.step, tokens=ts.tokens_seen)
     return manifest

@@ -1,7 +1,8 @@
 """Test hook, active only when DRAFTSMITH_TEST_OPENS names a folder (tests/test_train_ranks.py puts
 this folder on PYTHONPATH of the ranks it starts): each torchrun rank appends to
 opens.rank{RANK}.txt one line per file it opens, "open PATH" (Python's open event: torch.load,
-json, builtins) or "safe_open PATH" (safetensors, whose Rust reader raises no Python event)."""
+json, builtins) or "safe_open PATH" (safetensors, whose Rust reader raises no Python event), and
+one line when it leaves its process group (below)."""
 
 import os
 import sys
@@ -31,3 +32,22 @@ if _folder and _rank is not None:
         return _safe_open(filename, *args, **kwargs)
 
     safetensors.safe_open = _recording_safe_open
+
+    # The models a rank still holds wrapped for DDP/FSDP when it leaves its process group: one line
+    # "destroy_process_group live_wrapped=N". Counted among all objects the collector tracks, garbage
+    # included: a wrapped model freed only after the group is gone hung a rank at exit (train/stage.py _train).
+    import gc
+
+    import torch.distributed as _dist
+
+    _destroy = _dist.destroy_process_group
+
+    def _recording_destroy(*args, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        live = sum(isinstance(o, (DistributedDataParallel, FSDPModule)) for o in gc.get_objects())
+        _log.write(f"destroy_process_group live_wrapped={live}\n")
+        return _destroy(*args, **kwargs)
+
+    _dist.destroy_process_group = _recording_destroy

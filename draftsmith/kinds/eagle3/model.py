@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 
 from draftsmith.model.eagle3 import Eagle3Drafter as Drafter
-from draftsmith.train.objective import TTTObjective
+from draftsmith.train.objective import TTTObjective, flex_shape
 
 __all__ = ["Drafter", "objective", "propose"]
 
 
 def objective(drafter, target_head, tc, scale, attention: str, mix):
-    """The TTT objective over train.ttt_steps unrolled draft steps."""
+    """The TTT objective over train.ttt_steps unrolled draft steps (flex attention over the run's FlexShape)."""
     return TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
-                        tc.feature_noise, attention, tc.loss_chunk_tokens, mix)
+                        tc.feature_noise, attention, tc.loss_chunk_tokens, mix,
+                        flex_shape(tc) if attention == "flex" else None)
 
 
 def read_verified(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):

@@ -1,0 +1,210 @@
+"""The stages, each described once: what runs it, what it reads and writes, how `status` counts it,
+where `estimate` costs it, its command's help, and whether `run` runs it with a given config.
+
+`run` (pipeline.py), `status`, `estimate`, the CLI (cli.py), the demo's cost model (demo.py), the
+run directory (rundir.py: what makes a folder a run) and the model card read the stages from here,
+in the order of STAGES, which is the order `run` runs them. A new stage is one record here and its
+module (docs/architecture.md, "Where new code goes").
+
+No torch, no pydantic, no stage code: `status` and `--help` import this module, so the run
+function and the cost are named "module:function" and imported only when they are called.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from draftsmith import DraftsmithError
+
+
+@dataclass(frozen=True)
+class Count:
+    """How `status` counts what a stage has on disk (status.COUNTERS holds how each `kind` is counted):
+
+    - "lines": complete lines of the file `path` in the stage folder;
+    - "files": files of the stage folder whose name ends with `path`;
+    - "shard_files": files whose name ends with `path` in the stage folder's `rows_*` shard folders;
+    - "checkpoint_step": the step of the newest complete checkpoint under `path` (a `step_N` folder
+      holding state.json).
+
+    `same_unit`: the count is of the units the stage's journal counts (samples, prompts), so that
+    `status` notes when the two disagree."""
+
+    kind: str
+    path: str = ""
+    same_unit: bool = False
+
+
+def always(cfg: Any) -> bool:
+    return True
+
+
+def offline_training(cfg: Any) -> bool:
+    """Extract stores the states training reads; online training computes them itself."""
+    return cfg.train.mode != "online"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a run. Paths are relative to the run folder."""
+
+    name: str  # its folder RUN/<name>/, its command `draftsmith <name>`, its name in pipeline.json and status
+    run: str  # "module:function" of `run_<stage>(run, cfg, ...)`, imported when it runs (run_function)
+    section: str  # its config section: `cfg.<section>` (config.py), what its manifest's settings hold
+    inputs: tuple[str, ...]  # what it reads of other stages (their manifests first: stage.upstream)
+    outputs: tuple[str, ...]  # what it writes (a trailing / is a folder); docs/run-directory.md says their format
+    count: Count  # how `status` counts its files
+    estimate: str  # "module:function" whose result's `stages[<name>]` is its disk, memory and time
+    help: str  # its command's help (`draftsmith <name> --help`, the first line in `draftsmith --help`)
+    examples: tuple[str, ...]  # command lines of its --help epilog
+    demo_group: str  # the demo's cost-model group that times it (demo.expected_seconds' keys)
+    runs: Callable[[Any], bool] = always  # whether `run` runs it under a config (False: not planned at all)
+
+    @property
+    def module(self) -> str:
+        """The module of its run function (what running it imports)."""
+        return self.run.partition(":")[0]
+
+    def run_function(self) -> Callable[..., Any]:
+        """The stage's `run_<stage>`, imported now (torch and the stage's libraries with it)."""
+        return load(self.run)
+
+    @property
+    def epilog(self) -> str:
+        return "Examples:\n\n" + "".join(f"  {line}\n\n" for line in self.examples).rstrip("\n") + "\n"
+
+
+def load(ref: str) -> Callable[..., Any]:
+    """The function a "module:function" reference names."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+REGISTRY: dict[str, Stage] = {s.name: s for s in (
+    Stage(
+        name="generate", run="draftsmith.generate.stage:run_generate", section="generate",
+        inputs=(), outputs=("generate/samples.jsonl", "generate/failures.jsonl"),
+        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        help="Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible "
+        "servers), or keep the file's own (--backend dataset).",
+        examples=(
+            "draftsmith generate --run runs/r1 --limit 100",
+            "draftsmith generate --run runs/r1 --backend openai --server http://127.0.0.1:8000/v1 --concurrency 32",
+            "draftsmith generate --run runs/r1 --backend openai --server http://gpu1:8000 --server http://gpu2:8000 "
+            "--prompts chats.jsonl --max-tokens 1024",
+            "draftsmith generate --run runs/r1 --retry-failed",
+            "draftsmith generate --run runs/r1 --set generate.backend=openai "
+            "--set generate.servers=[http://127.0.0.1:8000/v1] --set generate.api_key_env=MY_KEY",
+            "draftsmith generate --run runs/r1 --backend vllm --concurrency 64   "
+            "(starts and stops its own vLLM server)",
+        ),
+        demo_group="generate"),
+    Stage(
+        name="prepare", run="draftsmith.prepare:run_prepare", section="prepare",
+        inputs=("generate/samples.jsonl",), outputs=("prepare/samples.jsonl",),
+        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        help="Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens.",
+        examples=(
+            "draftsmith prepare --run runs/r1",
+            "draftsmith prepare --run runs/r1 --max-length 4096 --overflow drop",
+            "draftsmith prepare --run runs/r1 --config my.yaml --set prepare.max_length=1024",
+        ),
+        demo_group="extract"),
+    Stage(
+        name="vocab", run="draftsmith.vocab:run_vocab", section="vocab",
+        inputs=("prepare/samples.jsonl",), outputs=("vocab/vocab.safetensors", "vocab/vocab.json"),
+        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:estimate",
+        help="Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage.",
+        examples=(
+            "draftsmith vocab --run runs/r1",
+            "draftsmith vocab --run runs/r1 --draft-vocab-size 32000",
+        ),
+        demo_group="extract"),
+    Stage(
+        name="extract", run="draftsmith.extract.stage:run_extract", section="extract",
+        inputs=("prepare/samples.jsonl",), outputs=("extract/meta.json", "extract/rows_*/"),
+        count=Count("shard_files", ".safetensors", same_unit=True), estimate="draftsmith.estimate:estimate",
+        help="Run the target over the prepared samples; store aux-layer and final hidden states per sample.",
+        examples=(
+            "draftsmith extract --run runs/r1",
+            "draftsmith extract --run runs/r1 --set extract.layers='[2, 15, 27]' --set extract.batch_tokens=16384",
+            "draftsmith extract --run runs/r1 --verify",
+            "draftsmith extract --run runs/r1 --set extract.backend=vllm",
+            "draftsmith extract --run runs/r1 --set extract.backend=vllm "
+            "--set extract.servers='[http://gpu-node:8000/v1]'",
+            "draftsmith extract --run runs/r1 --rank 1 --world-size 2",
+            "torchrun --nproc-per-node 8 -m draftsmith extract --run runs/r1",
+        ),
+        demo_group="extract", runs=offline_training),
+    Stage(
+        name="train", run="draftsmith.train.stage:run_train", section="train",
+        inputs=("vocab/vocab.safetensors", "extract/", "prepare/samples.jsonl"),
+        outputs=("train/final/", "train/checkpoints/", "train/metrics.jsonl"),
+        count=Count("checkpoint_step", "checkpoints"), estimate="draftsmith.estimate:estimate",
+        help="Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly.",
+        examples=(
+            "draftsmith train --run runs/r1",
+            "draftsmith train --run runs/r1 --mode online --max-steps 200",
+            "draftsmith train --run runs/r1 --mode online --set extract.backend=vllm   "
+            "(states streamed from a vLLM server)",
+            "draftsmith train --run runs/r1 --set train.lr=3e-4 --set train.ttt_steps=5",
+            "torchrun --nproc-per-node 2 -m draftsmith -- train --run runs/r1",
+            "(the `--` stops torchrun from reading `--run` as an abbreviation of its own `--run-path`)",
+        ),
+        demo_group="train"),
+    Stage(
+        name="export", run="draftsmith.export:run_export", section="export",
+        inputs=("train/final/", "train/checkpoints/"),
+        outputs=("export/config.json", "export/model.safetensors", "export/README.md", "export/provenance.json"),
+        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:estimate",
+        help="Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable "
+        "by vLLM as is.",
+        examples=(
+            "draftsmith export --run runs/r1",
+            "draftsmith export --run runs/r1 --checkpoint runs/r1/train/checkpoints/step_400",
+            "vllm serve TARGET --speculative-config "
+            "'{\"model\": \"runs/r1/export\", \"method\": \"eagle3\", \"num_speculative_tokens\": 3}'",
+        ),
+        demo_group="train"),
+    Stage(
+        name="eval", run="draftsmith.eval.stage:run_eval", section="eval",
+        inputs=("export/config.json", "export/model.safetensors"),
+        outputs=("eval/answers.jsonl", "eval/report.json", "eval/report.md"),
+        count=Count("lines", "answers.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        help="Measure acceptance length, acceptance per position and speedup of the exported drafter; writes "
+        "RUN/eval/report.json.",
+        examples=(
+            "draftsmith eval --run runs/r1",
+            "draftsmith eval --run runs/r1 --prompts mt-bench --limit 10 --num-speculative-tokens 3 --max-tokens 128",
+            "draftsmith eval --run runs/r1 --temperature 0.7 --prompts prompts.jsonl",
+            "draftsmith eval --run runs/r1 --engine vllm   (starts vLLM with the export, and one without it for the "
+            "baseline)",
+            "draftsmith eval --run runs/r1 --engine vllm --server http://127.0.0.1:8000   (a running vLLM server "
+            "with the drafter)",
+            "draftsmith eval --run runs/r1 --engine vllm --set 'eval.vllm_args=[]'   (let vLLM compile: slower "
+            "start-up)",
+            "draftsmith eval --run runs/other --engine vllm --drafter path/to/drafter   (a speculators-format "
+            "drafter from elsewhere)",
+        ),
+        demo_group="eval"),
+)}
+
+
+def names() -> tuple[str, ...]:
+    """Every stage's name, in the order `run` runs them."""
+    return tuple(REGISTRY)
+
+
+def get(name: str) -> Stage:
+    """The record of a stage folder's stage (`eval-vllm`, a second evaluation, is an `eval`)."""
+    try:
+        return REGISTRY[name if name in REGISTRY else name.split("-", 1)[0]]
+    except KeyError:
+        raise DraftsmithError(f"{name}: not a stage (stages: {', '.join(REGISTRY)})") from None
+
+
+def planned(cfg: Any) -> tuple[str, ...]:
+    """The stages `run` runs under `cfg`, in order (extract not when training online)."""
+    return tuple(s.name for s in REGISTRY.values() if s.runs(cfg))

@@ -1,0 +1,124 @@
+"""The stage registry (draftsmith/stages.py): every place that lists the stages reads it, so that a
+stage added as one record is run by `run` in its place, shown and counted by `status`, makes a folder a
+run, is timed by the demo's cost model, and has its command; and each record's references resolve."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError, stages
+from draftsmith.cli import app
+from draftsmith.config import load_config
+from draftsmith.demo import Calibration, expected_seconds, stage_groups
+from draftsmith.estimate import HARDWARE, estimate, target_shape
+from draftsmith.pipeline import planned_stages, run_pipeline
+from draftsmith.rundir import RunDir
+from draftsmith.stages import Count, Stage
+from draftsmith.status import render_table, run_status
+
+REPO = Path(__file__).resolve().parents[1]
+
+# a stage between export and eval: what a new stage adds is this record and its module
+FAKE = Stage(name="quantize", run="tests.fake_stage:run_quantize", section="export",
+             inputs=("export/model.safetensors",), outputs=("quantize/parts.jsonl",),
+             count=Count("lines", "parts.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+             help="Quantize the exported drafter.", examples=("draftsmith quantize --run runs/r1",),
+             demo_group="train")
+
+
+@pytest.fixture()
+def with_fake(monkeypatch):
+    order = list(stages.REGISTRY.values())
+    order.insert(order.index(stages.REGISTRY["eval"]), FAKE)
+    monkeypatch.setattr(stages, "REGISTRY", {s.name: s for s in order})
+    return FAKE
+
+
+def test_a_new_record_is_planned_shown_counted_and_timed(with_fake, tmp_path):
+    cfg = load_config(None, ["train.mode=offline"])
+    assert planned_stages(cfg) == ["generate", "prepare", "vocab", "extract", "train", "export", "quantize", "eval"]
+    assert planned_stages(cfg, from_stage="quantize") == ["quantize", "eval"]
+    assert "quantize" in stage_groups()["train"]
+
+    run = tmp_path / "run"
+    (run / "quantize").mkdir(parents=True)  # a folder holding only the new stage's is a run
+    assert RunDir(run).is_run()
+    (run / "quantize" / "parts.jsonl").write_text('{"a": 1}\n{"a": 2}\n{"a": 3')  # the last line not yet whole
+    st = run_status(run)
+    assert [r["name"] for r in st["stages"]] == [*planned_stages(cfg)]
+    row = next(r for r in st["stages"] if r["name"] == "quantize")
+    assert row["on_disk"] == 2 and row["bytes_on_disk"] > 0
+
+
+def test_run_runs_a_new_record_in_its_place(with_fake, tmp_path, monkeypatch):
+    calls: list[str] = []
+
+    def stage(name):
+        def fn(run, cfg):
+            calls.append(name)
+            return {"finished": time.time() + 1}
+        return fn
+
+    by_ref = {s.run: stage(s.name) for s in stages.REGISTRY.values()}
+    monkeypatch.setattr(stages, "load", by_ref.__getitem__)
+    run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=online"]))
+    assert calls == ["generate", "prepare", "vocab", "train", "export", "quantize", "eval"]
+    assert json.loads((tmp_path / "run" / "pipeline.json").read_text())["stages"] == calls
+
+
+def test_every_stage_has_its_command_with_its_records_help():
+    commands = {c.name or c.callback.__name__: c for c in app.registered_commands}
+    own = {"run", "demo", "estimate", "status", "watch"}  # the commands over all stages
+    assert set(commands) - own == set(stages.names())
+    for s in stages.REGISTRY.values():
+        assert commands[s.name].help == s.help and commands[s.name].epilog == s.epilog
+        assert all(line.split()[0] in ("draftsmith", "torchrun", "vllm", "(the") for line in s.examples)
+
+
+@pytest.mark.parametrize("name", stages.names())
+def test_each_records_references_resolve(name):
+    s = stages.get(name)
+    fn = s.run_function()
+    assert fn.__name__ == f"run_{name}"
+    assert list(inspect.signature(fn).parameters)[:2] == ["run", "cfg"]
+    assert stages.load(s.estimate) is estimate
+    assert hasattr(load_config(None), s.section)
+    assert all(p.split("/")[0] in stages.REGISTRY for p in (*s.inputs, *s.outputs))
+    assert all(p.split("/")[0] == name for p in s.outputs)
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_estimate_costs_the_stages_run_runs_in_its_order(mode):
+    shape = target_shape(REPO / "configs" / "targets" / "llama-3.1-8b-instruct.json", attention="gqa")
+    cfg = load_config(REPO / "configs" / "llama-8b-1xh100.yaml", [f"train.mode={mode}"])
+    e = estimate(cfg, shape, HARDWARE["h100"], 1, prompt_tokens=100, answer_tokens=200)
+    assert list(e["stages"]) == planned_stages(cfg) == list(stages.planned(cfg))
+    assert ("extract" in e["stages"]) == (mode == "offline")
+
+
+def test_a_second_evaluation_is_an_eval_and_an_unknown_name_is_refused():
+    assert stages.get("eval-vllm") is stages.REGISTRY["eval"]
+    with pytest.raises(DraftsmithError, match="bogus: not a stage"):
+        stages.get("bogus")
+
+
+def test_status_notes_a_journal_and_files_that_disagree_for_stages_counting_the_same_unit(with_fake):
+    row = {"name": "quantize", "state": "running", "done": 5, "total": 9, "unit": "parts", "rate_per_s": None,
+           "eta_s": None, "elapsed_s": None, "heartbeat_age_s": None, "pid": None, "on_disk": 3,
+           "bytes_on_disk": 10, "error": None}
+    note = "quantize: the journal says 5 parts done, the files on disk hold 3"
+    assert note in render_table({"run": "r", "stages": [row]})
+    other = {**row, "name": "vocab"}  # vocab counts its files, not the samples its journal counts
+    assert "the journal says" not in render_table({"run": "r", "stages": [other]})
+
+
+def test_every_stage_is_in_a_group_the_demos_cost_model_times():
+    timed = expected_seconds(100, 10, Calibration(batch_tokens_per_s=100.0, single_tokens_per_s=10.0, seconds=1.0),
+                             with_vllm=True, train_minutes=1.0)
+    assert set(stage_groups()) == set(timed)
+    assert sorted(n for members in stage_groups().values() for n in members) == sorted([*stages.names(), "eval-vllm"])
