@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.config import load_config  # noqa: E402
-from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches  # noqa: E402
+from draftsmith.extract.hf import make_batch, plan_batches  # noqa: E402
+from draftsmith.target.capture import HiddenCapture  # noqa: E402
 from draftsmith.extract.stage import run_extract  # noqa: E402
 from draftsmith.rundir import RunDir, file_sha256  # noqa: E402
 from draftsmith.store_format import bytes_per_token, shard_ranges  # noqa: E402

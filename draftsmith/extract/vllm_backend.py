@@ -48,13 +48,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
 
 from draftsmith import DraftsmithError
 from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
-from draftsmith.target import language_model_names, pick_device, pick_dtype, read_tensor
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import language_model_names, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
 from draftsmith.vllm_server import MIN_VLLM, VLLMServer, on_cuda_machine, serving, vllm_python
 
@@ -147,10 +147,9 @@ class FinalNorm:
         self.weight, self.eps, self.gemma = weight, eps, gemma
 
     @classmethod
-    def of_target(cls, info, trust_remote_code: bool = False) -> "FinalNorm":
+    def of_target(cls, info) -> "FinalNorm":
         folder = Path(info.path)
-        cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = info.identity.view()
         eps = getattr(text, "rms_norm_eps", None)
         if eps is None:
             raise DraftsmithError(f"{folder / 'config.json'}: no rms_norm_eps; extract.backend=vllm applies the "
@@ -381,7 +380,7 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
     `max_len`: the longest prompt; `busy(phase)`: a context that heartbeats while the server
     starts (Progress.busy)."""
     extract_cfg = cfg.extract
-    norm = FinalNorm.of_target(info, cfg.trust_remote_code)
+    norm = FinalNorm.of_target(info)
     dtype = server_dtype(cfg)
     srv = None
     # a folder of our own (removed at the end), also inside a shared extract.staging_dir like /dev/shm

@@ -10,7 +10,8 @@ from draftsmith.config import AUTO_MAX_IN_FLIGHT
 from draftsmith.generate.openai import ask_servers
 from draftsmith.generate.samples import STAGE
 from draftsmith.prompts import context_tokens_needed, conversation_tokens
-from draftsmith.target import load_tokenizer, pick_device, pick_dtype
+from draftsmith.host import pick_device, pick_dtype
+from draftsmith.target import load_tokenizer
 from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, serving, vllm_python
 
 VLLM_LOG = "vllm.log"  # the server's output

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith import DraftsmithError, kinds
+from draftsmith.target.identity import is_mla  # the target's fact (no torch)
 
 # query block of the SDPA TTT path (ttt.TTTMask): Eagle3Drafter.ttt_forward's default attn_block;
 # here, without torch, because estimate models the keys that path keeps per block
@@ -264,12 +265,6 @@ def drafter_mla_shape(hf_config: Any) -> dict[str, Any]:
     head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads
     return {"q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": 64,
             "v_head_dim": head_dim}
-
-
-def is_mla(hf_config: Any) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi-K2): keys and values come from a
-    compressed latent of width kv_lora_rank."""
-    return bool(getattr(hf_config, "kv_lora_rank", None))
 
 
 def _largest_divisor(n: int, candidates=(8, 4, 2, 1)) -> int:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from draftsmith import DraftsmithError, one_line
 from draftsmith.journal import env_rank
-from draftsmith.target import bf16_is_fast, pick_device
+from draftsmith.host import bf16_is_fast, pick_device
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ decoder layers), and with train.fc_input_norm the factor its fc input is scaled 
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.model.config import DrafterConfig
@@ -55,7 +54,8 @@ def _read_target_weights(info, log):
 
 
 def read_target_layer(info, n: int) -> dict:
-    """The target's decoder layer n as {name inside the layer: tensor}, read from its safetensors."""
+    """The target's decoder layer n as {name inside a Llama layer: tensor}, read from its safetensors (its family's
+    names mapped by its layout, layout.py)."""
     folder = Path(info.path)
     names = language_model_names(info)
     if names is None:
@@ -64,7 +64,7 @@ def read_target_layer(info, n: int) -> dict:
     out = {key[len(prefix):]: read_tensor(folder, names, key) for key in names.files if key.startswith(prefix)}
     if not out:
         raise DraftsmithError(f"train.init_layer: {folder} has no tensors named {prefix}*")
-    return out
+    return info.layout.llama_layer(out, info.identity.text)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -75,8 +75,7 @@ def drafter_config(info, cfg, draft_vocab_size: int, num_aux_layers: int) -> Dra
     """The drafter's shape from the target's (text) config, with train.num_layers decoder layers and fc over
     num_aux_layers target states (the store's layers), and what its kind (train.method) sets
     (kinds/<kind>/__init__.py: Kind.config_options)."""
-    hf_cfg = AutoConfig.from_pretrained(info.path, trust_remote_code=cfg.trust_remote_code)
-    hf_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    hf_cfg = info.identity.view()
     tc = cfg.train
     attention, options = kinds.get(tc.method).config_options(tc, hf_cfg, tc.drafter_attention)
     try:

@@ -4,7 +4,7 @@ torchrun (DDP, gloo on the CPU) and hands back the manifest rank 0 writes.
 Why on a CPU: two single-threaded ranks keep both cores busy through the whole step, where one
 process with two threads leaves one idle in every small or sequential op (measured here: ~930
 against ~700 tokens/s). Each rank gets its share of the cores other work leaves free now
-(target.threads_per_rank), or `threads`, unless OMP_NUM_THREADS is set.
+(host.threads_per_rank), or `threads`, unless OMP_NUM_THREADS is set.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ from draftsmith import DraftsmithError
 from draftsmith.journal import pid_alive
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir
-from draftsmith.target import pick_device, threads_per_rank
+from draftsmith.host import pick_device, threads_per_rank
 from draftsmith.vllm_server import die_with_parent
 
 ERROR_PREFIX = "draftsmith: error: "  # how a rank's one-line error starts on its output
