@@ -23,7 +23,8 @@ import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
 from draftsmith import DraftsmithError, Terminated, one_line, stages
-from draftsmith.estimate import HARDWARE, apply_run_rates, estimate_config, render, run_rates
+from draftsmith.estimate import (DEFAULT_PROMPT_TOKENS, HARDWARE, apply_run_rates, estimate_config, render,
+                                 run_rates)
 from draftsmith.journal import env_rank
 from draftsmith.progress import log, write_traceback
 from draftsmith.rundir import RunDir, is_disk_full
@@ -307,7 +308,8 @@ def estimate_cmd(
     devices: Annotated[int, typer.Option(help="Devices (GPUs) the target and training use.")] = 1,
     target_config: Annotated[Optional[Path], typer.Option(
         help="The target's config.json, when the target is not on this machine (else read from `target`).")] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="Average prompt tokens per sample, chat template included.")] = 100,
+    prompt_tokens: Annotated[int, typer.Option(
+        help="Average prompt tokens per sample, chat template included.")] = DEFAULT_PROMPT_TOKENS,
     answer_tokens: Annotated[Optional[int], typer.Option(
         help="Average answer tokens per sample (default: 85% of generate.max_tokens, as measured on "
         "ShareGPT).")] = None,

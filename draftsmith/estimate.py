@@ -36,7 +36,9 @@ once a stage runs.
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +46,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith import stages as registry
-from draftsmith.rundir import RunDir
+from draftsmith.rundir import RunDir, atomic_write_json
 from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.target.identity import is_mla, read_identity
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
@@ -720,6 +722,29 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
 
 # -------------------------------------------------------------------------------------------------
 # Rates from a run's own measured stages (`estimate --from RUN`)
+
+
+# RUN/estimate.json: what `draftsmith run` expected of each stage when it started (save_run_estimate), so that
+# `status` shows it beside what the stage took: {"command": the estimate it is, "hardware", "devices", "written",
+# "stages": {stage: {"seconds"}}}
+RUN_ESTIMATE = "estimate.json"
+DEFAULT_PROMPT_TOKENS = 100  # the mean prompt, chat template included, when none is given
+
+
+def save_run_estimate(run: RunDir, e: dict, command: str) -> None:
+    atomic_write_json(run.path / RUN_ESTIMATE, {
+        "command": command, "hardware": e["hardware"], "devices": e["devices"], "written": round(time.time(), 3),
+        "stages": {name: {"seconds": round(s["seconds"], 1)} for name, s in e["stages"].items()}})
+
+
+def read_run_estimate(run: RunDir) -> dict[str, Any] | None:
+    """RUN/estimate.json as save_run_estimate wrote it, or None (none written, or unreadable: status goes on)."""
+    try:
+        e = json.loads((run.path / RUN_ESTIMATE).read_text())
+        stages = {str(k): float(v["seconds"]) for k, v in e["stages"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return {"command": str(e.get("command")), "stages": stages}
 
 
 def _positive(*values) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -130,6 +132,22 @@ def thread_policy(requested: int | None = None, device: str | None = None) -> tu
     n, why = threads_per_rank(requested, gpu=gpu)
     torch.set_num_threads(n)
     return n, why
+
+
+def gpu_names() -> list[str] | None:
+    """The names of this node's GPUs as nvidia-smi gives them (one a GPU), None without CUDA or nvidia-smi. Asked
+    of nvidia-smi, not torch.cuda: a CUDA context in this process would hold ~0.5 GB of GPU 0 that the vLLM server
+    a stage starts next counts on."""
+    smi = shutil.which("nvidia-smi")
+    if not torch.cuda.is_available() or smi is None:
+        return None
+    try:
+        p = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in p.stdout.splitlines() if line.strip()]
+    return names if p.returncode == 0 and names else None
 
 
 def release_device_memory() -> None:

@@ -17,11 +17,12 @@ import os
 import socket
 import time
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, one_line
 from draftsmith import stages as registry
+from draftsmith.estimate import DEFAULT_PROMPT_TOKENS, HARDWARE, RUN_ESTIMATE, estimate_config, save_run_estimate
 from draftsmith.progress import error_line, log
+from draftsmith.host import gpu_names, release_device_memory, thread_policy
 from draftsmith.rundir import RunDir, atomic_write_json
-from draftsmith.host import release_device_memory, thread_policy
 
 
 def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
@@ -65,6 +66,7 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
     state = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "stages": stages,
              "current": None, "finished": False, "error": None}
     atomic_write_json(run.path / "pipeline.json", state)
+    save_expectation(run, cfg)
     manifests: dict[str, dict] = {}
     t0 = time.time()
     try:
@@ -104,6 +106,27 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
     atomic_write_json(run.path / "pipeline.json", state)
     log(f"all stages done in {time.time() - t0:.0f}s", stage="run")
     return manifests
+
+
+def save_expectation(run: RunDir, cfg) -> None:
+    """RUN/estimate.json: `draftsmith estimate` of this config on this machine's hardware profile (a GPU's by
+    its name, else cpu), so that `status` shows each stage's estimate beside what it took. Advisory: a GPU
+    without a profile, or a target the estimate cannot read, is one line and the run goes on."""
+    (run.path / RUN_ESTIMATE).unlink(missing_ok=True)  # an earlier run's, perhaps of another config
+    names = gpu_names()
+    hardware = "cpu" if names is None else next((k for k in HARDWARE if k != "cpu" and k in names[0].lower()), None)
+    devices = 1 if names is None else len(names)
+    if hardware is None:
+        log(f"no estimate beside the stages in status: {names[0]} has no profile in `draftsmith estimate` "
+            f"({', '.join(HARDWARE)})", stage="run")
+        return
+    try:
+        e = estimate_config(cfg, hardware, devices, None, DEFAULT_PROMPT_TOKENS, None)
+    except (DraftsmithError, OSError, ValueError) as err:
+        log(f"no estimate beside the stages in status: {one_line(err)}", stage="run")
+        return
+    save_run_estimate(run, e, f"draftsmith estimate CONFIG --hardware {hardware} --devices {devices} "
+                              f"--prompt-tokens {DEFAULT_PROMPT_TOKENS}")
 
 
 def _refuse_other_format(run: RunDir, wanted: str) -> None:

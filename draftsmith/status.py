@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError, stages
+from draftsmith.estimate import read_run_estimate
 from draftsmith.journal import fmt_duration, fmt_rate, journal_state, pid_alive
 from draftsmith.rundir import MANIFEST, RunDir, is_temp_name
 
@@ -260,6 +261,11 @@ def run_status(path: str | os.PathLike) -> dict[str, Any]:
     host = socket.gethostname()
     out: dict[str, Any] = {"run": str(run.path), "time": round(now, 3),
                            "stages": [stage_status(run, s, now, host) for s in [*stages.names(), *extra_evals(run)]]}
+    expected = read_run_estimate(run)
+    if expected is not None:  # what `run` expected of each stage, beside what it took (pipeline.save_expectation)
+        out["estimate"] = expected["command"]
+        for row in out["stages"]:
+            row["estimate_s"] = expected["stages"].get(row["name"])
     pipe = pipeline_status(run, host)
     if pipe is not None:
         out["pipeline"] = pipe
@@ -302,7 +308,8 @@ def _row_cells(r: dict[str, Any], name: str) -> list[str]:
         name, state, done or "-",
         f"{fmt_rate(r['rate_per_s'])}/s" + (" (warming up)" if r.get("warming_up") else "") if r["rate_per_s"] else "-",
         fmt_duration(r["eta_s"]) if r["eta_s"] is not None else "-",
-        fmt_duration(r["elapsed_s"]) if r.get("elapsed_s") is not None else "-",
+        (fmt_duration(r["elapsed_s"]) if r.get("elapsed_s") is not None else "-")
+        + (f" (est. {fmt_duration(r['estimate_s'])})" if r.get("estimate_s") is not None else ""),
         (f"{r['heartbeat_age_s']:.0f}s" if r["heartbeat_age_s"] is not None and r["state"] not in ("done", "pending")
          else "-"),
         str(r["pid"] or "-"),
@@ -349,6 +356,8 @@ def render_table(status: dict[str, Any]) -> str:
                  + (f": {pipe['error']}" if pipe.get("error") else "") + ")")
     lines = [head, "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if status.get("estimate"):
+        notes.append(f"est.: what `draftsmith run` expected of each stage on this machine ({status['estimate']})")
     lines += notes
     return "\n".join(lines)
 

@@ -128,17 +128,26 @@ def test_extra_engine_evaluates_into_its_own_folder(recipe, tmp_path):
     """The demo's second evaluation (vLLM when installed) goes to eval-<engine>/, beside eval/; status
     lists it and `run` skips it when current. The local engine stands in for vLLM here (the vLLM
     engine itself is tested in test_evaluate_vllm.py)."""
+    from draftsmith.journal import fmt_duration
     from draftsmith.pipeline import summarize
-    from draftsmith.status import run_status
+    from draftsmith.status import render_table, run_status
 
     run = RunDir(tmp_path / "run")
-    cfg = load_config(recipe)
+    cfg = load_config(recipe, [f"generate.limit={len(PROMPTS)}"])  # every prompt; the estimate needs the count
     run_pipeline(run, cfg, extra_engines=("local",))
     report = json.loads((run.path / "eval-local" / "report.json").read_text())
     assert report["engine"] == "local" and report["prompts"] == 2
     assert json.loads((run.path / "pipeline.json").read_text())["stages"][-1] == "eval-local"
-    rows = {s["name"]: s for s in run_status(run.path)["stages"]}
+    status = run_status(run.path)
+    rows = {s["name"]: s for s in status["stages"]}
     assert rows["eval-local"]["state"] == "done" and rows["eval-local"]["on_disk"] == 2
+    # each stage's estimate (RUN/estimate.json, written as `run` started) beside what it took
+    assert "--hardware cpu --devices 1" in status["estimate"]
+    for name in planned_stages(cfg):
+        assert rows[name]["estimate_s"] >= 0 and rows[name]["elapsed_s"] is not None, name
+    assert sum(rows[name]["estimate_s"] for name in planned_stages(cfg)) > 0
+    table = render_table(status)
+    assert f"(est. {fmt_duration(rows['train']['estimate_s'])})" in table and "est.: what `draftsmith run`" in table
     assert summarize(run).count("local engine: acceptance length") == 2
     before = run.read_manifest("eval-local")["finished"]
     run_pipeline(run, cfg, extra_engines=("local",))
@@ -191,3 +200,23 @@ def test_each_stage_hands_its_gpu_memory_back_before_the_next_starts(tmp_path, m
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=offline"]))
     assert calls == [c for s in STAGES for c in (s, "empty_cache")]
+
+
+def test_the_runs_estimate_is_of_this_machines_gpus_or_said_missing(recipe, tmp_path, monkeypatch, capsys):
+    """save_expectation: a node of 8 H200s gets the h200 profile on 8 devices; a GPU without a profile gets one line
+    and no estimate.json (an earlier one removed: status must not show another config's estimate)."""
+    from draftsmith import pipeline
+    from draftsmith.estimate import read_run_estimate
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    cfg = load_config(recipe, [f"generate.limit={len(PROMPTS)}"])
+    monkeypatch.setattr(pipeline, "gpu_names", lambda: ["NVIDIA H200"] * 8)
+    pipeline.save_expectation(run, cfg)
+    saved = json.loads((run.path / "estimate.json").read_text())
+    assert saved["hardware"] == "NVIDIA H200" and saved["devices"] == 8
+    assert set(read_run_estimate(run)["stages"]) == set(planned_stages(cfg))
+    monkeypatch.setattr(pipeline, "gpu_names", lambda: ["NVIDIA L4"])
+    pipeline.save_expectation(run, cfg)
+    assert not (run.path / "estimate.json").exists() and read_run_estimate(run) is None
+    assert "no estimate beside the stages in status: NVIDIA L4 has no profile" in capsys.readouterr().out
