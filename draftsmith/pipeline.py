@@ -21,6 +21,7 @@ from draftsmith import DraftsmithError
 from draftsmith import stages as registry
 from draftsmith.progress import error_line, log
 from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.store_format import format_name
 from draftsmith.target import release_device_memory, thread_policy
 
 
@@ -110,7 +111,7 @@ def _refuse_other_format(run: RunDir, wanted: str) -> None:
     old = run.read_manifest("extract")
     if old is None:
         return
-    held = (old.get("settings") or {}).get("store_format", "bf16")  # absent: a bf16 store
+    held = format_name(old.get("settings") or {})
     if held != wanted:
         raise DraftsmithError(
             f"{run.path / 'extract'}: holds a finished {held} store, but extract.store_format is {wanted} "
