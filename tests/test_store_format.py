@@ -50,6 +50,8 @@ def test_every_format_has_one_codec_and_its_facts_match_the_files_it_writes():
         back = codec.decode(codec.parts_of(t, "aux"), torch.float32)
         assert back.shape == aux.shape and torch.allclose(back, aux, rtol=2 ** -3, atol=1e-6)
         assert [tuple(x.shape) for x in codec.parts_of(t, "last")] == [s for _, s in codec.specs((L, H))]
+        zeros = tuple(torch.zeros(s, dtype=dt) for dt, s in codec.specs((L, A, H)))  # a batch's padding
+        assert torch.equal(codec.decode(zeros, torch.float32), torch.zeros(L, A, H))
     with pytest.raises(DraftsmithError, match=r"extract.store_format: store format 'fp4' is not one"):
         store_format("fp4")
 

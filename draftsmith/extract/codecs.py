@@ -23,7 +23,8 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, parts: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The parts (on any device) -> the block [T, ..., D] in `dtype` on their device."""
+        """The parts (on any device) -> the block [T, ..., D] in `dtype` on their device. All-zero parts decode
+        to zeros (the training batch pads rows with them)."""
         raise NotImplementedError
 
     def specs(self, shape: tuple) -> list[tuple[torch.dtype, tuple]]:

@@ -273,7 +273,7 @@ def pack_rows(rows: list[list[dict]], arena: HostArena | None = None, *, codec: 
             off += n
         for packed in states.values():
             for t in packed:
-                t[r, off:].zero_()  # padding: zero parts (zero states, and zero scales: 0 x 0 on the device)
+                t[r, off:].zero_()  # padding: zero parts, which every codec decodes to zero states
         tokens += off
     return Batch(input_ids, loss_mask, doc_ids, position_ids, states["aux_hidden"], states["last_hidden"], ids, tokens,
                  codec=codec, host=arena)
