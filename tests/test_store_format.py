@@ -178,7 +178,8 @@ def test_estimate_and_status_of_a_real_run_import_no_torch(tmp_path, tiny8):
     assert config.is_file()
     commands = [["status", str(run.path)], ["status", str(run.path), "--json"],
                 *(["estimate", str(config), "--set", "generate.limit=12", "--hardware", hw, "--target-config",
-                   str(tiny8 / "config.json"), *more] for hw, more in (("cpu", []), ("h100", ["--json"])))]
+                   str(tiny8 / "config.json"), *more]
+                  for hw, more in (("cpu", []), ("cpu", ["--from", str(run.path)]), ("h100", ["--json"])))]
     outputs = []
     for args in commands:
         p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120,
@@ -191,7 +192,8 @@ def test_estimate_and_status_of_a_real_run_import_no_torch(tmp_path, tiny8):
     stored = FORMATS["fp8"].bytes_per_token(3, info.hidden_size)  # + a file's header and metadata per sample
     assert stored < extract["bytes_per_token"] < stored + store.FILE_OVERHEAD * 12 / sum(run_lengths(run))
     assert "train" in outputs[0] and "extract" in outputs[0]
-    est = json.loads(outputs[3].rsplit("HEAVY", 1)[0])
+    assert "measured: " + str(run.path / "train" / "manifest.json") in outputs[3]  # --from the run's rates
+    est = json.loads(outputs[4].rsplit("HEAVY", 1)[0])
     assert est["bytes_per_token"] == stored
 
 
