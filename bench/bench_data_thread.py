@@ -48,7 +48,9 @@ from draftsmith.config import load_config  # noqa: E402
 from draftsmith.estimate import HARDWARE, estimate, target_shape  # noqa: E402
 from draftsmith.extract import store  # noqa: E402
 from draftsmith.extract.vllm_backend import FinalNorm, wait_and_load  # noqa: E402
+from draftsmith.extract.codecs import codec_of  # noqa: E402
 from draftsmith.rundir import atomic_write_json  # noqa: E402
+from draftsmith.store_format import BF16, FP8  # noqa: E402
 from draftsmith.train.data import HostArena, OfflineSource, pack_rows, packed_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +64,7 @@ def build_store(d: Path, samples: int, length: int) -> store.ExtractStore:
     aux = torch.randn(1, length, AUX, HIDDEN, generator=g).to(torch.bfloat16)
     aux[..., :4] *= 40
     last = torch.randn(1, length, HIDDEN, generator=g).to(torch.bfloat16)
-    w = store.ShardWriter(d, LAYERS, threads=2, store_format="fp8")
+    w = store.ShardWriter(d, LAYERS, threads=2, fmt=FP8)
     for s in store.shard_ranges(samples, samples):
         for i in range(*s):
             w.write_batch(s, [i], [{"id": f"s{i}", "input_ids": [i % 1000] * length, "loss_mask": [1] * length}],
@@ -70,7 +72,7 @@ def build_store(d: Path, samples: int, length: int) -> store.ExtractStore:
         w.finish_shard(s)
     w.close()
     atomic_write_json(d / "meta.json", {"lengths": [length] * samples, "layers": LAYERS, "hidden_size": HIDDEN,
-                                       "shard_size": samples, "store_format": "fp8"})
+                                       "shard_size": samples, "store_format": FP8.name})
     return store.ExtractStore(d)
 
 
@@ -82,7 +84,7 @@ def micro_batches(src: OfflineSource, samples: int, length: int, batch_tokens: i
     return [rows[j:j + k] for j in range(0, len(rows), k)]
 
 
-def before(src: OfflineSource, plan, length: int) -> int:
+def before(src: OfflineSource, plan) -> int:
     tokens = 0
     for rows in plan:
         packed = []
@@ -91,9 +93,9 @@ def before(src: OfflineSource, plan, length: int) -> int:
             for i in row:
                 rec = src.store[i]  # dequantised on the host, to bf16
                 packed[-1].append({"input_ids": rec["input_ids"].long(), "loss_mask": rec["loss_mask"].bool(),
-                                   "aux_hidden": rec["aux_hidden"].reshape(length, -1),
-                                   "last_hidden": rec["last_hidden"], "index": i})
-        b = pack_rows(packed)
+                                   "aux_hidden": (rec["aux_hidden"],), "last_hidden": (rec["last_hidden"],),
+                                   "index": i})
+        b = pack_rows(packed, codec=codec_of(BF16))
         for t in b.tensors():
             t.clone()  # pin_memory(): one more copy, into page-locked memory
         tokens += b.tokens
@@ -103,7 +105,7 @@ def before(src: OfflineSource, plan, length: int) -> int:
 def after(src: OfflineSource, plan, arena: HostArena) -> int:
     tokens = 0
     for rows in plan:
-        b = pack_rows([[src.sample(i, ROW) for i in row] for row in rows], arena.reset())
+        b = pack_rows([[src.sample(i, ROW) for i in row] for row in rows], arena.reset(), codec=src.store.codec)
         tokens += b.tokens
     return tokens
 
@@ -139,7 +141,7 @@ def part1(args, scratch: Path) -> None:
         for _ in range(args.repeats):
             for name in ("before", "after"):
                 t0 = time.perf_counter()
-                n = before(src, plan, args.length) if name == "before" else after(src, plan, arena)
+                n = before(src, plan) if name == "before" else after(src, plan, arena)
                 runs[name].append(n / (time.perf_counter() - t0))
         med = {k: statistics.median(v) for k, v in runs.items()}
         for name in ("before", "after"):
@@ -172,7 +174,7 @@ def part2(args, scratch: Path) -> None:
                 t, _ = wait_and_load(p, 10.0)
                 x = t["hidden_states"]
                 assert bool(torch.isfinite(x).all())
-                store.encode_sample(0, sample, x[:, :AUX], norm(x[:, AUX]), LAYERS, "fp8")
+                store.encode_sample(0, sample, x[:, :AUX], norm(x[:, AUX]), LAYERS, FP8)
                 os.unlink(p)
             rates.append(args.samples * hs.numel() * hs.element_size() / (time.perf_counter() - t0))
     finally:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.extract import store  # noqa: E402
 from draftsmith.rundir import atomic_write_bytes  # noqa: E402
+from draftsmith.store_format import store_format  # noqa: E402
 
 WIDTHS = {"llama-3.1-8b": 4096, "kimi-k2": 7168}
 AUX = 3
@@ -100,7 +101,7 @@ def writer_write(d: Path, plan, aux, last, length: int, threads: int, fmt: str, 
     d.mkdir(parents=True, exist_ok=True)
     sample = lambda i: {"id": f"s{i}", "input_ids": [i % 1000] * length, "loss_mask": [1] * length}  # noqa: E731
     t0, c0 = time.perf_counter(), time.process_time()
-    w = store.ShardWriter(d, [2, 15, 27], threads=threads, store_format=fmt)
+    w = store.ShardWriter(d, [2, 15, 27], threads=threads, fmt=store_format(fmt))
     last_shard = None
     for shard, idx in plan:
         if last_shard is not None and shard != last_shard:

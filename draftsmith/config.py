@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from draftsmith import DraftsmithError, kinds
+from draftsmith.store_format import FORMAT_NAMES, StoreFormat, store_format
 
 
 def _kinds(annotation: Any) -> set[type]:
@@ -155,7 +156,7 @@ class ExtractConfig(_Section):
         "extraction and in online training.")
     force: bool = Field(False, description="Skip the free-disk-space refusal.")
     verify: bool = Field(False, description="Re-check every finished file and redo corrupt or truncated ones.")
-    store_format: Literal["bf16", "fp8"] = Field(
+    store_format: Literal[FORMAT_NAMES] = Field(
         "fp8", description="How the sample files hold the states: `fp8` (float8 e4m3 with a float32 scale per token "
         "and layer, (A+1) x (H + 4) bytes per token; offline training dequantises on read) or `bf16` (aux and last "
         "hidden states in bfloat16, (A+1) x H x 2 bytes per token: about twice). fp8 is the default since drafters "
@@ -191,6 +192,11 @@ class ExtractConfig(_Section):
         "draftsmith", description="Hidden-states connector of the server draftsmith starts: `draftsmith` (its own, "
         "works on CPU and GPU, records the layer ids in each file) or `vllm` (vLLM's ExampleHiddenStatesConnector, GPU "
         "only).")
+
+    @property
+    def format(self) -> StoreFormat:
+        """The StoreFormat store_format names (draftsmith/store_format.py)."""
+        return store_format(self.store_format)
 
 
 class TrainConfig(_Section):

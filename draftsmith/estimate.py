@@ -47,6 +47,7 @@ from typing import Any
 from draftsmith import DraftsmithError, kinds
 from draftsmith import stages as registry
 from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.store_format import FORMATS
 from draftsmith.store_format import bytes_per_token as store_bytes
 from draftsmith.target.identity import is_mla, read_identity
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
@@ -156,7 +157,7 @@ def extract_host_tokens_per_s(hw: "Hardware", devices: int, hidden_size: int, co
 def writer_tokens_per_s(hw: "Hardware", bytes_per_token: float, store_format: str, hidden_size: int) -> float:
     """Tokens/s the store's writer sustains on this hardware's disk (and CPU, for fp8 on a CPU)."""
     disk = WRITER_DISK_SHARE * hw.disk_bw / bytes_per_token
-    if store_format == "fp8" and hw.cpu_ranks_gain is not None:  # a CPU profile: quantised on the host
+    if FORMATS[store_format].quantised and hw.cpu_ranks_gain is not None:  # a CPU profile: quantised on the host
         return min(disk, CPU_FP8_VALUES_PER_S / (4 * hidden_size))
     return disk
 

@@ -23,6 +23,7 @@ from draftsmith.estimate import DEFAULT_PROMPT_TOKENS, HARDWARE, RUN_ESTIMATE, e
 from draftsmith.progress import error_line, log
 from draftsmith.host import gpu_names, release_device_memory, thread_policy
 from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.store_format import format_name
 
 
 def planned_stages(cfg, from_stage: str | None = None, until_stage: str | None = None) -> list[str]:
@@ -133,7 +134,7 @@ def _refuse_other_format(run: RunDir, wanted: str) -> None:
     old = run.read_manifest("extract")
     if old is None:
         return
-    held = (old.get("settings") or {}).get("store_format", "bf16")  # absent: a bf16 store
+    held = format_name(old.get("settings") or {})
     if held != wanted:
         raise DraftsmithError(
             f"{run.path / 'extract'}: holds a finished {held} store, but extract.store_format is {wanted} "

@@ -51,13 +51,13 @@ import numpy as np
 
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
+from draftsmith.prepared_format import SAMPLES, STAGE, check_prepared_line, prepared_record
 from draftsmith.progress import log
 from draftsmith.rundir import (RunDir, append_bytes, atomic_write_json, file_sha256, jsonl_text, naming_full_disk,
                               repair_jsonl_tail)
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
 
-STAGE = "prepare"
 # Bump when the way ids or masks are built changes: old prepared data then no longer matches.
 PREPARE_VERSION = 1
 # Characters a template may put between the generation prompt and the content (e.g. "<think>\n\n</think>\n\n").
@@ -460,7 +460,7 @@ def run_prepare(run: RunDir, cfg) -> dict:
     book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": PREPARE_VERSION},
                      upstream={"generate": gen_manifest}, target=info,
                      fingerprint_extra={"generate_samples_sha256": gen_sha})
-    out_path = run.stage_dir(STAGE) / "samples.jsonl"
+    out_path = run.stage_dir(STAGE) / SAMPLES
     if (old := book.skip_or_begin(outputs_ok=out_path.is_file(),
                                   said=lambda m: f"{m['counts'].get('done')} samples")) is not None:
         return old
@@ -486,7 +486,7 @@ def run_prepare(run: RunDir, cfg) -> dict:
             **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
             "reasoning_capture_rate": capture_rate(tally.notes),
         }
-        manifest = book.finish(counts=manifest_counts, outputs=["samples.jsonl"],
+        manifest = book.finish(counts=manifest_counts, outputs=[SAMPLES],
                                inputs={"generate_samples_sha256": gen_sha},
                                extra={"reasoning_key": encoder.reasoning_key, "think_slot": encoder.think_slot,
                                       "end_tokens": encoder.end_tokens,
@@ -499,7 +499,7 @@ def _resume(run: RunDir, book: StageBook, keys: list, say) -> tuple[set, "Prepar
     """The keys already in prepare/samples.jsonl and their tally. Only a partial file built with
     this very fingerprint is resumed; anything else starts afresh."""
     d = run.stage_dir(STAGE)
-    out_path, state_path = d / "samples.jsonl", d / "state.json"
+    out_path, state_path = d / SAMPLES, d / "state.json"
     state = None
     if state_path.is_file():
         try:
@@ -556,9 +556,7 @@ def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, 
                     # Dropped samples leave no line: shrink the total so that done == lines on disk.
                     prog.set_total(prog.total - 1)
                     continue
-                rec = {"id": sid, "input_ids": ids, "loss_mask": mask, "truncated": truncated}
-                if enc.notes:
-                    rec["notes"] = enc.notes
+                rec = prepared_record(sid, ids, mask, truncated, enc.notes)
                 append_bytes(out, jsonl_text([rec]).encode(), out_path)
                 tally.add(ids, mask, truncated, enc.notes)
                 prog.advance(1)
@@ -608,94 +606,3 @@ def _log_summary(prog, gen_path: Path, tally: "PreparedTotals", counts: dict[str
                    ("boundary_overlap", "samples where a token straddles a turn boundary (masked as assistant)")):
         if tally.notes.get(k):
             prog.log(f"note: {tally.notes[k]} {msg}")
-
-
-# -------------------------------------------------------------------------------------------------
-# The one reader of prepare/samples.jsonl (vocab, extract and train read it through these)
-
-
-def check_prepared_line(line: bytes | str, where: str, rerun: str = "rerun `draftsmith prepare`",
-                        vocab_size: int | None = None) -> dict:
-    """The record of one line of prepare/samples.jsonl, checked: an object with an id and
-    non-empty, equally long input_ids and loss_mask (token ids inside `vocab_size` when given).
-    Anything else is a one-line error naming `where` (file:line) and what to do (`rerun`)."""
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        raise DraftsmithError(f"{where}: invalid JSON ({getattr(e, 'msg', e)}); {rerun}") from None
-    ids = rec.get("input_ids") if isinstance(rec, dict) else None
-    mask = rec.get("loss_mask") if isinstance(rec, dict) else None
-    if not isinstance(ids, list) or not isinstance(mask, list) or "id" not in rec:
-        raise DraftsmithError(f"{where}: not a prepared sample "
-                              f"(expected {{\"id\", \"input_ids\", \"loss_mask\"}}); {rerun}")
-    if not ids or len(ids) != len(mask):
-        raise DraftsmithError(f"{where}: input_ids ({len(ids)}) and loss_mask ({len(mask)}) must be non-empty and "
-                              f"equally long; {rerun}")
-    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
-        bad = max(ids) if max(ids) >= vocab_size else min(ids)
-        raise DraftsmithError(f"{where}: token id {bad} is outside the target's vocabulary (size {vocab_size}); "
-                              "was prepare run with another tokenizer?")
-    return rec
-
-
-def prepared_path(run: RunDir, by: str) -> Path:
-    """prepare/samples.jsonl of a completed prepare stage (else a one-line error naming what to run)."""
-    run.require_manifest(STAGE, by=by)
-    path = run.path / STAGE / "samples.jsonl"
-    if not path.is_file():
-        raise DraftsmithError(f"{path}: missing although prepare/manifest.json exists; rerun prepare")
-    return path
-
-
-def iter_prepared(run: RunDir, by: str = "reading prepared samples"):
-    """Yield (index, record, input_ids int64 [T], loss_mask bool [T]) of prepare/samples.jsonl in
-    order, streamed; the stage must have completed. A malformed line is a one-line error naming it."""
-    path = prepared_path(run, by)
-    with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            rec = check_prepared_line(line, f"{path}:{i + 1}")
-            yield i, rec, np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["loss_mask"], dtype=bool)
-
-
-@dataclass
-class Prepared:
-    """prepare/samples.jsonl indexed by byte offset, so that a big file never sits in memory."""
-    path: Path
-    offsets: list[int]  # byte offset of each line
-    lengths: list[int]  # tokens per sample
-    ids: list[str]  # each sample's id
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def read(self, indices: list[int]) -> dict[int, dict]:
-        out = {}
-        with open(self.path, "rb") as f:
-            for i in sorted(indices):
-                f.seek(self.offsets[i])
-                out[i] = json.loads(f.readline())
-        return out
-
-
-def index_prepared(run: RunDir, vocab_size: int, by: str) -> Prepared:
-    """Scan prepare/samples.jsonl once: every line checked (ids inside the target's vocabulary,
-    no id twice), its offset and length kept."""
-    path = prepared_path(run, by)
-    offsets, lengths, ids = [], [], []
-    seen: set[str] = set()
-    pos = 0
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            where = f"{path}:{n}"
-            start, pos = pos, pos + len(line)
-            if not line.strip():
-                raise DraftsmithError(f"{where}: empty line; rerun `draftsmith prepare`")
-            rec = check_prepared_line(line, where, vocab_size=vocab_size)
-            sid = str(rec["id"])
-            if sid in seen:
-                raise DraftsmithError(f"{where}: duplicate sample id {sid!r}")
-            seen.add(sid)
-            ids.append(sid)
-            offsets.append(start)
-            lengths.append(len(rec["input_ids"]))
-    return Prepared(path=path, offsets=offsets, lengths=lengths, ids=ids)

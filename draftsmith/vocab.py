@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.journal import fmt_count
-from draftsmith.prepare import iter_prepared
+from draftsmith.prepared_format import iter_prepared
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
 from draftsmith.stage import StageBook, check_target, stage_run, upstream

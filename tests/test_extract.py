@@ -20,7 +20,8 @@ from draftsmith.extract.hf import plan_batches
 from draftsmith.extract.stage import run_extract
 from draftsmith.extract.store import ExtractStore
 from draftsmith.rundir import RunDir, file_sha256, fingerprint
-from draftsmith.store_format import bytes_per_token
+from draftsmith.extract.codecs import dequantize_fp8, quantize_fp8
+from draftsmith.store_format import BF16, FORMATS, FP8, bytes_per_token
 
 from conftest import REPO, build_tiny_target, run_cli
 
@@ -426,12 +427,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.extract import store
+from draftsmith.store_format import FORMATS
 
-d, fmt = Path(sys.argv[1]), sys.argv[2]
+d, fmt = Path(sys.argv[1]), FORMATS[sys.argv[2]]
 A, H, SHARD = 3, 256, 16
 lengths = [40 + (i * 37) % 300 for i in range(48)]
 layers = [2, 4, 5]
-writer = store.ShardWriter(d, layers, threads=4, store_format=fmt)
+writer = store.ShardWriter(d, layers, threads=4, fmt=fmt)
 try:
     for s in store.shard_ranges(len(lengths), SHARD):
         store.remove_temps(d, s)  # what extract's resume does
@@ -514,7 +516,7 @@ def test_encoder_writes_what_safetensors_would():
 
     s = {"id": "x", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]}
     aux, last = torch.randn(6, 3, 16), torch.randn(6, 16)
-    for fmt in ("bf16", "fp8"):
+    for fmt in FORMATS.values():
         t = store.sample_tensors(s, aux, last, fmt)
         ref = store.canonical_safetensors(save({k: v.clone() for k, v in t.items()}, metadata=store.sample_metadata(3, s, [1, 2, 3])))
         assert store.encode_sample(3, s, aux, last, [1, 2, 3], fmt) == ref
@@ -529,14 +531,14 @@ def test_quantize_fp8_rows():
     x[0, 1] = 0.0
     x[2, 0, 7] = -50.0  # the row's max|x| on a negative value
     before = x.clone()
-    q, scale = store.quantize_fp8(x)
+    q, scale = quantize_fp8(x)
     assert torch.equal(x, before)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3) and scale.dtype == torch.float32
     assert scale[0, 1] == 1 and torch.all(q[0, 1].float() == 0)
     assert scale[2, 0] == pytest.approx(50.0 / 448) and q[2, 0, 7].float() == -448
-    back = store.dequantize_fp8(q, scale, torch.float32)
+    back = dequantize_fp8(q, scale, torch.float32)
     assert torch.all((back - x).abs() <= x.abs().amax(-1, keepdim=True) * 2 ** -4 + 1e-12)  # half an e4m3 step
-    assert torch.equal(store.quantize_fp8(x.bfloat16())[0].float(), store.quantize_fp8(x.bfloat16().float())[0].float())
+    assert torch.equal(quantize_fp8(x.bfloat16())[0].float(), quantize_fp8(x.bfloat16().float())[0].float())
 
 
 def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
@@ -551,7 +553,7 @@ def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
         runs[fmt] = make_run(tmp_path, tiny8, samples, name=fmt)
         m = run_extract(runs[fmt], cfg_for(tiny8, "extract.shard_size=4", f"extract.store_format={fmt}"))
         meta = json.loads((runs[fmt].path / "extract" / "meta.json").read_text())
-        assert meta["store_format"] == fmt and meta["fields"] == list(store.FORMAT_FIELDS[fmt])
+        assert meta["store_format"] == fmt and meta["fields"] == list(FORMATS[fmt].fields)
         assert abs(m["counts"]["bytes"] / sum(LENGTHS) - bytes_per_token(3, 64, fmt)) < 1024 * 10 / sum(LENGTHS)
         # status: the store's bytes on disk and bytes per token (of the files there, while it runs too)
         row = next(r for r in run_status(runs[fmt].path)["stages"] if r["name"] == "extract")
@@ -560,7 +562,7 @@ def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
         assert f"{row['bytes_per_token']:,.0f} B/token" in render_table(run_status(runs[fmt].path))
     assert bytes_per_token(3, 4096, "fp8") / bytes_per_token(3, 4096) < 0.51
     a, b = ExtractStore(runs["bf16"]), ExtractStore(runs["fp8"])
-    assert (a.store_format, b.store_format) == ("bf16", "fp8")
+    assert (a.format, b.format) == (BF16, FP8)
     for i in range(len(samples)):
         x, y = a[i], b[i]
         assert set(y) == set(x) and y["aux_hidden"].dtype == torch.bfloat16
@@ -574,12 +576,13 @@ def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
     # lands (Batch.to) to what the store's reader gives
     from draftsmith.train.data import pack_rows
 
-    got = OfflineSource(a).sample(2, 1000)
-    assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["last_hidden"].dtype == torch.bfloat16
+    (aux,), (last,) = OfflineSource(a).sample(2, 1000)["aux_hidden"], OfflineSource(a).sample(2, 1000)["last_hidden"]
+    assert aux.shape == (LENGTHS[2], 3, 64) and last.dtype == torch.bfloat16
     got = OfflineSource(b).sample(2, 1000)
-    assert got["aux_hidden"].shape == (LENGTHS[2], 3 * 64) and got["aux_hidden"].dtype == torch.float8_e4m3fn
-    assert tuple(got["aux_scale"].shape) == (LENGTHS[2], 3) and tuple(got["last_scale"].shape) == (LENGTHS[2],)
-    moved = pack_rows([[got]]).to(torch.device("cpu"), torch.bfloat16)
+    (aux, aux_scale), (last, last_scale) = got["aux_hidden"], got["last_hidden"]
+    assert aux.shape == (LENGTHS[2], 3, 64) and aux.dtype == torch.float8_e4m3fn
+    assert tuple(aux_scale.shape) == (LENGTHS[2], 3) and tuple(last_scale.shape) == (LENGTHS[2],)
+    moved = pack_rows([[got]], codec=b.codec).to(torch.device("cpu"), torch.bfloat16)
     assert torch.equal(moved.aux_hidden[0], b[2]["aux_hidden"].reshape(LENGTHS[2], -1))
     assert torch.equal(moved.last_hidden[0], b[2]["last_hidden"])
 
@@ -594,7 +597,7 @@ def test_fp8_store_reads_back_close_to_bf16_and_verifies(tmp_path, tiny8):
     off = json.loads(data[8:8 + n])["aux_scale"]["data_offsets"][0] + 8 + n
     data[off:off + 4] = bytes.fromhex("0000c0ff")  # a NaN scale, same size
     p.write_bytes(bytes(data))
-    assert store.check_sample_file(p, 1, samples[1], [2, 4, 5], 64, "fp8") is not None
+    assert store.check_sample_file(p, 1, samples[1], [2, 4, 5], 64, FP8) is not None
     run_extract(runs["fp8"], cfg, verify=True)
     assert all_files(runs["fp8"]) == before
     # a store of the other format is refused, not mixed

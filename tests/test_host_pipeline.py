@@ -6,6 +6,7 @@ patched: these tests run on the CPU)."""
 import collections
 import contextlib
 import threading
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -15,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import draftsmith.train.stage as train_mod
 from draftsmith.model.ttt import FlexShape, FlexTTTMask, TTTMask, first_positions, key_floors
 from draftsmith.train.stage import run_train
+from draftsmith.store_format import BF16, FP8
 from draftsmith.target import target_info
-from draftsmith.extract.store import dequantize_fp8, quantize_fp8
+from draftsmith.extract.codecs import codec_of, dequantize_fp8, quantize_fp8
 from draftsmith.train.data import Batch, DeviceFeeder, HostArena, HostArenas, Prefetcher, pack_rows, packed_bytes
 from draftsmith.train.objective import TTTObjective, fixed_positions, ttt_layout
 from test_train import cfg_for, copy_run, cycle_samples, make_run, micro_batch, synthesize_states, tiny_drafter
@@ -285,9 +287,14 @@ def test_on_the_cpu_batches_are_moved_as_before_without_pinning_or_streams():
     assert feeder.stream is None and p._slots is None
 
 
+def _codec(fp8: bool):
+    return codec_of(FP8 if fp8 else BF16)
+
+
 def _stored_rows(fp8: bool, lengths=((5, 3), (7,)), A=3, H=8, seed=0):
     """Rows of samples as OfflineSource.sample gives them: from an fp8 store (float8 states and
-    their scales) or dequantised on the host to bf16 (what the loop got before), same values."""
+    their scales: the parts of _codec(True)) or dequantised on the host to bf16 (what the loop got
+    before), same values."""
     g = torch.Generator().manual_seed(seed)
     rows, index = [], 0
     for row in lengths:
@@ -298,25 +305,26 @@ def _stored_rows(fp8: bool, lengths=((5, 3), (7,)), A=3, H=8, seed=0):
             s = {"input_ids": torch.randint(0, 50, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3,
                  "index": index}
             if fp8:
-                s.update(aux_hidden=qa.reshape(n, -1), aux_scale=sa, last_hidden=ql, last_scale=sl)
+                s.update(aux_hidden=(qa, sa), last_hidden=(ql, sl))
             else:
-                s.update(aux_hidden=dequantize_fp8(qa, sa).reshape(n, -1), last_hidden=dequantize_fp8(ql, sl))
+                s.update(aux_hidden=(dequantize_fp8(qa, sa),), last_hidden=(dequantize_fp8(ql, sl),))
             rows[-1].append(s)
             index += 1
     return rows
 
 
 def test_fp8_states_travel_as_stored_and_are_dequantised_on_the_device_to_what_the_host_gave():
-    fp8 = pack_rows(_stored_rows(True))
-    assert fp8.aux_hidden.dtype == torch.float8_e4m3fn and fp8.aux_hidden.shape == (2, 8, 24)
-    assert fp8.aux_scale.shape == (2, 8, 3) and fp8.last_scale.shape == (2, 8)
+    fp8 = pack_rows(_stored_rows(True), codec=_codec(True))
+    (aux, aux_scale), (last, last_scale) = fp8.aux_hidden, fp8.last_hidden
+    assert aux.dtype == torch.float8_e4m3fn and aux.shape == (2, 8, 3, 8)
+    assert aux_scale.shape == (2, 8, 3) and last_scale.shape == (2, 8) and last.shape == (2, 8, 8)
     # a quarter of bf16's bytes... plus a float32 scale per token and layer: 1 + 4/8 bytes per value here
-    assert fp8.aux_hidden.element_size() == 1
-    host = pack_rows(_stored_rows(False))
+    assert aux.element_size() == 1
+    host = pack_rows(_stored_rows(False), codec=_codec(False))
     on_device, before = fp8.to(torch.device("cpu"), torch.bfloat16), host.to(torch.device("cpu"), torch.bfloat16)
     for k in ("input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden"):
         assert torch.equal(getattr(on_device, k), getattr(before, k)), k
-    assert on_device.aux_scale is None and on_device.aux_hidden.dtype == torch.bfloat16
+    assert on_device.codec is None and on_device.aux_hidden.dtype == torch.bfloat16
     assert on_device.aux_hidden[1, 7:].abs().sum() == 0  # padding: zero states
     f32 = fp8.to(torch.device("cpu"), torch.float32)  # no bf16 rounding on the way: within bf16's step of it
     assert torch.allclose(f32.aux_hidden, before.aux_hidden.float(), rtol=2 ** -8, atol=0)
@@ -325,14 +333,16 @@ def test_fp8_states_travel_as_stored_and_are_dequantised_on_the_device_to_what_t
 @pytest.mark.parametrize("fp8", [True, False])
 def test_a_micro_batch_packed_into_a_reused_arena_equals_a_freshly_allocated_one(fp8):
     rows = _stored_rows(fp8)
-    fresh = pack_rows(rows)
+    fresh = pack_rows(rows, codec=_codec(fp8))
     arena = HostArena(packed_bytes(2, 8, rows[0][0]), pin=False)
     arena.block.fill_(0xFF)  # what an earlier micro-batch left there: NaN states, garbage ids
-    packed = pack_rows(rows, arena.reset())
+    packed = pack_rows(rows, arena.reset(), codec=_codec(fp8))
     assert packed.host is arena
     lo, hi = arena.block.data_ptr(), arena.block.data_ptr() + arena.block.numel()
-    for name, a, b in zip(("ids", "mask", "doc", "pos", "aux", "last", "aux_scale", "last_scale"),
-                          packed.tensors(), fresh.tensors()):
+    names = ("ids", "mask", "doc", "pos", "aux", "aux_scale", "last", "last_scale") if fp8 else \
+        ("ids", "mask", "doc", "pos", "aux", "last")
+    assert len(packed.tensors()) == len(fresh.tensors()) == len(names)
+    for name, a, b in zip(names, packed.tensors(), fresh.tensors()):
         assert lo <= a.data_ptr() < hi and a.is_contiguous(), name  # a view of the block, copied in one piece
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
     assert (packed.samples, packed.tokens) == (fresh.samples, fresh.tokens)
@@ -368,7 +378,7 @@ def test_on_cuda_an_arena_is_marked_with_the_event_its_copy_ends_with():
         feeder = DeviceFeeder(torch.device("cuda", 0), torch.bfloat16, accum=3)
         assert feeder.arenas.count == 6 and feeder.arenas.pin
         arena = HostArena(packed_bytes(2, 8, _stored_rows(True)[0][0]), pin=False)
-        p = Prefetcher(iter([((0, 1), [pack_rows(_stored_rows(True), arena)])]), feeder=feeder)
+        p = Prefetcher(iter([((0, 1), [pack_rows(_stored_rows(True), arena, codec=_codec(True))])]), feeder=feeder)
         next(p)
         p.close()
     recorded = [e for e in log if e[1] == "record_event"]
@@ -380,8 +390,9 @@ def test_the_fc_input_scale_of_an_fp8_first_batch_is_taken_from_its_dequantised_
     codes until it is moved, so training moves it to the CPU in float32 first (train/stage.py)."""
     from draftsmith.train.objective import fc_input_scale
 
-    fp8 = pack_rows(_stored_rows(True)).to(torch.device("cpu"), torch.float32)
-    host = pack_rows(_stored_rows(False)).to(torch.device("cpu"), torch.float32)
+    fp8 = pack_rows(_stored_rows(True), codec=_codec(True)).to(torch.device("cpu"), torch.float32)
+    host = pack_rows(_stored_rows(False), codec=_codec(False)).to(torch.device("cpu"), torch.float32)
     assert torch.allclose(fc_input_scale(fp8), fc_input_scale(host), rtol=1e-2)
-    raw = pack_rows(_stored_rows(True))
-    assert not torch.allclose(fc_input_scale(raw), fc_input_scale(host), rtol=1e-2)  # the codes alone are not it
+    packed = pack_rows(_stored_rows(True), codec=_codec(True))
+    codes = replace(packed, aux_hidden=packed.aux_hidden[0].flatten(2).float(), codec=None)
+    assert not torch.allclose(fc_input_scale(codes), fc_input_scale(host), rtol=1e-2)  # the codes alone are not it

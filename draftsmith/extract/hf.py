@@ -16,7 +16,7 @@ import time
 import torch
 
 from draftsmith.extract.store import STAGE, ShardWriter
-from draftsmith.prepare import Prepared
+from draftsmith.prepared_format import Prepared
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target
 from draftsmith.target.capture import HiddenCapture
@@ -67,7 +67,7 @@ def extract_shards(run: RunDir, cfg, target, layers: list[int], prepared: Prepar
     # progress counts a sample once its file is committed (fsynced and renamed: ShardWriter calls on_written from its
     # committer thread, at least every COMMIT_S), so the journal never counts a file that is not on disk
     writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
-                         store_format=cfg.extract.store_format)
+                         fmt=cfg.extract.format)
     t0 = time.time()
     try:
         with torch.inference_mode():

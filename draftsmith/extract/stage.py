@@ -23,10 +23,10 @@ import shutil
 
 from draftsmith import DraftsmithError
 from draftsmith.extract import hf, store, vllm_backend
-from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION, META,
-                                      SHARD_RECORD, STAGE, bytes_per_token, shard_name, shard_ranges)
+from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, META, SHARD_RECORD, STAGE,
+                                      StoreFormat, shard_name, shard_ranges)
 from draftsmith.journal import env_rank
-from draftsmith.prepare import Prepared, index_prepared, prepared_path
+from draftsmith.prepared_format import Prepared, index_prepared, prepared_path
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
@@ -58,9 +58,8 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     compute_dtype = _compute_dtype(cfg, target)
     settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size,
                 "backend": extract_cfg.backend, "compute_dtype": compute_dtype}
-    # (absent for bf16: a store made before the key, bf16, stays current when bf16 is asked for)
-    if extract_cfg.store_format != "bf16":
-        settings["store_format"] = extract_cfg.store_format
+    fmt = extract_cfg.format
+    settings.update(fmt.settings)
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     if not verify and (current := book.up_to_date()) is not None:
         # complete by its manifest; every file still the size its shard recorded (stat only, fast)
@@ -79,10 +78,9 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     meta = {
         "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
         "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-        "vocab_size": info.vocab_size, "store_format": extract_cfg.store_format,
-        "dtype": FORMAT_DTYPE[extract_cfg.store_format],
+        "vocab_size": info.vocab_size, "store_format": fmt.name, "dtype": fmt.dtype,
         "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
-        "shard_size": extract_cfg.shard_size, "fields": list(FORMAT_FIELDS[extract_cfg.store_format]),
+        "shard_size": extract_cfg.shard_size, "fields": list(fmt.fields),
         "backend": extract_cfg.backend, "lengths": prepared.lengths,
         "ids": prepared.ids,  # train's validation split is drawn by id (train/validation.py)
     }
@@ -104,10 +102,10 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
         if damaged:
             prog.log(f"{len(damaged)} file(s) of the finished store changed since ({', '.join(damaged[:3])}"
                      + (", ..." if len(damaged) > 3 else "") + "); extracting them again")
-        _preflight(d, prepared, shards, present, layers, info.hidden_size, force, prog, extract_cfg.store_format)
+        _preflight(d, prepared, shards, present, layers, info.hidden_size, force, prog, fmt)
         if world_size > 1:
             prog.log(f"rank {rank}/{world_size}: {len(mine)} of {len(shards)} shards, {total} samples")
-        todo = _resume(d, mine, present, prepared, layers, info.hidden_size, verify, prog, extract_cfg.store_format)
+        todo = _resume(d, mine, present, prepared, layers, info.hidden_size, verify, prog, fmt)
         unsealed = [s for s in mine if not (d / shard_name(*s) / SHARD_RECORD).is_file()]
         if unsealed:
             run.invalidate(STAGE)  # files are about to change: the store is not complete meanwhile
@@ -158,17 +156,17 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _preflight(d, prepared: Prepared, shards, present: dict, layers: list[int], hidden_size: int, force: bool,
-               prog, store_format: str = "bf16") -> None:
+               prog, fmt: StoreFormat) -> None:
     """Refuse to start when the disk cannot hold what all ranks still have to write (ranks
     normally share the run's disk); `force` only logs it."""
-    bpt = bytes_per_token(len(layers), hidden_size, store_format)
+    bpt = fmt.bytes_per_token(len(layers), hidden_size)
     all_present = {s: (present[s] if s in present else store.present(d, s)) for s in shards}
     remaining = sum(prepared.lengths[i] * bpt + FILE_OVERHEAD
                     for s in shards for i in range(*s) if i not in all_present[s])
     full = sum(n * bpt + FILE_OVERHEAD for n in prepared.lengths)
     free = shutil.disk_usage(d).free
     prog.log(f"{len(prepared)} samples, {sum(prepared.lengths):,} tokens, layers {layers} + last, "
-             f"{bpt:,} bytes/token ({store_format}): store {_fmt_bytes(full)}, still to write {_fmt_bytes(remaining)}, "
+             f"{bpt:,} bytes/token ({fmt.name}): store {_fmt_bytes(full)}, still to write {_fmt_bytes(remaining)}, "
              f"free {_fmt_bytes(free)}")
     if remaining * 1.1 > free:
         msg = (f"{d}: not enough disk space: extract needs {_fmt_bytes(remaining)} (+10% margin) "
@@ -179,7 +177,7 @@ def _preflight(d, prepared: Prepared, shards, present: dict, layers: list[int], 
 
 
 def _resume(d, mine, present: dict, prepared: Prepared, layers: list[int], hidden_size: int, verify: bool | set,
-            prog, store_format: str = "bf16") -> dict:
+            prog, fmt: StoreFormat) -> dict:
     """What an interrupted attempt left: its temp files go, with `verify` (True, or a set of shards)
     its finished files are re-checked (the bad ones go too), a shard.json whose files are no longer
     all there goes. Returns {shard: [sample indices still to extract]}."""
@@ -190,7 +188,7 @@ def _resume(d, mine, present: dict, prepared: Prepared, layers: list[int], hidde
     check = [s for s in mine if verify is True or (verify and s in verify)]
     if check and done:
         with prog.busy(f"verifying the finished files of {len(check)} shard(s)"):
-            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log, store_format)
+            removed = sum(store.verify_shard(d, s, prepared, layers, hidden_size, prog.log, fmt)
                           for s in check)
         present = {s: store.present(d, s) for s in mine}
         prog.done -= removed  # the journal's count must match what is on disk

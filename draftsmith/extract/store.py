@@ -7,10 +7,10 @@ Layout (docs/run-directory.md, "extract/"):
     extract/rows_{start}-{end}/shard.json    written once every file of the shard is complete
     extract/manifest.json                    written when every shard is complete
 
-A sample file holds input_ids [L] int32, loss_mask [L] uint8, aux_hidden [L, A, H] (the states
-entering the A auxiliary layers) and last_hidden [L, H] (the final normed state), in bf16, or with
-extract.store_format=fp8 in float8 e4m3 with aux_scale [L, A] and last_scale [L] float32 (one scale
-per row; meta.json's `store_format` says which, absent = bf16; the reader returns bf16 for both).
+A sample file holds input_ids [L] int32, loss_mask [L] uint8 and the states aux [L, A, H] (entering
+the A auxiliary layers) and last [L, H] (the final normed state), each as the parts of the store's
+format (store_format.py: bf16, fp8 with a scale per row; meta.json's `store_format` says which,
+absent = bf16), encoded and decoded by its codec (codecs.py); the reader returns bf16 for every format.
 Here: the layout, the prepared samples read by offset, the writer (threads + a committer that
 fsyncs groups of files before naming them done), the shard records, --verify, and the reader
 (ExtractStore). Both backends (hf.py, vllm_backend.py) write through ShardWriter, so their stores
@@ -32,13 +32,14 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import DraftsmithError
-from draftsmith.prepare import Prepared
+from draftsmith.prepared_format import Prepared
 from draftsmith.progress import log
 from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_lock, file_sha256, fsync_dir, fsync_paths,
                               is_disk_full, is_temp_name, write_hashed)
+from draftsmith.extract.codecs import codec_of, encoded_states
 # the layout and sizes live in a torch-free module (estimate reads them); the names are the store's API too
-from draftsmith.store_format import (FIELDS, FILE_OVERHEAD, FORMAT_DTYPE, FORMAT_FIELDS, FORMAT_VERSION,  # noqa: F401
-                                     STORE_DTYPE, STORE_FORMATS, bytes_per_token, sample_name, shard_name,
+from draftsmith.store_format import (FILE_OVERHEAD, FORMAT_VERSION, LEGACY, STATES, StoreFormat,  # noqa: F401
+                                     bytes_per_token, field, format_name, format_of, sample_name, shard_name,
                                      shard_ranges)
 
 STAGE = "extract"
@@ -52,55 +53,18 @@ COMPAT_KEYS = ("format", "store_format", "target_fingerprint", "layers", "hidden
 
 
 # -------------------------------------------------------------------------------------------------
-# Shards
-
-
-
-
-# -------------------------------------------------------------------------------------------------
-# Store formats (extract.store_format; meta.json's `store_format`, absent in stores made before it: bf16)
-
-
-FP8_MAX = 448.0  # the largest finite float8 e4m3fn
-
-
-def format_of(meta: dict) -> str:
-    """The store format a meta.json describes (stores written before the key: bf16)."""
-    return str(meta.get("store_format") or "bf16")
-
-
-def quantize_fp8(x):
-    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]): per row, scale = max|x| / 448,
-    so the row's largest value maps to e4m3's largest; an all-zero row gets scale 1."""
-    # max|x| from the max and min in x's own dtype (exact) instead of an abs() copy, and one float32
-    # temporary divided in place: 2.7x the values/s of abs + divide copies on a CPU, same bytes
-    # (copy=True: a float32 x must not be divided in place, it is the caller's)
-    amax = torch.maximum(x.amax(-1), x.amin(-1).neg()).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = x.to(torch.float32, copy=True).div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q, scale, dtype=torch.bfloat16):
-    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
-
-
-# -------------------------------------------------------------------------------------------------
 # Encoding a sample file: the safetensors layout written straight from the tensors' memory
 
 
-def sample_tensors(sample: dict, aux, last, store_format: str = "bf16") -> dict:
+def sample_tensors(sample: dict, aux, last, fmt: StoreFormat = LEGACY) -> dict:
     """The tensors of one sample file (on the CPU); aux [T, A, H] and last [T, H] are cut to its
-    length L. Converted on their device first (a GPU casts/quantises before the copy to host)."""
+    length L. Encoded on their device first (a GPU casts/quantises before the copy to host)."""
     L = len(sample["input_ids"])
     out = {"input_ids": torch.tensor(sample["input_ids"], dtype=torch.int32),
            "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8)}
-    if store_format == "fp8":
-        (qa, sa), (ql, sl) = quantize_fp8(aux[:L]), quantize_fp8(last[:L])
-        out.update(aux_hidden=qa.cpu(), aux_scale=sa.cpu(), last_hidden=ql.cpu(), last_scale=sl.cpu())
-    else:
-        out.update(aux_hidden=aux[:L].to(torch.bfloat16).cpu().contiguous(),
-                   last_hidden=last[:L].to(torch.bfloat16).cpu().contiguous())
+    codec = codec_of(fmt)
+    for state, x in zip(STATES, (aux, last)):
+        out.update(codec.file_tensors(state, tuple(p.cpu() for p in codec.encode(x[:L]))))
     return out
 
 
@@ -145,9 +109,9 @@ def sample_metadata(index: int, sample: dict, layers: list[int]) -> dict:
     return {"id": str(sample["id"]), "index": str(index), "layers": json.dumps(list(layers))}
 
 
-def encode_sample(index: int, sample: dict, aux, last, layers: list[int], store_format: str = "bf16") -> bytes:
+def encode_sample(index: int, sample: dict, aux, last, layers: list[int], fmt: StoreFormat = LEGACY) -> bytes:
     """One sample file's bytes (tests and tools; the writer writes the parts without joining them)."""
-    parts = safetensors_parts(sample_tensors(sample, aux, last, store_format), sample_metadata(index, sample, layers))
+    parts = safetensors_parts(sample_tensors(sample, aux, last, fmt), sample_metadata(index, sample, layers))
     return b"".join(bytes(memoryview(p)) for p in parts)
 
 
@@ -173,7 +137,7 @@ class _Shard:
 class ShardWriter:
     """Writes sample files and shard records off the compute thread, at the disk's speed.
 
-    - `threads` writer threads each take one sample: cast (or quantise, store_format fp8), lay the
+    - `threads` writer threads each take one sample: encode it in `fmt` (cast or quantise), lay the
       safetensors file out from the tensors' memory, write it under a temp name while hashing it
       (hashlib and os.write release the GIL), no fsync;
     - a committer thread, every COMMIT_S seconds (or COMMIT_BYTES of a shard, or its end), fsyncs
@@ -188,12 +152,10 @@ class ShardWriter:
     """
 
     def __init__(self, stage_dir: Path, layers: list[int], on_written=None, threads: int = 4, depth: int | None = None,
-                 store_format: str = "bf16"):
-        if store_format not in STORE_FORMATS:
-            raise DraftsmithError(f"extract.store_format: {store_format!r}, expected one of {list(STORE_FORMATS)}")
+                 fmt: StoreFormat = LEGACY):
         self.stage_dir = stage_dir
         self.layers = layers
-        self.store_format = store_format
+        self.fmt = fmt
         self.on_written = on_written or (lambda n: None)
         self.threads = max(1, int(threads))
         self.error: BaseException | None = None
@@ -270,7 +232,7 @@ class ShardWriter:
             if self.error is not None:
                 return
             with torch.inference_mode():
-                tensors = sample_tensors(sample, aux[b], last[b], self.store_format)
+                tensors = sample_tensors(sample, aux[b], last[b], self.fmt)
             parts = safetensors_parts(tensors, sample_metadata(index, sample, self.layers))
             d = self.stage_dir / shard_name(*shard)
             d.mkdir(parents=True, exist_ok=True)
@@ -419,26 +381,23 @@ def read_shard_record(stage_dir: Path, shard: tuple[int, int]) -> dict:
 
 
 def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], hidden_size: int,
-                      store_format: str = "bf16") -> str | None:
-    """None when the file is a complete, consistent sample file of `store_format`; else what is wrong with it."""
+                      fmt: StoreFormat = LEGACY) -> str | None:
+    """None when the file is a complete, consistent sample file of format `fmt`; else what is wrong with it."""
     L = len(sample["input_ids"])
-    fields = FORMAT_FIELDS[store_format]
+    fields = fmt.fields
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
             meta = f.metadata() or {}
             if keys != set(fields):
-                return f"fields {sorted(keys)}, expected {list(fields)} (store format {store_format})"
+                return f"fields {sorted(keys)}, expected {list(fields)} (store format {fmt.name})"
             t = {k: f.get_tensor(k) for k in fields}
     except Exception as e:  # safetensors raises its own error type for cut or garbled files
         return f"unreadable ({type(e).__name__}: {e})"
-    A = len(layers)
+    codec = codec_of(fmt)
     expect = {"input_ids": (torch.int32, (L,)), "loss_mask": (torch.uint8, (L,))}
-    if store_format == "fp8":
-        expect.update(aux_hidden=(torch.float8_e4m3fn, (L, A, hidden_size)), aux_scale=(torch.float32, (L, A)),
-                      last_hidden=(torch.float8_e4m3fn, (L, hidden_size)), last_scale=(torch.float32, (L,)))
-    else:
-        expect.update(aux_hidden=(torch.bfloat16, (L, A, hidden_size)), last_hidden=(torch.bfloat16, (L, hidden_size)))
+    for state, shape in zip(STATES, ((L, len(layers), hidden_size), (L, hidden_size))):
+        expect.update(zip((field(state, p) for p in fmt.parts), codec.specs(shape)))
     for k, (dt, shape) in expect.items():
         if t[k].dtype != dt or tuple(t[k].shape) != shape:
             return f"{k} is {t[k].dtype} {tuple(t[k].shape)}, expected {dt} {shape}"
@@ -447,19 +406,11 @@ def check_sample_file(path: Path, index: int, sample: dict, layers: list[int], h
         return f"metadata {meta} does not match sample {index} ({sample['id']!r}, layers {layers})"
     if t["input_ids"].tolist() != list(sample["input_ids"]) or t["loss_mask"].tolist() != list(sample["loss_mask"]):
         return "input_ids/loss_mask differ from prepare/samples.jsonl"
-    if store_format == "fp8":
-        for k in ("aux_scale", "last_scale"):
-            if not (torch.isfinite(t[k]).all() and (t[k] > 0).all()):
-                return f"{k}: scales must be finite and positive"
-        if not (torch.isfinite(t["aux_hidden"].float()).all() and torch.isfinite(t["last_hidden"].float()).all()):
-            return "non-finite hidden states (NaN in float8)"
-    elif not (torch.isfinite(t["aux_hidden"]).all() and torch.isfinite(t["last_hidden"]).all()):
-        return "non-finite hidden states"
-    return None
+    return codec.problem(encoded_states(codec, t))
 
 
 def verify_shard(stage_dir: Path, shard: tuple[int, int], prepared: Prepared, layers: list[int], hidden_size: int,
-                 log, store_format: str = "bf16") -> int:
+                 log, fmt: StoreFormat = LEGACY) -> int:
     """Check a shard's finished files (and its shard.json checksums); delete the bad ones.
 
     Returns how many files were removed. A shard that loses a file loses its shard.json too.
@@ -483,7 +434,7 @@ def verify_shard(stage_dir: Path, shard: tuple[int, int], prepared: Prepared, la
     present = [i for i in range(*shard) if (d / sample_name(i)).is_file() and i not in bad]
     samples = prepared.read(present)
     for i in present:
-        problem = check_sample_file(d / sample_name(i), i, samples[i], layers, hidden_size, store_format)
+        problem = check_sample_file(d / sample_name(i), i, samples[i], layers, hidden_size, fmt)
         if problem:
             bad[i] = problem
     for i, why in sorted(bad.items()):
@@ -523,7 +474,7 @@ def check_store(stage_dir: Path, meta: dict, overwrite: bool) -> None:
     if old is None and not has_files:
         return
     if old:
-        old = {**old, "store_format": format_of(old)}  # a store made before the key holds bf16
+        old = {**old, "store_format": format_name(old)}  # a store made before the key holds the legacy format
     diff = [k for k in COMPAT_KEYS if (old or {}).get(k) != meta[k]]
     if not diff:
         return
@@ -586,9 +537,9 @@ class ExtractStore:
 
     `run_or_path`: a RunDir, a run folder, or its extract/ folder. `.lengths` (tokens per sample)
     and `.meta` come from extract/meta.json, so batching by length opens no sample file.
-    Whatever the store format (`.store_format`: meta.json's `store_format`, bf16 when absent),
-    `store[i]` holds bf16 aux_hidden [L, A, H] and last_hidden [L, H]: an fp8 store's rows are
-    dequantised (q * scale) on read; `store.raw(i)` gives the file's own tensors.
+    Whatever the store format (`.format`: meta.json's `store_format`, bf16 when absent; `.codec` its
+    codec), `store[i]` holds bf16 aux_hidden [L, A, H] and last_hidden [L, H], decoded on read;
+    `store.raw(i)` gives the file's own tensors, `store.states(i)` its encoded states.
     """
 
     def __init__(self, run_or_path: RunDir | str | os.PathLike):
@@ -607,10 +558,8 @@ class ExtractStore:
         self.layers: list[int] = list(self.meta["layers"])
         self.hidden_size: int = int(self.meta["hidden_size"])
         self.shard_size: int = int(self.meta["shard_size"])
-        self.store_format: str = format_of(self.meta)
-        if self.store_format not in STORE_FORMATS:
-            raise DraftsmithError(f"{meta_path}: store_format {self.store_format!r} is not one this draftsmith reads "
-                                  f"({', '.join(STORE_FORMATS)})")
+        self.format: StoreFormat = format_of(self.meta, str(meta_path))
+        self.codec = codec_of(self.format)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -628,12 +577,14 @@ class ExtractStore:
         return self.dir / shard_name(start, min(start + self.shard_size, n)) / sample_name(i)
 
     def __getitem__(self, i: int) -> dict:
+        t, states = self.states(i)
+        return {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
+                **{field(state, "hidden"): self.codec.decode(parts, torch.bfloat16) for state, parts in states.items()}}
+
+    def states(self, i: int) -> tuple[dict, dict[str, tuple]]:
+        """(sample i's file tensors, its encoded states {'aux': parts, 'last': parts}: the codec decodes them)."""
         t = self.raw(i)
-        if self.store_format == "fp8":
-            return {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"],
-                    "aux_hidden": dequantize_fp8(t["aux_hidden"], t["aux_scale"]),
-                    "last_hidden": dequantize_fp8(t["last_hidden"], t["last_scale"])}
-        return t
+        return t, encoded_states(self.codec, t)
 
     def raw(self, i: int) -> dict:
         """Sample i's tensors as stored in its file."""

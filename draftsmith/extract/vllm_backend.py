@@ -440,7 +440,7 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
     # depth: one sample per request in flight, so that every writer thread has work; progress counts a sample once
     # its file is committed (hf.py says why)
     writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
-                         depth=max(2, cfg.extract.concurrency), store_format=cfg.extract.store_format)
+                         depth=max(2, cfg.extract.concurrency), fmt=cfg.extract.format)
 
     def items():
         for s in shards:

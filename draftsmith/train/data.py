@@ -26,12 +26,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.extract.codecs import Codec, codec_of
 from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
-from draftsmith.extract.store import ExtractStore, dequantize_fp8
+from draftsmith.extract.store import ExtractStore
 from draftsmith.extract.vllm_backend import open_client
 from draftsmith.http import SampleFailed
-from draftsmith.prepare import iter_prepared
+from draftsmith.prepared_format import iter_prepared
 from draftsmith.stage import recorded_target_fingerprint, upstream
+from draftsmith.store_format import BF16
 from draftsmith.target import load_target
 
 # -------------------------------------------------------------------------------------------------
@@ -121,57 +123,59 @@ def count_steps(tc, packing: Packing, per_step: int) -> int:
 class Batch:
     """A packed micro-batch. R rows of T tokens; padding has doc id -1 and no loss mask.
 
-    From an fp8 store the states stay as stored until they reach the device: aux_hidden and
-    last_hidden hold float8 e4m3 rows and aux_scale / last_scale their float32 scales, and `to`
-    dequantises there (x = q * scale). Why: on a GPU that halves the host-to-device bytes against
-    bf16 and takes the multiply off the host, whose one data thread per rank is what bounds offline
-    training at Kimi-K2's widths (bench/bench_data_thread.py).
+    As packed by a source, the states stay encoded as their store format holds them (`codec`: its
+    parts, e.g. fp8 values and scales) until they reach the device, where `to` decodes them. Why: on
+    a GPU, from an fp8 store, that halves the host-to-device bytes against bf16 and takes the multiply
+    off the host, whose one data thread per rank is what bounds offline training at Kimi-K2's widths
+    (bench/bench_data_thread.py). Once moved (or when built with codec None) they are plain tensors.
     """
 
     input_ids: Any  # [R, T] int64
     loss_mask: Any  # [R, T] bool
     doc_ids: Any  # [R, T] int64, 0.. per row in packing order
     position_ids: Any  # [R, T] int64, restarting at 0 per document
-    aux_hidden: Any  # [R, T, 3H] target states entering the aux layers, in layer order
-    last_hidden: Any  # [R, T, H] the target's final normed state
+    aux_hidden: Any  # [R, T, 3H] target states entering the aux layers, in layer order (encoded: parts [R, T, 3, ...])
+    last_hidden: Any  # [R, T, H] the target's final normed state (encoded: parts [R, T, ...])
     samples: list[int]  # sample indices (source.name(i) gives the id)
     tokens: int  # real (non-padding) tokens
     layout: Any = None  # objective.TTTLayout: the loss's sizes, read on the host (None: the objective reads them)
-    aux_scale: Any = None  # [R, T, 3] float32 when aux_hidden is float8: one scale per token and aux layer
-    last_scale: Any = None  # [R, T] float32 when last_hidden is float8
+    codec: Codec | None = None  # the store format's codec aux_hidden / last_hidden are encoded in (None: plain)
     host: Any = None  # the HostArena its host tensors were packed into (None: their own allocations)
 
+    def states(self) -> list:
+        """The tensors holding the states: the parts of each when encoded."""
+        if self.codec is None:
+            return [self.aux_hidden, self.last_hidden]
+        return [*self.aux_hidden, *self.last_hidden]
+
     def tensors(self) -> list:
-        scales = [t for t in (self.aux_scale, self.last_scale) if t is not None]
-        return [self.input_ids, self.loss_mask, self.doc_ids, self.position_ids, self.aux_hidden, self.last_hidden,
-                *scales]
+        return [self.input_ids, self.loss_mask, self.doc_ids, self.position_ids, *self.states()]
 
     def to(self, device, dtype, non_blocking: bool | None = None) -> "Batch":
-        """The batch on `device`, its states in `dtype` (dequantised there when stored as fp8).
+        """The batch on `device`, its states in `dtype` (decoded there when encoded), aux [R, T, 3H].
         non_blocking (default: on CUDA) is only asynchronous from pinned memory (pin); from pageable
         memory the copy waits."""
         nb = device.type == "cuda" if non_blocking is None else non_blocking
-        if self.aux_scale is None:
-            aux = self.aux_hidden.to(device, dtype, non_blocking=nb)
-            last = self.last_hidden.to(device, dtype, non_blocking=nb)
-        else:
-            R, T, A = self.aux_scale.shape
-            aux = dequantize_fp8(self.aux_hidden.to(device, non_blocking=nb).view(R, T, A, -1),
-                                 self.aux_scale.to(device, non_blocking=nb), dtype).view(R, T, -1)
-            last = dequantize_fp8(self.last_hidden.to(device, non_blocking=nb),
-                                  self.last_scale.to(device, non_blocking=nb), dtype)
+
+        def moved(state):
+            if self.codec is None:
+                return state.to(device, dtype, non_blocking=nb)
+            return self.codec.decode(tuple(p.to(device, non_blocking=nb) for p in state), dtype).flatten(2)
         return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
                      self.doc_ids.to(device, non_blocking=nb), self.position_ids.to(device, non_blocking=nb),
-                     aux, last, self.samples, self.tokens, self.layout)
+                     moved(self.aux_hidden), moved(self.last_hidden), self.samples, self.tokens, self.layout)
 
     def pin(self) -> "Batch":
         """The batch with its host tensors in pinned (page-locked) memory, which a non_blocking copy
         to the GPU reads asynchronously; tensors already pinned or on a device are left as they are."""
         def pinned(t):
-            return t if t is None or t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
-        fields = ("input_ids", "loss_mask", "doc_ids", "position_ids", "aux_hidden", "last_hidden", "aux_scale",
-                  "last_scale")
-        return replace(self, **{k: pinned(getattr(self, k)) for k in fields})
+            return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+
+        def state(s):
+            return pinned(s) if self.codec is None else tuple(pinned(p) for p in s)
+        fields = ("input_ids", "loss_mask", "doc_ids", "position_ids")
+        return replace(self, **{k: pinned(getattr(self, k)) for k in fields}, aux_hidden=state(self.aux_hidden),
+                       last_hidden=state(self.last_hidden))
 
 
 class HostArena:
@@ -232,34 +236,27 @@ class HostArenas:
 def packed_bytes(R: int, T: int, sample: dict) -> int:
     """Host bytes of a micro-batch of R rows of T tokens shaped like `sample` (aligned per tensor)."""
     per_token = 8 * 3 + 1  # input_ids, doc_ids, position_ids int64; loss_mask bool
-    for k in ("aux_hidden", "last_hidden", "aux_scale", "last_scale"):
-        t = sample.get(k)
-        if t is not None:
-            per_token += (t[0].numel() if t.dim() > 1 else 1) * t.element_size()
-    return R * T * per_token + 8 * HostArena.ALIGN
+    parts = [*sample["aux_hidden"], *sample["last_hidden"]]  # the encoded states' parts, [n, ...] each
+    per_token += sum(p[0].numel() * p.element_size() for p in parts)
+    return R * T * per_token + (4 + len(parts)) * HostArena.ALIGN
 
 
-def pack_rows(rows: list[list[dict]], arena: HostArena | None = None) -> Batch:
-    """Samples (dicts with input_ids [L], loss_mask [L], aux_hidden [L, 3H], last_hidden [L, H],
-    index; from an fp8 store also aux_scale [L, 3] and last_scale [L]), already cut to the row
-    length, laid out row by row. T = the longest row. Into `arena` when given (its tensors are
-    views of it), else into fresh tensors; only the padding is zeroed, not the whole batch."""
+def pack_rows(rows: list[list[dict]], arena: HostArena | None = None, *, codec: Codec) -> Batch:
+    """Samples (dicts with input_ids [L], loss_mask [L], index, and aux_hidden and last_hidden encoded by
+    `codec`: its parts [L, ...] each), already cut to the row length, laid out row by row. T = the
+    longest row. Into `arena` when given (its tensors are views of it), else into fresh tensors; only
+    the padding is zeroed, not the whole batch."""
     first = rows[0][0]
-    device, dtype = first["aux_hidden"].device, first["aux_hidden"].dtype
+    device = first["input_ids"].device
     R = len(rows)
     T = max(sum(len(s["input_ids"]) for s in row) for row in rows)
-    A, H = first["aux_hidden"].shape[-1], first["last_hidden"].shape[-1]
-    scaled = first.get("aux_scale") is not None
 
     def new(shape, dt):
         return arena.alloc(shape, dt) if arena is not None else torch.empty(shape, dtype=dt, device=device)
 
     input_ids, loss_mask = new((R, T), torch.long).zero_(), new((R, T), torch.bool).zero_()
     doc_ids, position_ids = new((R, T), torch.long).fill_(-1), new((R, T), torch.long).zero_()
-    aux, last = new((R, T, A), dtype), new((R, T, H), dtype)
-    if scaled:
-        aux_scale = new((R, T, first["aux_scale"].shape[-1]), torch.float32)
-        last_scale = new((R, T), torch.float32)
+    states = {k: tuple(new((R, T, *p.shape[1:]), p.dtype) for p in first[k]) for k in ("aux_hidden", "last_hidden")}
     ids, tokens = [], 0
     for r, row in enumerate(rows):
         off = 0
@@ -269,21 +266,17 @@ def pack_rows(rows: list[list[dict]], arena: HostArena | None = None) -> Batch:
             loss_mask[r, off:off + n] = s["loss_mask"]
             doc_ids[r, off:off + n] = d
             position_ids[r, off:off + n] = torch.arange(n, device=device)
-            aux[r, off:off + n] = s["aux_hidden"]
-            last[r, off:off + n] = s["last_hidden"]
-            if scaled:
-                aux_scale[r, off:off + n] = s["aux_scale"]
-                last_scale[r, off:off + n] = s["last_scale"]
+            for k, packed in states.items():
+                for t, p in zip(packed, s[k]):
+                    t[r, off:off + n] = p
             ids.append(s["index"])
             off += n
-        aux[r, off:].zero_()  # padding: zero states (and zero scales: 0 x 0 on the device)
-        last[r, off:].zero_()
-        if scaled:
-            aux_scale[r, off:].zero_()
-            last_scale[r, off:].zero_()
+        for packed in states.values():
+            for t in packed:
+                t[r, off:].zero_()  # padding: zero parts, which every codec decodes to zero states
         tokens += off
-    b = Batch(input_ids, loss_mask, doc_ids, position_ids, aux, last, ids, tokens, host=arena)
-    return replace(b, aux_scale=aux_scale, last_scale=last_scale) if scaled else b
+    return Batch(input_ids, loss_mask, doc_ids, position_ids, states["aux_hidden"], states["last_hidden"], ids, tokens,
+                 codec=codec, host=arena)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -347,22 +340,17 @@ class OfflineSource:
         self.lengths = [int(n) for n in store.lengths]
 
     def sample(self, i: int, row_len: int) -> dict:
-        """Sample i cut to row_len; an fp8 store's states as stored (float8 and scales), dequantised
-        on the training device by Batch.to."""
+        """Sample i cut to row_len, its states as stored (the store's codec decodes them on the training
+        device, in Batch.to)."""
         n = min(self.lengths[i], row_len)
-        fp8 = self.store.store_format == "fp8"
-        rec = self.store.raw(i) if fp8 else self.store[i]
-        aux = torch.as_tensor(rec["aux_hidden"])[:n]
-        out = {
+        rec, states = self.store.states(i)
+        return {
             "input_ids": torch.as_tensor(rec["input_ids"])[:n].long(),
             "loss_mask": torch.as_tensor(rec["loss_mask"])[:n].bool(),
-            "aux_hidden": aux.reshape(n, -1),  # [L, 3, H] -> [L, 3H], layer-major like fc expects
-            "last_hidden": torch.as_tensor(rec["last_hidden"])[:n],
+            "aux_hidden": tuple(p[:n] for p in states["aux"]),
+            "last_hidden": tuple(p[:n] for p in states["last"]),
             "index": i,
         }
-        if fp8:
-            out.update(aux_scale=rec["aux_scale"][:n], last_scale=rec["last_scale"][:n])
-        return out
 
     def name(self, i: int) -> str:
         return str(self.store.metadata(i).get("id", i))
@@ -387,7 +375,7 @@ class OfflineSource:
         samples = [[self.sample(i, row_len) for i in row] for row in rows]
         # the arena is sized for full rows of row_len, so that one block fits every micro-batch of the run
         arena = arenas.take(packed_bytes(len(rows), row_len, samples[0][0])) if arenas is not None else None
-        return pack_rows(samples, arena)
+        return pack_rows(samples, arena, codec=self.store.codec)
 
     def close(self) -> None:
         """Nothing to release: the store's files are opened per read."""
@@ -432,12 +420,13 @@ class PreparedSource:
                 samples[-1].append({
                     "input_ids": torch.from_numpy(self.ids[i][:n]).to(dev),
                     "loss_mask": torch.from_numpy(self.masks[i][:n]).to(dev),
-                    "aux_hidden": states[i]["aux_hidden"].to(dev).reshape(n, -1),
-                    "last_hidden": states[i]["last_hidden"].to(dev),
+                    "aux_hidden": (states[i]["aux_hidden"].to(dev),),  # bf16 states: BF16's one part
+                    "last_hidden": (states[i]["last_hidden"].to(dev),),
                     "index": i,
                 })
         on_host = arenas is not None and dev.type == "cpu"
-        return pack_rows(samples, arenas.take(packed_bytes(len(rows), row_len, samples[0][0])) if on_host else None)
+        return pack_rows(samples, arenas.take(packed_bytes(len(rows), row_len, samples[0][0])) if on_host else None,
+                         codec=codec_of(BF16))
 
 
 class OnlineSource(PreparedSource):
@@ -558,7 +547,7 @@ class DeviceFeeder:
     On CUDA, `send` runs in the data thread: the source has packed each batch into a pinned host
     arena (`arenas`, reused round-robin), copied from there to the GPU on a side stream with
     non_blocking=True (from pageable memory such a copy would wait, and on the training stream it
-    would queue behind the step), fp8 states dequantised there, then an event is recorded on the
+    would queue behind the step), the states decoded there, then an event is recorded on the
     side stream after the step's copies; the arenas are reused only after it. `receive` runs in the
     training thread: the current stream waits for that event (on the GPU; the host does not wait)
     and every tensor is record_stream'ed on it, because its memory was allocated on the side

@@ -273,7 +273,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
             "and are cut to it")
 
     drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
-                                                # on the host in float32: an fp8 store's states dequantised
+                                                # on the host in float32: the stored states decoded
                                                 lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
                                                     torch.device("cpu"), torch.float32),
                                                 init_layers, layers, say, ranks)
