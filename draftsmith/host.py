@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,10 +19,6 @@ from draftsmith import DraftsmithError
 from draftsmith.bounds import env_int
 
 MAX_THREADS = 4096  # torch threads per process: more is a typo, never a machine
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")).expanduser()
 
 
 # -------------------------------------------------------------------------------------------------

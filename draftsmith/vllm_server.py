@@ -35,11 +35,10 @@ from typing import Callable, Iterator
 import httpx
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, cache_dir
 from draftsmith.http import health_ok
 from draftsmith.progress import log
 from draftsmith.rundir import file_lock
-from draftsmith.host import cache_dir
 from draftsmith.target.identity import Identity, read_identity
 from draftsmith.vllm_memory import GPU_MEMORY_CAP
 

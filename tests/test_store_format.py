@@ -179,7 +179,9 @@ def test_estimate_and_status_of_a_real_run_import_no_torch(tmp_path, tiny8):
     commands = [["status", str(run.path)], ["status", str(run.path), "--json"],
                 *(["estimate", str(config), "--set", "generate.limit=12", "--hardware", hw, "--target-config",
                    str(tiny8 / "config.json"), *more]
-                  for hw, more in (("cpu", []), ("cpu", ["--from", str(run.path)]), ("h100", ["--json"])))]
+                  for hw, more in (("cpu", []), ("cpu", ["--from", str(run.path)]), ("h100", ["--json"]))),
+                # the target read from the folder the config names (resolve_target), not from --target-config
+                ["estimate", str(config), "--set", "generate.limit=12"]]
     outputs = []
     for args in commands:
         p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120,
@@ -195,6 +197,7 @@ def test_estimate_and_status_of_a_real_run_import_no_torch(tmp_path, tiny8):
     assert "measured: " + str(run.path / "train" / "manifest.json") in outputs[3]  # --from the run's rates
     est = json.loads(outputs[4].rsplit("HEAVY", 1)[0])
     assert est["bytes_per_token"] == stored
+    assert outputs[5].split("\n", 1)[0] == outputs[2].split("\n", 1)[0]  # the same target line either way
 
 
 def test_the_file_formats_import_no_torch():

@@ -23,12 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
-
-from draftsmith import DraftsmithError
-from draftsmith.host import cache_dir
+from draftsmith import DraftsmithError, cache_dir
 from draftsmith.rundir import file_lock
 
 SHORT_NAMES = {
@@ -54,6 +49,8 @@ def _locate_package_file(package: str, filename: str) -> Path:
 def quiet_transformers() -> None:
     """No transformers progress bars ("Loading weights" on stderr): the stage's busy phase and
     journal report the load, and stderr stays free for the one line a failure prints."""
+    from transformers.utils import logging as hf_logging  # here: resolving a target folder must not import it
+
     hf_logging.disable_progress_bar()
 
 
@@ -61,6 +58,10 @@ def convert_gguf(gguf: Path, dest: Path, log=print) -> Path:
     """Dequantise a GGUF file into a bf16 safetensors folder at `dest` (once; safe to race)."""
     if (dest / "config.json").is_file():
         return dest
+    # here, not at the top: resolve_target serves `estimate`, which stays torch-free unless it must convert
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with file_lock(dest.with_name(dest.name + ".lock")):
         if (dest / "config.json").is_file():  # another process finished it while we waited
             return dest
