@@ -99,9 +99,10 @@ def synthetic_store(folder: Path, lengths: list[int], hidden: int, vocab: int, l
 
     from draftsmith.extract import store
     from draftsmith.rundir import atomic_write_json
+    from draftsmith.store_format import FORMATS
 
     g = torch.Generator().manual_seed(0)
-    w = store.ShardWriter(folder, layers, threads=4, store_format="fp8")
+    w = store.ShardWriter(folder, layers, threads=4, fmt=FORMATS["fp8"])
     shard_size = 16
     for s in store.shard_ranges(len(lengths), shard_size):
         for i in range(*s):

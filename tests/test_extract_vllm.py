@@ -372,11 +372,18 @@ def test_refuses_a_server_capturing_other_layers_or_dtype(tmp_path, tiny8, fake_
         run_extract(run, vllm_cfg(tiny8, ["http://127.0.0.1:9"]))
 
 
-def test_final_norm_matches_the_targets_norm(tiny8):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_final_norm_matches_the_targets_norm(tiny8, tmp_path, family):
+    """Llama's norm scales by the weight, Gemma's by (1 + weight) in float32 (the target's identity says which)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny8), dtype=torch.bfloat16)
-    norm = FinalNorm.of_target(target_info(str(tiny8)))
+    from families import make_tiny
+
+    folder = tiny8 if family == "llama" else make_tiny(family, tmp_path / family)
+    info = target_info(str(folder))
+    assert info.identity.norm_adds_one == (family == "gemma3")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    norm = FinalNorm.of_target(info)
     x = torch.randn(7, model.config.hidden_size).to(torch.bfloat16) * 3
     with torch.no_grad():
         assert torch.equal(norm(x), model.model.norm(x))

@@ -163,8 +163,7 @@ class FinalNorm:
         weight = read_tensor(folder, names, key)
         if weight.shape != (info.hidden_size,):
             raise DraftsmithError(f"{folder}: {key} has shape {tuple(weight.shape)}, expected ({info.hidden_size},)")
-        gemma = str(getattr(text, "model_type", "")).startswith("gemma")
-        return cls(weight, float(eps), gemma=gemma)
+        return cls(weight, float(eps), gemma=info.identity.norm_adds_one)
 
     def __call__(self, x):
         h = x.float()

@@ -49,6 +49,11 @@ class Identity:
         """A language model beside a vision or audio tower (Kimi-K2.5, Gemma 3, Llama 4, Qwen3-VL)."""
         return "text_config" in self.config and any(k in self.config for k in ("vision_config", "audio_config"))
 
+    @property
+    def norm_adds_one(self) -> bool:
+        """Its RMSNorms scale by (1 + weight), computed in float32 (Gemma's families), not by the weight."""
+        return str(self.text.get("model_type") or self.config.get("model_type") or "").startswith("gemma")
+
     def view(self) -> Any:
         """The text config by attribute, as the drafter's sizing rules read it: transformers' (with its
         defaults) where target_info read it, else config.json's own fields."""

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.extract.codecs import Codec, codec_of
-from draftsmith.extract.hf import HiddenCapture, make_batch, plan_batches
+from draftsmith.extract.hf import make_batch, plan_batches
 from draftsmith.extract.store import ExtractStore
 from draftsmith.extract.vllm_backend import open_client
 from draftsmith.http import SampleFailed
@@ -35,6 +35,7 @@ from draftsmith.prepared_format import iter_prepared
 from draftsmith.stage import recorded_target_fingerprint, upstream
 from draftsmith.store_format import BF16
 from draftsmith.target import load_target
+from draftsmith.target.capture import HiddenCapture
 
 # -------------------------------------------------------------------------------------------------
 # Packing samples into rows and micro-batches
