@@ -851,6 +851,7 @@ def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(synth_run, tin
 def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
     from safetensors.torch import save_file
 
+    from draftsmith.target.layout import Layout
     from draftsmith.train.drafter import read_target_layer
 
     save_file({"model.language_model.embed_tokens.weight": torch.zeros(4, 2),
@@ -859,7 +860,8 @@ def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
                "model.vision_tower.encoder.layers.2.mlp.up_proj.weight": torch.zeros(3, 2),
                "mtp.layers.2.mlp.up_proj.weight": torch.zeros(3, 2)}, str(tmp_path / "model.safetensors"))
     info = types.SimpleNamespace(path=str(tmp_path), num_layers=28, architecture="Gemma3ForConditionalGeneration",
-                                 tie_word_embeddings=True)
+                                 tie_word_embeddings=True, layout=Layout(),  # Llama's layout, as Gemma 3's
+                                 identity=types.SimpleNamespace(text={}))
     got = read_target_layer(info, 2)
     assert list(got) == ["mlp.up_proj.weight"] and bool(got["mlp.up_proj.weight"].eq(1).all())
     with pytest.raises(DraftsmithError, match=r"no tensors named model\.language_model\.layers\.5\."):
@@ -867,7 +869,8 @@ def test_read_target_layer_takes_the_text_models_layers_only(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(DraftsmithError, match="has no safetensors weights to read layer 2 from"):
         read_target_layer(types.SimpleNamespace(path=str(tmp_path / "bare"), num_layers=28, architecture="X",
-                                                tie_word_embeddings=True), 2)
+                                                tie_word_embeddings=True, layout=Layout(),
+                                                identity=types.SimpleNamespace(text={})), 2)
 
 
 @pytest.mark.parametrize("outside_loss", [False, True], ids=["in-the-loss", "outside-the-loss"])
