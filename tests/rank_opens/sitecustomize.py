@@ -1,8 +1,9 @@
 """Test hook, active only when DRAFTSMITH_TEST_OPENS names a folder (tests/test_train_ranks.py puts
 this folder on PYTHONPATH of the ranks it starts): each torchrun rank appends to
 opens.rank{RANK}.txt one line per file it opens, "open PATH" (Python's open event: torch.load,
-json, builtins) or "safe_open PATH" (safetensors, whose Rust reader raises no Python event), and
-one line when it leaves its process group (below)."""
+json, builtins) or "safe_open PATH" (safetensors, whose Rust reader raises no Python event), one
+"tensor PATH" per tensor read from a safetensors file, and one line when it leaves its process
+group (below)."""
 
 import os
 import sys
@@ -27,9 +28,34 @@ if _folder and _rank is not None:
 
     _safe_open = safetensors.safe_open
 
+    class _RecordingHandle:
+        """A safe_open handle that also records each tensor read from it ("tensor PATH"): listing a file's names
+        (its header) is not reading its weights."""
+
+        def __init__(self, handle, path):
+            self._handle, self._path = handle, path
+
+        def __enter__(self):
+            self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            _record("tensor", self._path)
+            return self._handle.get_tensor(name)
+
+        def get_slice(self, name):
+            _record("tensor", self._path)
+            return self._handle.get_slice(name)
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
     def _recording_safe_open(filename, *args, **kwargs):
         _record("safe_open", filename)
-        return _safe_open(filename, *args, **kwargs)
+        return _RecordingHandle(_safe_open(filename, *args, **kwargs), filename)
 
     safetensors.safe_open = _recording_safe_open
 
