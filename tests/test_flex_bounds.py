@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.extract.codecs import codec_of
 from draftsmith.model import ttt
 from draftsmith.model.ttt import FLEX_BLOCK, FlexShape
+from draftsmith.store_format import BF16
 from draftsmith.train import stage
 from draftsmith.train.data import pack_epoch, pack_rows
 from draftsmith.train.objective import TTTObjective, flex_shape
@@ -39,9 +41,10 @@ def test_length_buckets_are_two_per_octave_capped_at_the_row():
 
 def _samples(lengths: list[int], H: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
+    # the states as a bf16 store holds them: each one part
     return [{"input_ids": torch.randint(0, 20, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.2,
-             "aux_hidden": torch.randn(n, 3 * H, generator=g), "last_hidden": torch.randn(n, H, generator=g),
-             "index": i} for i, n in enumerate(lengths)]
+             "aux_hidden": (torch.randn(n, 3 * H, generator=g).bfloat16(),),
+             "last_hidden": (torch.randn(n, H, generator=g).bfloat16(),), "index": i} for i, n in enumerate(lengths)]
 
 
 @torch.no_grad()
@@ -65,7 +68,8 @@ def test_flex_compiles_a_bounded_set_over_varying_lengths_and_a_one_row_tail():
     before = len(ttt.FLEX_GRAPHS)
     seen = set()
     for rows in plan:
-        batch = pack_rows([[samples[i] for i in row] for row in rows])
+        batch = pack_rows([[samples[i] for i in row] for row in rows], codec=codec_of(BF16)).to(
+            torch.device("cpu"), torch.float32)
         seen.add(tuple(batch.input_ids.shape))
         denom = [float(n) for n in sdpa.counts(batch)]
         got, want = flex(batch, denom), sdpa(batch, denom)
