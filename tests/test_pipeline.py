@@ -7,7 +7,6 @@ again is tested in test_kill_anywhere.py."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -184,18 +183,9 @@ def test_each_stage_hands_its_gpu_memory_back_before_the_next_starts(tmp_path, m
     recipe's eval server found 35 of 79 GB free while the trained target's blocks stayed cached)."""
     import torch
 
-    from draftsmith import stages
+    from test_stages import record_stage_runs
 
-    calls: list[str] = []
-
-    def stage(name):
-        def fn(run, cfg):
-            calls.append(name)
-            return {"finished": time.time() + 1}
-        return fn
-
-    by_ref = {s.run: stage(s.name) for s in stages.REGISTRY.values()}  # each record's run function, recorded
-    monkeypatch.setattr(stages, "load", by_ref.__getitem__)
+    calls = record_stage_runs(monkeypatch)  # each record's run function, recorded
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=offline"]))
@@ -220,3 +210,8 @@ def test_the_runs_estimate_is_of_this_machines_gpus_or_said_missing(recipe, tmp_
     pipeline.save_expectation(run, cfg)
     assert not (run.path / "estimate.json").exists() and read_run_estimate(run) is None
     assert "no estimate beside the stages in status: NVIDIA L4 has no profile" in capsys.readouterr().out
+    # a config the estimate refuses: its line, and still no file
+    monkeypatch.setattr(pipeline, "gpu_names", lambda: None)
+    pipeline.save_expectation(run, load_config(recipe))  # no generate.limit
+    assert not (run.path / "estimate.json").exists()
+    assert "no estimate beside the stages in status: generate.limit: set it" in capsys.readouterr().out

@@ -55,7 +55,8 @@ def test_a_new_record_is_planned_shown_counted_and_timed(with_fake, tmp_path):
     assert row["on_disk"] == 2 and row["bytes_on_disk"] > 0
 
 
-def test_run_runs_a_new_record_in_its_place(with_fake, tmp_path, monkeypatch):
+def record_stage_runs(monkeypatch) -> list[str]:
+    """Every record's run function replaced by one that appends the stage's name to the list returned."""
     calls: list[str] = []
 
     def stage(name):
@@ -66,6 +67,11 @@ def test_run_runs_a_new_record_in_its_place(with_fake, tmp_path, monkeypatch):
 
     by_ref = {s.run: stage(s.name) for s in stages.REGISTRY.values()}
     monkeypatch.setattr(stages, "load", by_ref.__getitem__)
+    return calls
+
+
+def test_run_runs_a_new_record_in_its_place(with_fake, tmp_path, monkeypatch):
+    calls = record_stage_runs(monkeypatch)
     run_pipeline(RunDir(tmp_path / "run"), load_config(None, ["train.mode=online"]))
     assert calls == ["generate", "prepare", "vocab", "train", "export", "quantize", "eval"]
     assert json.loads((tmp_path / "run" / "pipeline.json").read_text())["stages"] == calls
