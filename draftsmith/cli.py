@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -396,8 +397,11 @@ def _raise_terminated(signum, frame) -> None:
 def _quiet_leftovers() -> None:
     """A signal that landed inside an event loop's task (generate's requests) leaves that task holding the
     exception; when it is collected at exit, asyncio logs "Task exception was never retrieved" and a traceback
-    to stderr, after the one line a stop prints. The stop is already said: asyncio's logger says nothing more."""
+    to stderr, after the one line a stop prints; one that landed while anyio's connect was starting its attempts
+    leaves a coroutine never awaited, whose RuntimeWarning comes at exit. The stop is already said: neither says
+    anything more."""
     logging.getLogger("asyncio").disabled = True
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _stderr(line: str) -> None:

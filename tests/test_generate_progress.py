@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from draftsmith.status import render_table, run_status
 sys.path.insert(0, str(Path(__file__).parent))
 from openai_fakes import FakeOpenAIServer  # noqa: E402
 from test_generate import cfg_for, lines_of, openai_sets, write_prompts  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_stream_equals_the_whole_reply_it_was_cut_from():
@@ -125,3 +128,25 @@ def test_an_interruption_raised_while_a_connection_opens_comes_out_as_itself():
 
     with pytest.raises(Terminated):
         asyncio.run(go())
+
+
+LEFT_A_COROUTINE = """
+import sys
+from draftsmith import Terminated, cli
+async def attempt():
+    pass
+left = attempt()  # what anyio's connect leaves when the signal lands as it starts its attempts: never awaited
+def app(**kwargs):
+    raise Terminated()
+cli.app = app
+cli.main(["generate"])
+"""
+
+
+def test_a_stop_that_leaves_a_coroutine_never_awaited_is_still_one_line():
+    """The CI caught it (a SIGTERM during a streamed connect): after the stop's one line, Python's RuntimeWarning
+    "coroutine ... was never awaited" reached stderr at exit. A stop says one line and nothing more."""
+    p = subprocess.run([sys.executable, "-c", LEFT_A_COROUTINE], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip().splitlines() == ["draftsmith: terminated (SIGTERM); the same command resumes from the "
+                                             "finished work"], p.stderr

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, build_tiny_target, run_cli, stop_signals_default
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, Terminated
 from draftsmith.config import load_config
 from draftsmith.model.config import LOSS_CHUNK_ELEMENTS
 from draftsmith.extract.stage import run_extract
@@ -33,6 +33,7 @@ from draftsmith.train.stage import NOT_FINGERPRINTED, run_train
 from draftsmith.extract.hf import plan_batches
 from draftsmith.train.data import Batch, Prefetcher, pack_epoch
 from draftsmith.train.dflash import Blocks, DFlashObjective, draw_blocks
+from draftsmith.train import launch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
 from draftsmith.train.objective import LossMix, TTTObjective, mix_terms, resolve_attention, ttt_masks
@@ -1215,11 +1216,54 @@ def test_a_stop_of_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8,
             time.sleep(0.5)
         row = {s["name"]: s for s in json.loads(run_cli("status", str(run.path), "--json").stdout)["stages"]}
         assert row["train"]["state"] == "interrupted", row["train"]
+    log = run.path / "train" / "stage.log"
+    assert ck.is_dir(), (err, log.read_text()[-3000:] if log.exists() else "no stage.log")
     steps = sorted(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_") and (x / "state.json").exists())
     assert steps and 5 <= steps[-1] < 300 and steps[-1] % 500, steps
     r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)
     assert f"resumed from {ck / f'step_{steps[-1]}'}" in r.stdout
     assert not list(run.path.glob(".train-ranks-*")), "a launcher's config file is left behind"
+
+
+class _StoppedTorchrun:
+    """torchrun as launch_ranks sees it: a stop signal lands while the launcher reads its first line; the ranks'
+    lines after it (their checkpoint's) come once it has passed the signal on."""
+
+    def __init__(self, cmd, env, **kwargs):
+        self.args, self.env, self.terminated, self.stdout = cmd, env, False, self
+        self.left = ["checkpoint of step 7 written: the same command resumes from it\n"]
+        _StoppedTorchrun.last = self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if not self.terminated:
+            raise Terminated()  # the signal, as the launcher waits for a line
+        if self.left:
+            return self.left.pop(0)
+        raise StopIteration
+
+    def terminate(self):
+        self.terminated = True
+
+    def wait(self, timeout=None):
+        return 143
+
+
+def test_a_stopped_launcher_gives_its_ranks_the_time_to_checkpoint(synth_run, tiny8, tmp_path, monkeypatch, capsys):
+    """A stop signal at the launcher: torchrun gets it and passes it on, and the ranks end their step and write its
+    checkpoint. torchrun's own grace before its SIGKILL is 30 s, short of a step and an ~11 GB checkpoint at
+    Kimi-K2.5's widths: the ranks get the collectives' timeout instead, and the launcher keeps forwarding their
+    lines while it waits (a full pipe would block them)."""
+    run = copy_run(synth_run, tmp_path / "run")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", _StoppedTorchrun)
+    with pytest.raises(Terminated):
+        launch.launch_ranks(run, cfg_for(tiny8, processes=2), "train")
+    proc = _StoppedTorchrun.last
+    assert proc.terminated and int(proc.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) >= 30 * 60
+    assert "checkpoint of step 7 written" in capsys.readouterr().out
 
 
 def test_a_longer_run_continues_from_the_last_checkpoint_and_nothing_finished_is_deleted(synth_run, tiny8, tmp_path,
