@@ -27,6 +27,11 @@ hardware profile. They are first-order models, stated with their assumptions:
   (extract.store_format=fp8: x (hidden + 4) bytes); extraction runs at the slower of the prefill
   and the store's writer (writer_tokens_per_s, measured by bench/bench_store.py).
 
+Each stage is costed by its own function, cost_<stage>, which its record in stages.py names: it reads the one
+CostContext an estimate builds (the config, the target, the hardware and the terms stages share: the tokens, a
+server start, the prefill rate, the drafter's parameters) and returns its StageCost; `estimate` calls those of the
+stages `run` runs under the config, in its order, and assembles the result.
+
 The `cpu` profile is calibrated on the 2-core machine this project is developed on (SmolLM2-135M
 runs, docs/experiments/); the GPU profiles use the vendor's dense bf16 peak and bandwidth with
 efficiencies typical of vLLM and PyTorch training. Every rate is printed with where it comes from
@@ -39,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -568,21 +573,76 @@ def load_seconds(t: TargetShape, hw: Hardware, load_bw: float | None = None) -> 
 DATASET_SAMPLES_PER_S = 770
 
 
-def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
-             load_rate: float | None = None) -> dict[str, Any]:
-    """Per-stage tokens, disk bytes, peak memory per device and seconds (a served stage's seconds include its
-    servers' starts: `load_s`); `load_rate`: bytes/s the target's weights are read at (None: the profile's)."""
+@dataclass(frozen=True)
+class CostContext:
+    """What every stage's cost reads, built once per estimate (cost_context): the config, the target, the hardware,
+    and the terms several stages share, so that no cost computes another stage's."""
+
+    cfg: Any  # the validated config (config.Config)
+    t: TargetShape
+    hw: Hardware
+    gpus: int  # devices
+    prompt_tokens: int  # a prompt's mean tokens, chat template included
+    answer: int  # an answer's mean tokens, cut at generate.max_tokens
+    load_rate: float | None  # bytes/s the target's weights are read at (None: the profile's)
+    samples: int  # answers decoded, then extracted and trained on: generate.limit x generate.answers_per_prompt
+    tokens: int  # tokens of the prepared samples (prompt + answer, cut at prepare.max_length): extract's, an epoch's
+    start: float  # seconds of one server start (load_seconds), for each server generate, extract and eval start
+    num_aux: int  # the target states the drafter fuses: extract.layers (unset: 3)
+    bytes_per_token: int  # the extract store's bytes a token (store_format.bytes_per_token)
+    prefill: float  # the target's prefill tokens/s over the devices: extract's, and online training's target half
+    trainable: float  # the drafter's trainable parameters (_drafter_params): train's and export's
+    per_step: float  # the drafter's parameters used per token per draft step
+
+    @property
+    def weights_per_device(self) -> float:
+        """Bytes of the target's weights on each device (tensor-parallel over all of them)."""
+        return self.t.weight_bytes / self.gpus
+
+    @property
+    def checkpoint_bytes(self) -> float:
+        """Bytes of a training checkpoint: 16 a trainable parameter (its weights and optimizer state)."""
+        return 16 * self.trainable
+
+
+@dataclass
+class StageCost:
+    """What one stage's cost (its record's `estimate`) returns: its row and its parts of the estimate's other
+    entries."""
+
+    # its `stages[<name>]`: tokens, disk (bytes), memory (bytes per device), seconds (without its servers' starts,
+    # which estimate adds) and, for a stage that starts servers, load_s (their starts, seconds)
+    row: dict[str, float]
+    rates: dict[str, float | None] = field(default_factory=dict)  # its entries of `tokens_per_s` (tokens/s)
+    served: dict | None = None  # serve_fit of the vLLM server it holds the target in, if any
+    report: dict[str, Any] = field(default_factory=dict)  # its top-level entries (generate_model, train_memory, ...)
+    own_fit_line: bool = False  # its memory's fit has its own entry (train: train_memory's fits_with)
+
+
+def cost_context(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
+                 load_rate: float | None = None) -> CostContext:
     g, tr = cfg.generate, cfg.train
     if g.limit is None:
         raise DraftsmithError("generate.limit: set it (the number of prompts) for an estimate")
     samples = g.limit * g.answers_per_prompt  # every answer is decoded, extracted and trained on
     answer = min(answer_tokens, g.max_tokens)
-    tokens = samples * min(prompt_tokens + answer, cfg.prepare.max_length)
-    completion = samples * answer
-    weights_per_dev = t.weight_bytes / gpus
-    stages: dict[str, dict[str, float]] = {}
-    extract_host = data_thread = None  # bounds that apply to some backends and modes only
+    # the auxiliary layers (extract.layers; unset: 3) + the last, in extract.store_format (bf16: 2 bytes a
+    # value; fp8: 1 + a scale per row), + id and mask
+    num_aux = len(cfg.extract.layers) if cfg.extract.layers else 3
+    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers, tr.method,
+                                          tr.drafter_options, num_aux)
+    return CostContext(
+        cfg=cfg, t=t, hw=hw, gpus=gpus, prompt_tokens=prompt_tokens, answer=answer, load_rate=load_rate,
+        samples=samples, tokens=samples * min(prompt_tokens + answer, cfg.prepare.max_length),
+        start=load_seconds(t, hw, load_rate), num_aux=num_aux,
+        bytes_per_token=store_bytes(num_aux, t.hidden_size, cfg.extract.store_format),
+        prefill=hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params), trainable=trainable, per_step=per_step)
 
+
+def cost_generate(c: CostContext) -> StageCost:
+    """Decoding the answers (generate_time: the batch, the thinking tail), a server start when it serves the target;
+    backend dataset: tokenizing the file's own replies only."""
+    g, t = c.cfg.generate, c.t
     served = g.backend in ("openai", "vllm")
     # (here, not at the top: `import draftsmith.cli` stays free of pydantic; cfg has loaded the module already)
     from draftsmith.config import AUTO_MAX_IN_FLIGHT, AUTO_OPENAI_IN_FLIGHT
@@ -590,110 +650,153 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     # concurrency auto: the most it can be (a server's KV cache is not modelled here)
     in_flight = {"auto": AUTO_MAX_IN_FLIGHT if g.backend == "vllm" else AUTO_OPENAI_IN_FLIGHT}.get(g.concurrency,
                                                                                                  g.concurrency)
-    start = load_seconds(t, hw, load_rate)
-    fits: dict[str, dict] = {}  # served stages: serve_fit
-    gen = generate_time(t, hw, gpus, samples, in_flight if served else g.batch_size, prompt_tokens, answer,
+    gen = generate_time(t, c.hw, c.gpus, c.samples, in_flight if served else g.batch_size, c.prompt_tokens, c.answer,
                         g.max_tokens, "vllm" if served else "hf")
     decode = gen["tokens_per_s"]
-    stages["generate"] = {"tokens": completion, "disk": samples * (prompt_tokens + answer) * 4 * 1.3,
-                          "memory": weights_per_dev, "seconds": gen["seconds"], "load_s": 0.0}
+    row = {"tokens": c.samples * c.answer, "disk": c.samples * (c.prompt_tokens + c.answer) * 4 * 1.3,
+           "memory": c.weights_per_device, "seconds": gen["seconds"], "load_s": 0.0}
+    fit = None
     if served:  # backend openai: the server you start, at vLLM's default context (the model's); vllm: generate's
         context = t.max_context if g.backend == "openai" else served_context(g.vllm_args, None)
-        fits["generate"] = serve_fit(t, hw, gpus, context, prompt_tokens + g.max_tokens)
-        stages["generate"].update(memory=fits["generate"]["memory"], load_s=start)
+        fit = serve_fit(t, c.hw, c.gpus, context, c.prompt_tokens + g.max_tokens)
+        row.update(memory=fit["memory"], load_s=c.start)
     if g.backend == "dataset":  # the file's own replies: tokenizing only, no weights, nothing decoded
         decode = gen = None
-        stages["generate"].update(memory=1e9, seconds=samples / DATASET_SAMPLES_PER_S)
-    stages["prepare"] = {"tokens": tokens, "disk": tokens * 12, "memory": 2e9, "seconds": tokens / 50_000}
-    stages["vocab"] = {"tokens": tokens, "disk": t.vocab_size * 17, "memory": 1e9, "seconds": tokens / 1e6}
+        row.update(memory=1e9, seconds=c.samples / DATASET_SAMPLES_PER_S)
+    return StageCost(row, rates={"generate": decode}, served=fit, report={"generate_model": gen})
 
-    # the auxiliary layers (extract.layers; unset: 3) + the last, in extract.store_format (bf16: 2 bytes a
-    # value; fp8: 1 + a scale per row), + id and mask
-    num_aux = len(cfg.extract.layers) if cfg.extract.layers else 3
-    bytes_per_token = store_bytes(num_aux, t.hidden_size, cfg.extract.store_format)
-    prefill = hw.flops * hw.mfu_prefill * gpus / (2 * t.active_params)
-    if tr.mode == "offline":
-        # the writer overlaps the forward: the slower of the two sets the pace (writer_tokens_per_s)
-        writer = writer_tokens_per_s(hw, bytes_per_token, cfg.extract.store_format, t.hidden_size)
-        bounds = [prefill, writer]
-        if cfg.extract.backend == "vllm":  # the states reach the host as files: their host work is the third bound
-            extract_host = extract_host_tokens_per_s(hw, gpus, t.hidden_size, cfg.extract.concurrency,
-                                                     cfg.extract.writers)
-            bounds.append(extract_host)
-        stages["extract"] = {"tokens": tokens, "disk": tokens * bytes_per_token, "memory": weights_per_dev,
-                             "seconds": tokens / min(bounds), "load_s": 0.0}
-        if cfg.extract.backend == "vllm":  # a server of its own at prepare.max_length (+ the one token asked for)
-            context = t.max_context if cfg.extract.servers else served_context(cfg.extract.vllm_args, None)
-            fits["extract"] = serve_fit(t, hw, gpus, context, cfg.prepare.max_length + 1)
-            stages["extract"].update(memory=fits["extract"]["memory"], load_s=start)
 
-    trainable, per_step = _drafter_params(t, cfg.vocab.draft_vocab_size, tr.num_layers, tr.method,
-                                          tr.drafter_options, num_aux)
-    flops_per_token = 6 * (num_aux * t.hidden_size ** 2 + kinds.get(tr.method).drafts(tr) * per_step)
-    train_tps = hw.flops * hw.mfu_train * gpus / flops_per_token
+def cost_prepare(c: CostContext) -> StageCost:
+    """Tokenizing with the chat template: ~50k tokens/s, 12 bytes a token on disk."""
+    return StageCost({"tokens": c.tokens, "disk": c.tokens * 12, "memory": 2e9, "seconds": c.tokens / 50_000})
+
+
+def cost_vocab(c: CostContext) -> StageCost:
+    """Counting token frequencies: ~1M tokens/s; its maps are 17 bytes a target token."""
+    return StageCost({"tokens": c.tokens, "disk": c.t.vocab_size * 17, "memory": 1e9, "seconds": c.tokens / 1e6})
+
+
+def cost_extract(c: CostContext) -> StageCost:
+    """The target's prefill over every token, at the slower of it, the store's writer and (through vLLM) the host
+    work per request; the store's bytes on disk."""
+    cfg, t, x = c.cfg, c.t, c.cfg.extract
+    # the writer overlaps the forward: the slower of the two sets the pace (writer_tokens_per_s)
+    writer = writer_tokens_per_s(c.hw, c.bytes_per_token, x.store_format, t.hidden_size)
+    bounds, extract_host = [c.prefill, writer], None
+    if x.backend == "vllm":  # the states reach the host as files: their host work is the third bound
+        extract_host = extract_host_tokens_per_s(c.hw, c.gpus, t.hidden_size, x.concurrency, x.writers)
+        bounds.append(extract_host)
+    row = {"tokens": c.tokens, "disk": c.tokens * c.bytes_per_token, "memory": c.weights_per_device,
+           "seconds": c.tokens / min(bounds), "load_s": 0.0}
+    fit = None
+    if x.backend == "vllm":  # a server of its own at prepare.max_length (+ the one token asked for)
+        context = t.max_context if x.servers else served_context(x.vllm_args, None)
+        fit = serve_fit(t, c.hw, c.gpus, context, cfg.prepare.max_length + 1)
+        row.update(memory=fit["memory"], load_s=c.start)
+    return StageCost(row, rates={"extract_host": extract_host}, served=fit)
+
+
+def cost_train(c: CostContext) -> StageCost:
+    """The drafter's compute (6 FLOP a parameter a token a draft step), bounded offline by the disk and the ranks'
+    data threads, online by the target's prefill beside it; its memory (train_memory) and checkpoints."""
+    tr, t, hw = c.cfg.train, c.t, c.hw
+    flops_per_token = 6 * (c.num_aux * t.hidden_size ** 2 + kinds.get(tr.method).drafts(tr) * c.per_step)
+    train_tps = hw.flops * hw.mfu_train * c.gpus / flops_per_token
     # an optimizer step takes batch_tokens x grad_accum from every rank: the devices on GPUs,
     # train.processes on a CPU (where N one-thread ranks also beat one N-thread process)
-    ranks = gpus
+    ranks = c.gpus
     if hw.cpu_ranks_gain is not None and tr.processes > 1:
         ranks = tr.processes
         train_tps *= hw.cpu_ranks_gain
-    train_compute = train_tps
+    train_compute, data_thread = train_tps, None
     if tr.mode == "offline":  # the slowest of the drafter's compute, the disk and the ranks' data threads
-        data_thread = ranks * DATA_THREAD_BYTES_PER_S / bytes_per_token
-        train_tps = min(train_tps, hw.disk_bw / bytes_per_token, data_thread)
+        data_thread = ranks * DATA_THREAD_BYTES_PER_S / c.bytes_per_token
+        train_tps = min(train_tps, hw.disk_bw / c.bytes_per_token, data_thread)
     else:  # the target's forward runs beside the drafter on every batch
-        train_tps = 1 / (1 / train_tps + 1 / prefill)
+        train_tps = 1 / (1 / train_tps + 1 / c.prefill)
     epochs = (tr.epochs if tr.max_steps is None
-              else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(tokens, 1))
+              else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(c.tokens, 1))
     if tr.max_minutes is not None:  # the clock stops training first when its minutes hold fewer passes
-        epochs = min(epochs, 60 * tr.max_minutes * train_tps / max(tokens, 1))
-    train_mem = train_memory(tr, t, hw, gpus, cfg.vocab.draft_vocab_size, num_aux)
-    ckpt = 16 * trainable
-    stages["train"] = {"tokens": tokens * epochs, "disk": ckpt * (tr.keep_checkpoints + 1),
-                       "memory": train_mem["total"], "seconds": tokens * epochs / train_tps}
-    stages["export"] = {"tokens": 0, "disk": 2 * trainable + t.vocab_size, "memory": ckpt, "seconds": 10}
-    ev_prompts = cfg.eval.limit or 80
-    ev_tokens = ev_prompts * cfg.eval.max_tokens
-    ev_engine = "vllm" if cfg.eval.engine == "vllm" else "hf"
-    single = _decode_tokens_per_s(t, hw, gpus, 1, ev_engine, prompt_tokens + cfg.eval.max_tokens / 2)
+        epochs = min(epochs, 60 * tr.max_minutes * train_tps / max(c.tokens, 1))
+    draft_vocab = c.cfg.vocab.draft_vocab_size
+    memory = train_memory(tr, t, hw, c.gpus, draft_vocab, c.num_aux)
+    row = {"tokens": c.tokens * epochs, "disk": c.checkpoint_bytes * (tr.keep_checkpoints + 1),
+           "memory": memory["total"], "seconds": c.tokens * epochs / train_tps}
+    return StageCost(row, rates={"train": train_tps, "train_compute": train_compute, "train_data_thread": data_thread},
+                     report={"train_memory": {**memory, "device": hw.mem,
+                                              "fits_with": fit_knobs(tr, t, hw, c.gpus, draft_vocab, c.num_aux)},
+                             "train_notes": train_notes(tr)},
+                     own_fit_line=True)
+
+
+def cost_export(c: CostContext) -> StageCost:
+    """Writing the drafter's bf16 weights (and its vocabulary maps) from a checkpoint read whole: ~10 s."""
+    return StageCost({"tokens": 0, "disk": 2 * c.trainable + c.t.vocab_size, "memory": c.checkpoint_bytes,
+                      "seconds": 10})
+
+
+def cost_eval(c: CostContext) -> StageCost:
+    """Single-request decoding of eval.limit prompts with the drafter and (eval.baseline) without; through vLLM, a
+    server for each unless eval.server names a running one."""
+    ev, t = c.cfg.eval, c.t
+    ev_tokens = (ev.limit or 80) * ev.max_tokens
+    engine = "vllm" if ev.engine == "vllm" else "hf"
+    single = _decode_tokens_per_s(t, c.hw, c.gpus, 1, engine, c.prompt_tokens + ev.max_tokens / 2)
     # with drafting, and the plain baseline; drafting roughly halves the steps but adds a draft pass
-    stages["eval"] = {"tokens": ev_tokens * 2, "disk": ev_tokens * 8, "memory": weights_per_dev,
-                      "seconds": ev_tokens / single * (1 + (0.8 if cfg.eval.baseline else 0)), "load_s": 0.0}
-    if ev_engine == "vllm":  # a server with the drafter, and one without it for the baseline: two starts
-        context = t.max_context if cfg.eval.server else served_context(cfg.eval.vllm_args, None)
-        fits["eval"] = serve_fit(t, hw, gpus, context, prompt_tokens + cfg.eval.max_tokens)
-        starts = 0 if cfg.eval.server else 1 + (1 if cfg.eval.baseline else 0)
-        stages["eval"].update(memory=fits["eval"]["memory"], load_s=starts * start)
+    row = {"tokens": ev_tokens * 2, "disk": ev_tokens * 8, "memory": c.weights_per_device,
+           "seconds": ev_tokens / single * (1 + (0.8 if ev.baseline else 0)), "load_s": 0.0}
+    fit = None
+    if engine == "vllm":  # a server with the drafter, and one without it for the baseline: two starts
+        context = t.max_context if ev.server else served_context(ev.vllm_args, None)
+        fit = serve_fit(t, c.hw, c.gpus, context, c.prompt_tokens + ev.max_tokens)
+        starts = 0 if ev.server else 1 + (1 if ev.baseline else 0)
+        row.update(memory=fit["memory"], load_s=starts * c.start)
+    return StageCost(row, served=fit)
+
+
+def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
+             load_rate: float | None = None) -> dict[str, Any]:
+    """Per-stage tokens, disk bytes, peak memory per device and seconds (a served stage's seconds include its
+    servers' starts: `load_s`); `load_rate`: bytes/s the target's weights are read at (None: the profile's).
+    Each stage `run` runs under `cfg` is costed by its record's `estimate` (stages.py), in the registry's order."""
+    c = cost_context(cfg, t, hw, gpus, prompt_tokens, answer_tokens, load_rate)
+    costs = {s.name: registry.load(s.estimate)(c) for s in registry.REGISTRY.values() if s.runs(cfg)}
+    stages = {name: cost.row for name, cost in costs.items()}
     for s in stages.values():  # a stage's time includes its servers' starts
         s["seconds"] += s.get("load_s", 0.0)
-    stages = {name: stages[name] for name in registry.planned(cfg)}  # the stages `run` runs, in its order
-    return {
+    fits = {name: cost.served for name, cost in costs.items() if cost.served is not None}
+    # every rate's key, None where no stage run under cfg models it (extract_host: extraction through vLLM only)
+    rates: dict[str, float | None] = {"generate": None, "extract_prefill": c.prefill, "extract_host": None,
+                                      "train": None, "train_compute": None, "train_data_thread": None}
+    e = {
         "target": t.name, "hardware": hw.name, "devices": gpus,
         "target_params": t.total_params, "target_active_params": t.active_params, "target_weight_bytes": t.weight_bytes,
-        "drafter_params": trainable, "samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_token,
-        "tokens_per_s": {"generate": decode, "extract_prefill": prefill, "extract_host": extract_host,
-                         "train": train_tps, "train_compute": train_compute, "train_data_thread": data_thread},
+        "drafter_params": c.trainable, "samples": c.samples, "tokens": c.tokens, "bytes_per_token": c.bytes_per_token,
+        "tokens_per_s": rates,
         "stages": stages,
-        "train_memory": {**train_mem, "device": hw.mem,
-                         "fits_with": fit_knobs(tr, t, hw, gpus, cfg.vocab.draft_vocab_size, num_aux)},
+        "train_memory": None,  # the train stage's report
         "total": {"disk": sum(s["disk"] for s in stages.values()),
                   "seconds": sum(s["seconds"] for s in stages.values()),
                   "memory_per_device": max(s["memory"] for s in stages.values())},
         # stages whose memory per device exceeds the device's (train has its own line, with knobs), and served
         # stages whose weights and KV cache exceed vLLM's cap: {stage: one-line reason}
         "does_not_fit": {**{name: None for name, s in stages.items()
-                            if name not in ("train", *fits) and s["memory"] > hw.mem},
+                            if not costs[name].own_fit_line and name not in fits and s["memory"] > hw.mem},
                          **{name: f["reason"] for name, f in fits.items() if f["reason"]}},
         "served": fits,
-        "generate_model": gen,
-        "load": {"seconds": start, "rate": load_rate or hw.load_bw, "warmup_s": hw.warmup_s,
+        "generate_model": None,  # the generate stage's report (None as well for backend dataset)
+        "load": {"seconds": c.start, "rate": load_rate or hw.load_bw, "warmup_s": hw.warmup_s,
                  "source": ("--load-rate" if load_rate else hw.load_source),
-                 "starts": {name: round(s.get("load_s", 0.0) / start) if start else 0 for name, s in stages.items()
-                            if s.get("load_s")}},
+                 "starts": {name: round(s.get("load_s", 0.0) / c.start) if c.start else 0
+                            for name, s in stages.items() if s.get("load_s")}},
         "device_memory": hw.mem,
-        "train_notes": train_notes(tr),
-        "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": answer, **asdict(hw)},
+        "train_notes": [],  # the train stage's report
+        "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": c.answer, **asdict(hw)},
     }
+    for cost in costs.values():  # in place: the entries keep their order (--json)
+        rates.update(cost.rates)
+        e.update(cost.report)
+    return e
 
 
 def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None, prompt_tokens: int,

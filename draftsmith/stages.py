@@ -56,7 +56,7 @@ class Stage:
     inputs: tuple[str, ...]  # what it reads of other stages (their manifests first: stage.upstream)
     outputs: tuple[str, ...]  # what it writes (a trailing / is a folder); docs/run-directory.md says their format
     count: Count  # how `status` counts its files
-    estimate: str  # "module:function" whose result's `stages[<name>]` is its disk, memory and time
+    estimate: str  # "module:function" of its cost: (estimate.CostContext) -> estimate.StageCost, its row and rates
     help: str  # its command's help (`draftsmith <name> --help`, the first line in `draftsmith --help`)
     examples: tuple[str, ...]  # command lines of its --help epilog
     demo_group: str  # the demo's cost-model group that times it (demo.expected_seconds' keys)
@@ -86,7 +86,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
     Stage(
         name="generate", run="draftsmith.generate.stage:run_generate", section="generate",
         inputs=(), outputs=("generate/samples.jsonl", "generate/failures.jsonl"),
-        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:cost_generate",
         help="Regenerate the assistant turns of a prompt set with the target (in-process or via OpenAI-compatible "
         "servers), or keep the file's own (--backend dataset).",
         examples=(
@@ -104,7 +104,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
     Stage(
         name="prepare", run="draftsmith.prepare:run_prepare", section="prepare",
         inputs=("generate/samples.jsonl",), outputs=("prepare/samples.jsonl",),
-        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        count=Count("lines", "samples.jsonl", same_unit=True), estimate="draftsmith.estimate:cost_prepare",
         help="Tokenize the generated conversations with the target's chat template; loss mask on assistant tokens.",
         examples=(
             "draftsmith prepare --run runs/r1",
@@ -115,7 +115,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
     Stage(
         name="vocab", run="draftsmith.vocab:run_vocab", section="vocab",
         inputs=("prepare/samples.jsonl",), outputs=("vocab/vocab.safetensors", "vocab/vocab.json"),
-        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:estimate",
+        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:cost_vocab",
         help="Pick the draft vocabulary (d2t, t2d) from token frequencies under the loss mask; print its coverage.",
         examples=(
             "draftsmith vocab --run runs/r1",
@@ -125,7 +125,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
     Stage(
         name="extract", run="draftsmith.extract.stage:run_extract", section="extract",
         inputs=("prepare/samples.jsonl",), outputs=("extract/meta.json", "extract/rows_*/"),
-        count=Count("shard_files", ".safetensors", same_unit=True), estimate="draftsmith.estimate:estimate",
+        count=Count("shard_files", ".safetensors", same_unit=True), estimate="draftsmith.estimate:cost_extract",
         help="Run the target over the prepared samples; store aux-layer and final hidden states per sample.",
         examples=(
             "draftsmith extract --run runs/r1",
@@ -142,7 +142,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
         name="train", run="draftsmith.train.stage:run_train", section="train",
         inputs=("vocab/vocab.safetensors", "extract/", "prepare/samples.jsonl"),
         outputs=("train/final/", "train/checkpoints/", "train/metrics.jsonl"),
-        count=Count("checkpoint_step", "checkpoints"), estimate="draftsmith.estimate:estimate",
+        count=Count("checkpoint_step", "checkpoints"), estimate="draftsmith.estimate:cost_train",
         help="Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly.",
         examples=(
             "draftsmith train --run runs/r1",
@@ -158,7 +158,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
         name="export", run="draftsmith.export:run_export", section="export",
         inputs=("train/final/", "train/checkpoints/"),
         outputs=("export/config.json", "export/model.safetensors", "export/README.md", "export/provenance.json"),
-        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:estimate",
+        count=Count("files", ".safetensors"), estimate="draftsmith.estimate:cost_export",
         help="Write the drafter in speculators format (config.json + model.safetensors) to RUN/export/, loadable "
         "by vLLM as is.",
         examples=(
@@ -172,7 +172,7 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
         name="eval", run="draftsmith.eval.stage:run_eval", section="eval",
         inputs=("export/config.json", "export/model.safetensors"),
         outputs=("eval/answers.jsonl", "eval/report.json", "eval/report.md"),
-        count=Count("lines", "answers.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+        count=Count("lines", "answers.jsonl", same_unit=True), estimate="draftsmith.estimate:cost_eval",
         help="Measure acceptance length, acceptance per position and speedup of the exported drafter; writes "
         "RUN/eval/report.json.",
         examples=(

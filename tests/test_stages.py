@@ -4,6 +4,7 @@ run, is timed by the demo's cost model, and has its command; and each record's r
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import time
@@ -15,7 +16,7 @@ from draftsmith import DraftsmithError, stages
 from draftsmith.cli import app
 from draftsmith.config import load_config
 from draftsmith.demo import Calibration, expected_seconds, stage_groups
-from draftsmith.estimate import HARDWARE, estimate, target_shape
+from draftsmith.estimate import HARDWARE, CostContext, StageCost, cost_context, estimate, estimate_config, target_shape
 from draftsmith.pipeline import planned_stages, run_pipeline
 from draftsmith.rundir import RunDir
 from draftsmith.stages import Count, Stage
@@ -23,10 +24,18 @@ from draftsmith.status import render_table, run_status
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+
+def cost_quantize(c: CostContext) -> StageCost:
+    """The fake stage's cost: the exported drafter read in bf16 and written at one byte a parameter."""
+    return StageCost({"tokens": 0, "disk": c.trainable, "memory": 2 * c.trainable, "seconds": 5.0},
+                     rates={"quantize": c.trainable / 5.0})
+
+
 # a stage between export and eval: what a new stage adds is this record and its module
 FAKE = Stage(name="quantize", run="tests.fake_stage:run_quantize", section="export",
              inputs=("export/model.safetensors",), outputs=("quantize/parts.jsonl",),
-             count=Count("lines", "parts.jsonl", same_unit=True), estimate="draftsmith.estimate:estimate",
+             count=Count("lines", "parts.jsonl", same_unit=True), estimate=f"{__name__}:cost_quantize",
              help="Quantize the exported drafter.", examples=("draftsmith quantize --run runs/r1",),
              demo_group="train")
 
@@ -66,7 +75,8 @@ def record_stage_runs(monkeypatch) -> list[str]:
         return fn
 
     by_ref = {s.run: stage(s.name) for s in stages.REGISTRY.values()}
-    monkeypatch.setattr(stages, "load", by_ref.__getitem__)
+    load = stages.load  # any other reference (a stage's cost) still resolves
+    monkeypatch.setattr(stages, "load", lambda ref: by_ref[ref] if ref in by_ref else load(ref))
     return calls
 
 
@@ -92,7 +102,12 @@ def test_each_records_references_resolve(name):
     fn = s.run_function()
     assert fn.__name__ == f"run_{name}"
     assert list(inspect.signature(fn).parameters)[:2] == ["run", "cfg"]
-    assert stages.load(s.estimate) is estimate
+    cost = stages.load(s.estimate)
+    assert cost.__name__ == f"cost_{name}"
+    shape = target_shape(REPO / "configs" / "targets" / "llama-3.1-8b-instruct.json", attention="gqa")
+    context = cost_context(load_config(REPO / "configs" / "llama-8b-1xh100.yaml"), shape, HARDWARE["h100"], 1, 100, 200)
+    row = cost(context).row
+    assert {"tokens", "disk", "memory", "seconds"} <= set(row) and row["seconds"] > 0 and row["disk"] > 0
     assert hasattr(load_config(None), s.section)
     assert all(p.split("/")[0] in stages.REGISTRY for p in (*s.inputs, *s.outputs))
     assert all(p.split("/")[0] == name for p in s.outputs)
@@ -105,6 +120,28 @@ def test_estimate_costs_the_stages_run_runs_in_its_order(mode):
     e = estimate(cfg, shape, HARDWARE["h100"], 1, prompt_tokens=100, answer_tokens=200)
     assert list(e["stages"]) == planned_stages(cfg) == list(stages.planned(cfg))
     assert ("extract" in e["stages"]) == (mode == "offline")
+
+
+def test_a_new_records_cost_is_its_row_in_the_estimate_while_it_runs(with_fake, monkeypatch):
+    """estimate_config calls each planned record's own cost: the fake stage's row sits in its place, counts in the
+    totals and brings its rates; a record whose `runs` is false is not costed at all."""
+    target = REPO / "configs" / "targets" / "llama-3.1-8b-instruct.json"
+    cfg = load_config(REPO / "configs" / "llama-8b-1xh100.yaml")
+    e = estimate_config(cfg, "h100", 1, target, 100, 200)
+    assert list(e["stages"]) == planned_stages(cfg) and list(e["stages"])[-2:] == ["quantize", "eval"]
+    trainable = e["drafter_params"]
+    assert e["stages"]["quantize"] == {"tokens": 0, "disk": trainable, "memory": 2 * trainable, "seconds": 5.0}
+    assert e["tokens_per_s"]["quantize"] == trainable / 5.0
+    assert e["total"]["disk"] == sum(s["disk"] for s in e["stages"].values())
+
+    stages.REGISTRY["quantize"] = dataclasses.replace(FAKE, runs=lambda cfg: False)
+    load = stages.load
+    monkeypatch.setattr(stages, "load", lambda ref: pytest.fail(f"{ref}: costed") if ref == FAKE.estimate
+                        else load(ref))
+    without = estimate_config(cfg, "h100", 1, target, 100, 200)
+    assert "quantize" not in without["stages"] and "quantize" not in without["tokens_per_s"]
+    assert without["total"]["disk"] == e["total"]["disk"] - trainable
+    assert without["stages"] == {k: v for k, v in e["stages"].items() if k != "quantize"}
 
 
 def test_a_second_evaluation_is_an_eval_and_an_unknown_name_is_refused():
