@@ -621,6 +621,7 @@ class StageCost:
 
 def cost_context(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
                  load_rate: float | None = None) -> CostContext:
+    """The context every stage's cost reads, for `cfg` on `gpus` devices of `hw` (estimate's arguments)."""
     g, tr = cfg.generate, cfg.train
     if g.limit is None:
         raise DraftsmithError("generate.limit: set it (the number of prompts) for an estimate")
