@@ -137,6 +137,15 @@ def run_train(run, cfg) -> dict:
     return _train(run, cfg)
 
 
+def summary(run: RunDir, manifest: dict) -> str:
+    """The line `draftsmith train` prints when done: steps, tokens, the validation acceptance length if measured."""
+    c = manifest.get("counts", {})
+    val = (c.get("validation") or {}).get("acceptance_length")
+    return (f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
+            + (f", validation acceptance length {val:.2f}" if isinstance(val, (int, float)) else "")
+            + f" -> {run.path / STAGE / 'final'}")
+
+
 @stage_run(STAGE)
 def _train(run, cfg) -> dict:
     started, cpu0 = time.time(), time.process_time()
