@@ -98,14 +98,10 @@ def run_stage(record: stages.Stage, values: dict) -> None:
     run_function = record.run_function()
     if record.threads(cfg):
         torch_threads(cfg)
-    rank = env_rank()[0]
     run = RunDir(values[stages.RUN.name])
-    # rank 0 creates the run folder: train's run launches its ranks before its lock would (every other stage's
-    # lock creates it first thing); the other ranks of a torchrun must not race it
-    kwargs = {o.arg: values[o.name] for o in opts if o.arg}
-    manifest = run_function(run.ensure() if rank == 0 else run, cfg, **kwargs)
-    if rank == 0 and record.summary and (line := stages.load(record.summary)(run, manifest)) is not None:
-        print(line)
+    manifest = run_function(run, cfg, **{o.arg: values[o.name] for o in opts if o.arg})
+    if record.summary and env_rank()[0] == 0 and (line := stages.load(record.summary)(run, manifest)) is not None:
+        print(line)  # rank 0's alone: the other ranks of a torchrun ran the same stage
 
 
 def add_stage_command(record: stages.Stage) -> None:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
+from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.progress import Progress, log
 from draftsmith.rundir import RunDir, fingerprinted
@@ -132,6 +133,10 @@ def run_train(run, cfg) -> dict:
     With train.processes > 1 outside torchrun, launches that many local ranks (they journal
     their own failures).
     """
+    if env_rank()[0] == 0:
+        # the run folder, before the launch writes the ranks' config into it and before any rank's lock: made by
+        # rank 0 alone, so that the ranks of a torchrun do not race to create it
+        run.ensure()
     if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
         return launch_ranks(run, cfg, STAGE)
     return _train(run, cfg)
