@@ -10,6 +10,7 @@ traceback on the terminal.
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import logging
 import os
@@ -48,11 +49,19 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# a string, not a Path: typer turns --run '' into Path('.'), the current folder, which RunDir must refuse
-RunOpt = Annotated[str, typer.Option("--run", help="The run directory (created if missing).")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option(
-    "--set", help="Override a config key: --set train.lr=3e-4 (repeatable).")]
+
+def annotated(opt: stages.Option):
+    """A record's option as the annotation Typer reads a command's parameter by, and the parameter's default."""
+    info = typer.Option(*opt.flags, help=opt.help)
+    if opt.type is bool:
+        return Annotated[bool, info], False
+    kind = list[opt.type] if opt.multiple else opt.type
+    if opt.required:
+        return Annotated[kind, info], inspect.Parameter.empty
+    return Annotated[Optional[kind], info], None
+
+
+SetOpt = annotated(stages.SETS)[0]
 
 
 def stage_config(config: Path | None, sets: list[str] | None, **options):
@@ -74,177 +83,44 @@ def torch_threads(cfg) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# Stage commands. Each imports its stage inside its body, after its config is read: the stages pull
-# in torch and transformers (~3 s), which `--help`, `status` and a config error must not pay for.
+# Stage commands, one per record of stages.REGISTRY, its options the record's. Each imports its stage
+# when it runs, after its config is read: the stages pull in torch and transformers (~3 s), which
+# `--help`, `status` and a config error must not pay for.
 
 
-def stage_command(name: str):
-    """Register a stage's command under its record's name, help and examples (stages.py); the function's
-    parameters are the command's options."""
-    record = stages.get(name)
-    return app.command(record.name, help=record.help, epilog=record.epilog)
-
-
-@stage_command("generate")
-def generate(
-    run: RunOpt,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    backend: Annotated[Optional[str], typer.Option(
-        "--backend", help="local (in-process, the default), openai (served model at --server), vllm (a vLLM server "
-        "generate starts itself) or dataset (the prompt file's own replies, no decoding).")] = None,
-    server: Annotated[Optional[list[str]], typer.Option(
-        "--server", help="Base URL of an OpenAI-compatible server (repeatable).")] = None,
-    prompts: Annotated[Optional[str], typer.Option(
-        "--prompts", help="Prompt file, or sharegpt / mt-bench / humaneval.")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Maximum new tokens per answer.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(
-        "--temperature", help="Sampling temperature (0 = greedy).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(
-        "--concurrency", help="Requests in flight (backends openai, vllm).")] = None,
-    retry_failed: Annotated[bool, typer.Option(
-        "--retry-failed", help="Retry the samples in generate/failures.jsonl.")] = False,
-):
-    cfg = stage_config(
-        config, sets,
-        **{"generate.backend": backend,
-           "generate.servers": json.dumps(server) if server else None,
-           "generate.prompts": json.dumps(prompts) if prompts is not None else None,
-           "generate.limit": limit, "generate.max_tokens": max_tokens, "generate.temperature": temperature,
-           "generate.concurrency": concurrency},
-    )
-    run_generate = stages.get("generate").run_function()
-    if cfg.generate.backend == "local":
+def run_stage(record: stages.Stage, values: dict) -> None:
+    """Run a stage as its command does: config from --config, --set and the options that set keys; torch's
+    threads taken if the record says so; the run function called with the options that are its arguments; the
+    record's summary line printed."""
+    opts = [o for o in record.options if o not in stages.COMMON]
+    cfg = stage_config(values[stages.CONFIG.name], values[stages.SETS.name],
+                       **{o.key: o.override(values[o.name]) for o in opts if o.key})
+    run_function = record.run_function()
+    if record.threads(cfg):
         torch_threads(cfg)
-    run_generate(RunDir(run), cfg, retry_failed=retry_failed)
+    run = RunDir(values[stages.RUN.name])
+    manifest = run_function(run, cfg, **{o.arg: values[o.name] for o in opts if o.arg})
+    if record.summary and env_rank()[0] == 0 and (line := stages.load(record.summary)(run, manifest)) is not None:
+        print(line)  # rank 0's alone: the other ranks of a torchrun ran the same stage
 
 
-@stage_command("prepare")
-def prepare(
-    run: RunOpt,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    max_length: Annotated[Optional[int], typer.Option(
-        "--max-length", help="Maximum tokens per sample (prepare.max_length).")] = None,
-    overflow: Annotated[Optional[str], typer.Option(
-        "--overflow", help="Longer samples: `truncate` or `drop` (prepare.overflow).")] = None,
-):
-    cfg = stage_config(config, sets, **{"prepare.max_length": max_length, "prepare.overflow": overflow})
-    run_prepare = stages.get("prepare").run_function()
-    run_prepare(RunDir(run), cfg)
+def add_stage_command(record: stages.Stage) -> None:
+    """Register `draftsmith <record.name>` with the record's help, examples and options."""
+    def command(**values) -> None:
+        run_stage(record, values)
+
+    params = []
+    for opt in record.options:
+        annotation, default = annotated(opt)
+        params.append(inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation))
+    command.__signature__ = inspect.Signature(params)  # what Typer reads the options from
+    command.__name__ = record.name
+    app.command(record.name, help=record.help, epilog=record.epilog)(command)
 
 
-@stage_command("vocab")
-def vocab(
-    run: RunOpt,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    draft_vocab_size: Annotated[Optional[int], typer.Option(
-        "--draft-vocab-size", help="Tokens in the draft vocabulary (vocab.draft_vocab_size).")] = None,
-):
-    cfg = stage_config(config, sets, **{"vocab.draft_vocab_size": draft_vocab_size})
-    run_vocab = stages.get("vocab").run_function()
-    run_vocab(RunDir(run), cfg)
-
-
-@stage_command("extract")
-def extract(
-    run: RunOpt,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    verify: Annotated[bool, typer.Option(
-        "--verify", help="Open every finished file (and check shard.json checksums); redo corrupt or truncated "
-        "ones.")] = False,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Go on even when the free disk space looks too small.")] = False,
-    rank: Annotated[Optional[int], typer.Option(
-        "--rank", help="This process's rank (shard i goes to rank i % world-size); default $RANK or 0.")] = None,
-    world_size: Annotated[Optional[int], typer.Option(
-        "--world-size", help="Number of extract processes; default $WORLD_SIZE or 1.")] = None,
-):
-    cfg = stage_config(config, sets)
-    run_extract = stages.get("extract").run_function()
-    torch_threads(cfg)
-    manifest = run_extract(RunDir(run), cfg, verify=verify, force=force, rank=rank, world_size=world_size)
-    if manifest is None:
-        log("this rank is done; extract/manifest.json is written when the other ranks finish", stage="extract")
-
-
-@stage_command("train")
-def train(
-    run: RunOpt,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    mode: Annotated[Optional[str], typer.Option(
-        "--mode", help="`offline` (from extract/) or `online` (target in-process, or vLLM with extract.backend=vllm) "
-        "(train.mode).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(
-        "--max-steps", help="Stop after this many optimizer steps (train.max_steps).")] = None,
-):
-    cfg = stage_config(config, sets, **{"train.mode": mode, "train.max_steps": max_steps})
-    run_train = stages.get("train").run_function()
-    torch_threads(cfg)
-    rank = env_rank()[0]
-    m = run_train(RunDir(run).ensure() if rank == 0 else RunDir(run), cfg)
-    if rank == 0:
-        c = m.get("counts", {})
-        val = (c.get("validation") or {}).get("acceptance_length")
-        print(f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
-              + (f", validation acceptance length {val:.2f}" if isinstance(val, (int, float)) else "")
-              + f" -> {RunDir(run).path / 'train' / 'final'}")
-
-
-@stage_command("export")
-def export(
-    run: RunOpt,
-    checkpoint: Annotated[Optional[str], typer.Option(
-        "--checkpoint", help="Checkpoint folder (default: train/final, else the newest complete one).")] = None,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-):
-    cfg = stage_config(config, sets, **{"export.checkpoint": checkpoint})
-    run_export = stages.get("export").run_function()
-    m = run_export(RunDir(run), cfg)
-    print(f"exported {m['checkpoint']} -> {RunDir(run).stage_dir('export')}")
-
-
-@stage_command("eval")
-def eval_(
-    run: RunOpt,
-    engine: Annotated[Optional[str], typer.Option(
-        "--engine", help="`local`: draftsmith's own speculative decoding with the transformers target; `vllm`: a vLLM "
-        "server, counts from its /metrics.")] = None,
-    server: Annotated[Optional[str], typer.Option(
-        "--server", help="Engine vllm: a running vLLM server (URL) serving the target with this drafter, instead of "
-        "starting one (eval.server).")] = None,
-    drafter: Annotated[Optional[str], typer.Option(
-        "--drafter", help="A speculators-format drafter folder to evaluate instead of RUN/export "
-        "(eval.drafter).")] = None,
-    prompts: Annotated[Optional[str], typer.Option(
-        "--prompts", help="A prompt file or mt-bench, sharegpt, humaneval (default mt-bench).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="How many prompts.")] = None,
-    offset: Annotated[Optional[int], typer.Option("--offset", help="Skip this many prompts first.")] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option(
-        "--num-speculative-tokens", "-k", help="K, draft tokens per verification step.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(
-        "--temperature", help="Sampling temperature (0 = greedy).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens per answer.")] = None,
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-):
-    cfg = stage_config(config, sets, **{
-        "eval.engine": engine, "eval.server": server, "eval.drafter": drafter, "eval.prompts": prompts,
-        "eval.limit": limit, "eval.offset": offset,
-        "eval.num_speculative_tokens": num_speculative_tokens, "eval.temperature": temperature,
-        "eval.max_tokens": max_tokens})
-    run_eval = stages.get("eval").run_function()
-    from draftsmith.eval.report import REPORT_JSON, fmt_value
-    torch_threads(cfg)
-    m = run_eval(RunDir(run), cfg)
-    r = m["report"]
-    print(f"acceptance length {fmt_value(r['acceptance_length'])}, speedup {fmt_value(r['speedup'])}; "
-          f"report: {RunDir(run).stage_dir('eval') / REPORT_JSON}")
+for _record in stages.REGISTRY.values():
+    add_stage_command(_record)
 
 
 # -------------------------------------------------------------------------------------------------

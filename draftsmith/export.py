@@ -414,3 +414,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
                        extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name},
                        checked=[CONFIG_FILE, WEIGHTS_FILE])  # the card is rewritten by eval: not the drafter
+
+
+def summary(run: RunDir, manifest: dict) -> str:
+    """The line `draftsmith export` prints when done."""
+    return f"exported {manifest['checkpoint']} -> {run.stage_dir(STAGE)}"

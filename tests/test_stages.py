@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from draftsmith import DraftsmithError, stages
-from draftsmith.cli import app
+from draftsmith.cli import add_stage_command, app, main
 from draftsmith.config import load_config
 from draftsmith.demo import Calibration, expected_seconds, stage_groups
 from draftsmith.estimate import HARDWARE, CostContext, StageCost, cost_context, estimate, estimate_config, target_shape
 from draftsmith.pipeline import planned_stages, run_pipeline
 from draftsmith.rundir import RunDir
-from draftsmith.stages import Count, Stage
+from draftsmith.stages import COMMON, Count, Option, Stage
 from draftsmith.status import render_table, run_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,11 @@ FAKE = Stage(name="quantize", run="tests.fake_stage:run_quantize", section="expo
              inputs=("export/model.safetensors",), outputs=("quantize/parts.jsonl",),
              count=Count("lines", "parts.jsonl", same_unit=True), estimate=f"{__name__}:cost_quantize",
              help="Quantize the exported drafter.", examples=("draftsmith quantize --run runs/r1",),
-             demo_group="train")
+             demo_group="train",
+             options=(*COMMON,
+                      Option(("--dtype",), str, "Dtype of the parts (export.dtype).", key="export.dtype"),
+                      Option(("--bits", "-b"), int, "Bits per weight.", arg="bits")),
+             summary="tests.fake_stage:summary")
 
 
 @pytest.fixture()
@@ -96,6 +100,41 @@ def test_every_stage_has_its_command_with_its_records_help():
         assert all(line.split()[0] in ("draftsmith", "torchrun", "vllm", "(the") for line in s.examples)
 
 
+def test_a_new_record_gets_its_command_with_its_options(with_fake, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def run_quantize(run, cfg, bits=None):
+        calls.append((run.path, cfg.export.dtype, bits))
+        return {"parts": bits}
+
+    refs = {FAKE.run: run_quantize, FAKE.summary: lambda run, manifest: f"quantized to {manifest['parts']} bits"}
+    monkeypatch.setattr(stages, "load", refs.__getitem__)
+    monkeypatch.setattr(app, "registered_commands", list(app.registered_commands))  # the fake's command not kept
+    add_stage_command(FAKE)
+
+    main(["quantize", "--run", str(tmp_path / "r"), "--dtype", "float16", "-b", "4", "--set", "export.dtype=float32"])
+    assert calls == [(tmp_path / "r", "float16", 4)]  # the option's key wins over --set, as for every stage
+    assert capsys.readouterr().out == "quantized to 4 bits\n"
+    main(["quantize", "--run", str(tmp_path / "r")])
+    assert calls[1] == (tmp_path / "r", "bfloat16", None)  # not given: the config's default, the function's
+    capsys.readouterr()
+
+    main(["quantize", "--help"])
+    out = capsys.readouterr().out
+    assert "Quantize the exported drafter." in out and "-b, --bits <int>" in out and "Bits per weight." in out
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", "--run", str(tmp_path / "r"), "--bits", "four"])
+    assert e.value.code == 2
+    assert "Invalid value for '--bits' / '-b'" in capsys.readouterr().err
+
+
+def test_a_record_without_the_common_options_or_with_an_option_going_nowhere_is_refused():
+    with pytest.raises(ValueError, match="quantize: its options must include RUN, CONFIG and SETS"):
+        Stage(**{**FAKE.__dict__, "options": (Option(("--bits",), int, "Bits.", arg="bits"),)})
+    with pytest.raises(ValueError, match="option --bits needs a `key` or an `arg`"):
+        Stage(**{**FAKE.__dict__, "options": (*COMMON, Option(("--bits",), int, "Bits."))})
+
+
 @pytest.mark.parametrize("name", stages.names())
 def test_each_records_references_resolve(name):
     s = stages.get(name)
@@ -111,6 +150,11 @@ def test_each_records_references_resolve(name):
     assert hasattr(load_config(None), s.section)
     assert all(p.split("/")[0] in stages.REGISTRY for p in (*s.inputs, *s.outputs))
     assert all(p.split("/")[0] == name for p in s.outputs)
+    if s.summary:
+        assert stages.load(s.summary).__module__ == s.module  # in the stage's own module
+    assert {o.key.split(".")[0] for o in s.options if o.key} <= {s.section}
+    run_args = inspect.signature(fn).parameters
+    assert all(o.arg in run_args for o in s.options if o.arg)
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])

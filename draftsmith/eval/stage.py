@@ -121,6 +121,13 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     )
 
 
+def summary(run: RunDir, manifest: dict) -> str:
+    """The line `draftsmith eval` prints when done."""
+    r = manifest["report"]
+    return (f"acceptance length {fmt_value(r['acceptance_length'])}, speedup {fmt_value(r['speedup'])}; "
+            f"report: {run.stage_dir(STAGE) / REPORT_JSON}")
+
+
 def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir: Path, folder: str, info,
                record_fp: str, prompt_ids: list[str]) -> dict:
     """report.json's `agreement` (eval/agreement.py): this tau beside the validation one and the other engine's."""

@@ -118,6 +118,13 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     return manifest
 
 
+def summary(run: RunDir, manifest: dict | None) -> None:
+    """After `draftsmith extract`: a rank that finished before the others says so (the last one writes the
+    manifest); nothing more is printed."""
+    if manifest is None:
+        log("this rank is done; extract/manifest.json is written when the other ranks finish", stage=STAGE)
+
+
 def _remove_damaged(d) -> tuple[list[str], set | bool]:
     """store.remove_damaged over every shard meta.json describes: (what it found, the shards whose
     files must be opened to be judged; True: all of them)."""

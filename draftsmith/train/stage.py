@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.extract.vllm_backend import server_dtype
+from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.progress import Progress, log
 from draftsmith.rundir import RunDir, fingerprinted
@@ -132,9 +133,22 @@ def run_train(run, cfg) -> dict:
     With train.processes > 1 outside torchrun, launches that many local ranks (they journal
     their own failures).
     """
+    if env_rank()[0] == 0:
+        # the run folder, before the launch writes the ranks' config into it and before any rank's lock: made by
+        # rank 0 alone, so that the ranks of a torchrun do not race to create it
+        run.ensure()
     if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
         return launch_ranks(run, cfg, STAGE)
     return _train(run, cfg)
+
+
+def summary(run: RunDir, manifest: dict) -> str:
+    """The line `draftsmith train` prints when done: steps, tokens, the validation acceptance length if measured."""
+    c = manifest.get("counts", {})
+    val = (c.get("validation") or {}).get("acceptance_length")
+    return (f"trained {c.get('done')} steps ({c.get('tokens')} tokens)"
+            + (f", validation acceptance length {val:.2f}" if isinstance(val, (int, float)) else "")
+            + f" -> {run.path / STAGE / 'final'}")
 
 
 @stage_run(STAGE)
