@@ -73,15 +73,18 @@ def console_line(line: str) -> None:
 
 
 def log(msg: str, *, stage: str | None = None, console: bool = True) -> None:
-    """One log line, flushed at once, mirrored into the active stage's stage.log."""
+    """One log line, flushed at once, mirrored into the active stage's stage.log. On the console rank 0's only; in
+    the file every rank's, another rank's tagged with its number (ranks share the file: an untagged line said twice
+    reads as one event twice, and a rank's own trouble would look like rank 0's)."""
     rank, _ = env_rank()
-    line = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "") + scrub(msg)
+    head = f"{time.strftime('%H:%M:%S')} " + (f"[{stage}] " if stage else "")
+    line = head + scrub(msg)
     with _log_lock:
         if console and rank == 0:
             console_line(line)
         if _current_log:
             with contextlib.suppress(OSError), open(_current_log[-1], "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+                f.write((line if rank == 0 else f"{head}rank {rank}: {scrub(msg)}") + "\n")
 
 
 class Progress:

@@ -1218,6 +1218,9 @@ def test_a_stop_of_two_ranks_checkpoints_the_same_step_on_both(synth_run, tiny8,
         assert row["train"]["state"] == "interrupted", row["train"]
     log = run.path / "train" / "stage.log"
     assert ck.is_dir(), (err, log.read_text()[-3000:] if log.exists() else "no stage.log")
+    said = log.read_text()  # each rank says it got the signal, once; rank 1's line tagged as its own
+    assert said.count("] SIGTERM: stopping after this step") == 1, said[-3000:]
+    assert said.count("] rank 1: SIGTERM: stopping after this step") == 1, said[-3000:]
     steps = sorted(int(x.name[5:]) for x in ck.iterdir() if x.name.startswith("step_") and (x / "state.json").exists())
     assert steps and 5 <= steps[-1] < 300 and steps[-1] % 500, steps
     r = run_cli(*cli_args(run, tiny8, **sets), env=THREADS, check=True)

@@ -1,0 +1,70 @@
+"""Where each `train.*` key of the YAML is read in the code: the files a reader follows from the config to where the
+key acts (issue 57's measure of how spread the training config is).
+
+    .venv/bin/python bench/config_trace.py [REPO]      # REPO: a checkout (default: this one)
+
+Static and a lower bound: a read is `<x>.train.<key>`, or `<alias>.<key>` where the alias is bound to `<x>.train`
+(an assignment, a parameter named tc or typed TrainConfig, an attribute named tc); a value passed on as an argument
+is followed no further. The keys are TrainConfig's fields in config.py. Prints the files that read keys, and the
+keys read in more than one file (those a reader must follow across files).
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+ALIAS_NAMES = ("tc", "train_cfg")
+
+
+def train_keys(root: Path) -> set[str]:
+    tree = ast.parse((root / "draftsmith" / "config.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainConfig":
+            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+    raise SystemExit(f"{root}/draftsmith/config.py: no TrainConfig")
+
+
+def is_train(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "train"
+
+
+def keys_read(path: Path, keys: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    aliases = set(ALIAS_NAMES)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and is_train(n.value):
+            aliases |= {x.id for x in n.targets if isinstance(x, ast.Name)}
+        if isinstance(n, ast.arg) and n.annotation is not None and "TrainConfig" in ast.unparse(n.annotation):
+            aliases.add(n.arg)
+    read = set()
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and n.attr in keys):
+            continue
+        holder = n.value
+        name = holder.id if isinstance(holder, ast.Name) else holder.attr if isinstance(holder, ast.Attribute) else None
+        if is_train(holder) or name in aliases:
+            read.add(n.attr)
+    return read
+
+
+def main(root: Path) -> None:
+    keys = train_keys(root)
+    files = {}
+    for path in sorted((root / "draftsmith").rglob("*.py")):
+        if path.name != "config.py" and (read := keys_read(path, keys)):
+            files[str(path.relative_to(root / "draftsmith"))] = read
+    print(f"{len(keys)} train keys; {len(files)} files read them; {sum(map(len, files.values()))} (file, key) reads")
+    for name, read in sorted(files.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        print(f"  {len(read):3d} {name}")
+    by_key: dict[str, list[str]] = {}
+    for name, read in files.items():
+        for k in read:
+            by_key.setdefault(k, []).append(name)
+    spread = {k: v for k, v in sorted(by_key.items()) if len(v) > 1}
+    print(f"keys read in more than one file: {len(spread)}; never read: {sorted(keys - set(by_key)) or 'none'}")
+    for k, names in spread.items():
+        print(f"  {k}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
