@@ -341,12 +341,11 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
-    if (old := book.up_to_date(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)))) is not None:
+    if (old := book.skip_or_begin(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)),
+                                  said=lambda m: f"step {m['counts'].get('step')}")) is not None:
         if why := write_card(run, dest, speculative_config(dest, kinds.served_tokens(meta)), cfg.export.repo_id):
             log(f"warning: {why}", stage=STAGE)  # (export.repo_id may have changed: the card is rewritten here)
-        log(f"up to date (step {old['counts'].get('step')}); nothing to do", stage=STAGE)
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
-    book.begin()
 
     dtype_name = cfg.export.dtype
     out_dtype = getattr(torch, dtype_name)

@@ -144,15 +144,26 @@ class StageBook:
             log(f"{problem}: done again", stage=self.name)
         return None
 
+    def skip(self, outputs_ok: bool = True, said: Callable[[dict], str] | None = None,
+             holds: Callable[[dict], bool] | None = None) -> dict | None:
+        """The previous manifest when the stage is up to date (up_to_date) and, given `holds`, its outputs
+        still hold on a closer look than the checked files' hashes (extract: a stat of every file, the damaged
+        ones removed), with the line `up to date (<said(manifest)>); nothing to do` when `said` is given; else
+        None. skip_or_begin begins then; a stage that must check more first calls begin itself (train: a bad
+        value leaves a finished run as it was; extract: under the ranks' lock, after its store's own check)."""
+        old = self.up_to_date(outputs_ok)
+        if old is None or (holds is not None and not holds(old)):
+            return None
+        if said is not None:
+            log(f"up to date ({said(old)}); nothing to do", stage=self.name)
+        return old
+
     def skip_or_begin(self, outputs_ok: bool = True, said: Callable[[dict], str] | None = None) -> dict | None:
-        """The previous manifest when the stage is up to date (up_to_date), with the line `up to date
-        (<said(manifest)>); nothing to do` when `said` is given; else None, and the stage begun (begin)."""
-        if (old := self.up_to_date(outputs_ok)) is not None:
-            if said is not None:
-                log(f"up to date ({said(old)}); nothing to do", stage=self.name)
-            return old
-        self.begin()
-        return None
+        """The previous manifest when the stage is up to date (skip, its line when `said` is given); else None,
+        and the stage begun (begin)."""
+        if (old := self.skip(outputs_ok, said)) is None:
+            self.begin()
+        return old
 
     def progress(self, total: int | None, unit: str, **kwargs) -> Progress:
         """The stage's progress reporter (journal, heartbeats, log lines) in its folder, stalled after the

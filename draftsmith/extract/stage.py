@@ -27,7 +27,6 @@ from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, M
                                       StoreFormat, shard_name, shard_ranges)
 from draftsmith.journal import env_rank
 from draftsmith.prepared_format import Prepared, index_prepared, prepared_path
-from draftsmith.progress import log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
@@ -61,17 +60,23 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     fmt = extract_cfg.format
     settings.update(fmt.settings)
     book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
-    if not verify and (current := book.up_to_date()) is not None:
-        # complete by its manifest; every file still the size its shard recorded (stat only, fast)
+    damaged: list[str] = []  # files of a store complete by its manifest that changed since (whole, below)
+
+    def whole(current: dict) -> bool:
+        """Every file of the store complete by its manifest still the size its shard recorded (stat only,
+        fast); the changed ones go, and `verify` becomes the shards whose record went with them."""
+        nonlocal damaged, verify
         with store.ranks_lock(run.path / STAGE):
             damaged, verify = _remove_damaged(run.path / STAGE)
             if damaged:  # no longer complete: no rank (nor `run`) may take the old manifest as done
                 run.invalidate(STAGE)
-        if not damaged:
-            log(f"up to date ({current['counts']['done']} samples; --verify re-checks the files)", stage=STAGE)
-            return current
-    else:
-        damaged = []
+        return not damaged
+
+    # begun below, under the ranks' lock once the store is checked (a rank may complete it meanwhile)
+    current = book.skip(outputs_ok=not verify, holds=whole,
+                        said=lambda m: f"{m['counts']['done']} samples; --verify re-checks the files")
+    if current is not None:
+        return current
 
     # -- the store: this attempt's meta.json; not complete from here unless it already is -----------
     prepared = index_prepared(run, info.vocab_size, by="draftsmith extract")
@@ -87,10 +92,8 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     d = run.stage_dir(STAGE)
     with store.ranks_lock(d):
         store.check_store(d, meta, extract_cfg.overwrite)
-        if book.up_to_date() is None:
-            book.begin()  # a manifest of other settings goes; config.yaml is written
-        else:  # --verify of a complete store: it stays complete unless a file turns out bad (below)
-            book.write_config()
+        if book.skip_or_begin() is not None:  # complete (another rank finished it meanwhile, or --verify of a
+            book.write_config()  # complete store): it stays so unless a file turns out bad (below); else begun
         store.write_meta(d, meta)
 
     shards = shard_ranges(len(prepared), extract_cfg.shard_size)

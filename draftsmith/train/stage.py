@@ -229,10 +229,8 @@ def read_inputs(run, cfg, ranks: Ranks, started: float) -> Inputs:
 def finished_run(run, inputs: Inputs) -> dict | None:
     """The manifest of the finished run when it is up to date with these inputs (nothing to do),
     else None."""
-    done = inputs.book.up_to_date(outputs_ok=(run.path / STAGE / "final" / CKPT_STATE).is_file())
-    if done is not None:
-        say(f"up to date ({done['counts'].get('done')} steps); nothing to do")
-    return done
+    return inputs.book.skip(outputs_ok=(run.path / STAGE / "final" / CKPT_STATE).is_file(),
+                            said=lambda m: f"{m['counts'].get('done')} steps")
 
 
 def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack, cpu0: float) -> TrainState:
@@ -265,7 +263,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                 or (state.get("resume_fingerprint") == resume_fp and int(state.get("step", 0)) <= total_steps))
 
     if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
-        book.begin()
+        book.begin()  # finished_run's book.skip said not up to date; begun only now, the inputs checked above
         clear_for_attempt(folder, continues, fp, say)
     if ranks.world > 1:
         dist.barrier()
