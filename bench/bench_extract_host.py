@@ -19,7 +19,9 @@ process's torch threads at every core (what the CLI's thread policy sets on an i
   sized:  host.extract_threads for this machine with --busy cores taken (default 0: an idle node, as the seed's
           was when its policy ran; a live reading here would count the other work sharing this machine, which
           comes and goes between passes) and no server of its own.
-Each way's sizes replace vllm_backend.host_threads; the code path is otherwise the user's.
+Each way's sizes replace vllm_backend.host_threads; the code path is otherwise the user's. --spinners N starts
+N processes that keep a core busy each, as vLLM's API server, engine core and workers do, and tells the rule they
+are the server's; their turns/s in each pass is how much CPU the extraction left them.
 Printed: each pass's tokens/s and tokens per CPU-second of this process (all its threads, the synthetic
 server's included), then per way the median (min, max) and the ratio sized/today of each pair, with the CPU
 model, its flags and the load average before and after. On a machine shared with other work, tokens/s also
@@ -33,6 +35,8 @@ import json
 import os
 import shutil
 import statistics
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +61,33 @@ from draftsmith.rundir import RunDir  # noqa: E402
 from draftsmith.target import target_info  # noqa: E402
 
 LAYERS = 61  # Kimi-K2.5's decoder layers (its recipe extracts through vLLM); only the ids in the files depend on it
+# a process that keeps a core busy as vLLM's engine core and workers do, writing its count of turns (of 100,000
+# empty loops each) to the file named by its argument: how much CPU it got beside the extraction
+SPIN = ("import os, struct, sys\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nn = 0\nwhile True:\n"
+        "    for _ in range(100000):\n        pass\n    n += 1\n    os.pwrite(fd, struct.pack('<Q', n), 0)\n")
+
+
+class Spinners:
+    """`n` SPIN processes; `turns()` is the sum of their counts so far."""
+
+    def __init__(self, n: int, folder: Path):
+        self.files = [folder / f"spin-{k}" for k in range(n)]
+        for f in self.files:
+            f.write_bytes(bytes(8))
+        self.procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(f)]) for f in self.files]
+
+    def turns(self) -> int:
+        total = 0
+        for f in self.files:
+            with open(f, "rb") as fh:
+                data = fh.read(8)
+            total += struct.unpack("<Q", data)[0] if len(data) == 8 else 0
+        return total
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+            p.wait()
 
 
 def templates(folder: Path, info, hidden: int, length: int, distinct: int) -> tuple[dict, list[list[int]]]:
@@ -76,25 +107,27 @@ def templates(folder: Path, info, hidden: int, length: int, distinct: int) -> tu
     return prompts, recs
 
 
-def one_pass(way: str, work: Path, target: Path, samples: list[dict], cfg,
-             sizes: ExtractThreads) -> tuple[float, float]:
-    """(tokens/s, tokens per CPU-second of this process) of run_extract on a fresh run with these sizes."""
+def one_pass(way: str, work: Path, target: Path, samples: list[dict], cfg, sizes: ExtractThreads,
+             spinners: Spinners) -> tuple[float, float, float]:
+    """(tokens/s, tokens per CPU-second of this process, the spinners' turns/s) of run_extract on a fresh run
+    with these sizes."""
     run = RunDir(work / f"run-{way}")
     shutil.rmtree(run.path, ignore_errors=True)
     write_prepare(run, str(target), samples)
     measured = vllm_backend.host_threads
     vllm_backend.host_threads = lambda _cfg: sizes
     try:
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, s0 = time.perf_counter(), time.process_time(), spinners.turns()
         m = run_extract(run, cfg)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        spun = (spinners.turns() - s0) / seconds
     finally:
         vllm_backend.host_threads = measured
     shutil.rmtree(run.path, ignore_errors=True)
     if m is None or m["counts"]["done"] != len(samples):
         raise SystemExit(f"{way}: the store is not complete")
     tokens = sum(len(s["input_ids"]) for s in samples)
-    return tokens / seconds, tokens / cpu
+    return tokens / seconds, tokens / cpu, spun
 
 
 def main() -> None:
@@ -111,6 +144,9 @@ def main() -> None:
     ap.add_argument("--today-threads", type=int, default=None,
                     help="the process's torch threads (default: this machine's cores, what the CLI's policy sets on "
                     "an idle node); more stands in for a bigger node's count on these cores")
+    ap.add_argument("--spinners", type=int, default=0,
+                    help="processes keeping a core busy beside the extraction, as vLLM's do (told to the rule as the "
+                    "server's)")
     a = ap.parse_args()
 
     before = machine()
@@ -119,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(process)  # the CLI's policy on an idle node: every core, in each thread that runs an op
     c, w = a.concurrency, a.writers
     ways = {"today": ExtractThreads(c, c, w, process, cores, "today's sizes: every thread at the process's count"),
-            "sized": extract_threads(cores, a.busy, 0, c, w)}
+            "sized": extract_threads(cores, a.busy, a.spinners, c, w)}
     work = Path(tempfile.mkdtemp(prefix="bench-extract-host-", dir=a.dir))
     try:
         target = extract_target(work / "target", a.hidden, LAYERS)
@@ -129,6 +165,7 @@ def main() -> None:
                     "truncated": False} for i in range(a.samples)]
         tokens = sum(len(s["input_ids"]) for s in samples)
         server = SyntheticExtractServer(work, prompts)
+        spinners = Spinners(a.spinners, work)
         try:
             cfg = load_config(None, [f"target={target}", "dtype=bfloat16", "extract.backend=vllm",
                                      f"extract.servers={json.dumps([server.url])}", "extract.store_format=fp8",
@@ -141,18 +178,23 @@ def main() -> None:
                 print(f"{way}: {sizes.line()}", flush=True)
             rates: dict[str, list[float]] = {way: [] for way in ways}
             per_cpu: dict[str, list[float]] = {way: [] for way in ways}
+            spun: dict[str, list[float]] = {way: [] for way in ways}
             for p in range(a.passes):
                 for way, sizes in ways.items():
-                    r, e = one_pass(way, work, target, samples, cfg, sizes)
+                    r, e, t = one_pass(way, work, target, samples, cfg, sizes, spinners)
                     rates[way].append(r)
                     per_cpu[way].append(e)
+                    spun[way].append(t)
                     print(f"pass {p + 1} {way}: {r:,.0f} tokens/s, {e:,.0f} tokens per CPU-second, "
-                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                          + (f"spinners {t:,.1f} turns/s, " if a.spinners else "")
+                          + f"load {os.getloadavg()[0]:.1f}", flush=True)
         finally:
+            spinners.close()
             server.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for what, xs in (("tokens/s", rates), ("tokens per CPU-second", per_cpu)):
+    for what, xs in (("tokens/s", rates), ("tokens per CPU-second", per_cpu)) + (
+            (("spinners' turns/s", spun),) if a.spinners else ()):
         ratios = [s / t for s, t in zip(xs["sized"], xs["today"])]
         print(f"{what}: today {spread(xs['today'])}, sized {spread(xs['sized'])}; sized / today pass by pass "
               f"{spread(ratios)}, mean {statistics.mean(ratios):.3g}")
