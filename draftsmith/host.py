@@ -175,8 +175,9 @@ def extract_threads(cores: int, busy: float, server_processes: int, concurrency:
       capped at its guessed share would leave cores idle while the other waits;
     - torch threads of each of those = the cores left shared among them, at least 1. Gotcha: torch's default
       is every core for each thread that runs an op, so 32 fetch threads and 4 writers beside vLLM ran up to
-      36 x (all cores) OpenMP threads, each team's idle threads spinning (bench/bench_extract_host.py measures
-      today's sizes against these)."""
+      36 x (all cores) OpenMP threads, each team's idle threads spinning; on 2 cores the sized threads ran
+      1.03-1.11x faster alone and left a process spinning beside them, as vLLM's do, 3.3x the CPU
+      (bench/bench_extract_host.py, docs/experiments/extract.md)."""
     left = max(1, cores - int(busy + 0.5) - server_processes)
     cpu, w = min(concurrency, left), min(writers, left)
     torch_each = max(1, left // (cpu + w))
@@ -198,7 +199,7 @@ def sized_torch_threads(fn, n: int):
     process = torch.get_num_threads()
 
     def run(*args, **kwargs):
-        torch.get_num_threads()
+        torch.get_num_threads()  # initialises this thread's count, so that the next line's stays (see above)
         torch.set_num_threads(n)
         try:
             return fn(*args, **kwargs)

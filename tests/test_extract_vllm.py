@@ -250,7 +250,7 @@ def test_requests_in_flight_are_bounded(tmp_path, tiny8, fake_server):
 
 @pytest.mark.parametrize("cores, busy, server, concurrency, writers, want", [
     # (fetch, cpu, writers, torch each): an 8-GPU node of 192 cores, its server's API server, engine core and
-    # 8 workers: 182 left for 32 fetch threads and 4 writers, 5 torch threads each (today: 182 each)
+    # 8 workers: 182 left for 32 fetch threads and 4 writers, 5 torch threads each (before: 192 each)
     (192, 0.0, 10, 32, 4, (32, 32, 4, 5)),
     (16, 1.4, 3, 32, 4, (32, 12, 4, 1)),  # one GPU, a core busy: 12 left, fewer than the fetch threads
     (2, 0.0, 3, 16, 4, (16, 1, 1, 1)),    # vLLM-CPU on 2 cores: one core whatever is left, writers capped
