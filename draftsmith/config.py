@@ -165,7 +165,8 @@ class ExtractConfig(_Section):
         "both stay readable.")
     writers: int = Field(
         4, ge=1, le=64, description="Writer threads that encode, hash and write sample files side by side "
-        "(files are fsynced in groups, about once a second and at each shard's end, then named done).")
+        "(files are fsynced in groups, about once a second and at each shard's end, then named done). Backend vllm: "
+        "at most the cores its server leaves (host.extract_threads; the stage's log says the counts).")
     overwrite: bool = Field(
         False, description="When extract/ holds a store built with other layers, target or prepare output, delete it "
         "and start over (else refuse).")
@@ -173,7 +174,9 @@ class ExtractConfig(_Section):
         default_factory=list, description="Running vLLM extraction servers (backend vllm), base URLs like "
         "http://host:8000/v1; they must capture extract.layers + [N] and write their files where this process can read "
         "them. Unset: draftsmith starts one from the vLLM environment.")
-    concurrency: int = Field(16, ge=1, description="Requests in flight at once over all servers (backend vllm).")
+    concurrency: int = Field(
+        16, ge=1, description="Requests in flight at once over all servers (backend vllm), one fetch thread each; "
+        "at most as many as the cores the server leaves read and check their files at once (host.extract_threads).")
     retries: int = Field(
         3, ge=0, description="Retries of a sample whose request or states fail (backend vllm); then it is recorded in "
         "extract/failures.jsonl.")

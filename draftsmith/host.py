@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -79,6 +80,11 @@ def busy_cores(window_s: float = 0.25) -> tuple[float, str]:
     return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), "load average"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu: bool = False) -> tuple[int, str]:
     """(torch threads for each of `ranks` processes on this node, why); ranks defaults to this
     process's LOCAL_WORLD_SIZE; gpu: the ranks compute on GPUs.
@@ -92,7 +98,7 @@ def threads_per_rank(requested: int | None = None, ranks: int | None = None, gpu
     ran several times slower than one (27 vs 120 training tokens/s here). So, unless `threads` (the
     config key) or OMP_NUM_THREADS (torchrun sets 1 per rank) says otherwise: the cores this process
     may use, less those busy with other work now (busy_cores), shared among this node's ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     ranks = max(1, ranks if ranks is not None else local_world_size())
     if requested is not None:
         return requested, f"{requested} torch thread{'s' if requested > 1 else ''} (set by `threads`)"
@@ -127,6 +133,80 @@ def thread_policy(requested: int | None = None, device: str | None = None) -> tu
     n, why = threads_per_rank(requested, gpu=gpu)
     torch.set_num_threads(n)
     return n, why
+
+
+# -------------------------------------------------------------------------------------------------
+# Extraction's host threads (extract.backend=vllm)
+
+# A vLLM server's processes that keep a host core each while it serves, beside one worker per GPU: its API
+# server (HTTP, detokenising) and its engine core (the scheduler's busy loop).
+VLLM_SERVER_PROCESSES = 2
+
+
+@dataclass(frozen=True)
+class ExtractThreads:
+    """extract_threads' sizes: fetch threads (requests in flight), how many of them read and check a connector
+    file at once (cpu), the store's writer threads, and the torch intra-op threads each of those uses."""
+
+    fetch: int
+    cpu: int
+    writers: int
+    torch: int
+    cores_left: int
+    why: str
+
+    def line(self) -> str:
+        return (f"extraction host threads: {self.fetch} fetch ({self.cpu} reading and checking at once), "
+                f"{self.writers} writers, {self.torch} torch thread{'s' if self.torch > 1 else ''} each ({self.why})")
+
+
+def extract_threads(cores: int, busy: float, server_processes: int, concurrency: int, writers: int) -> ExtractThreads:
+    """Threads of extraction's host side (extract.backend=vllm) on a node of `cores` cores where `busy` are taken
+    by other work now and `server_processes` more will be by the vLLM server this process starts (its
+    VLLM_SERVER_PROCESSES and one worker per GPU; 0 for servers already running or elsewhere).
+
+    What runs: the GPUs do the model's work; the host reads each connector file, checks it and norms its last
+    state (a fetch thread), then quantises, hashes and writes it (a writer thread), on the cores vLLM's
+    processes leave. So:
+    - fetch threads = extract.concurrency: each holds one request open and mostly waits on the server (I/O);
+    - at most `cores_left` of them read and check a file at once (the CPU part), and writers = extract.writers,
+      at most `cores_left`: more threads than cores only take turns, holding a state each in memory. Each part
+      is capped alone, not the two together: the OS gives the cores to whichever part has work, where a part
+      capped at its guessed share would leave cores idle while the other waits;
+    - torch threads of each of those = the cores left shared among them, at least 1. Gotcha: torch's default
+      is every core for each thread that runs an op, so 32 fetch threads and 4 writers beside vLLM ran up to
+      36 x (all cores) OpenMP threads, each team's idle threads spinning; on 2 cores the sized threads ran
+      1.03-1.11x faster alone and left a process spinning beside them, as vLLM's do, 3.3x the CPU
+      (bench/bench_extract_host.py, docs/experiments/extract.md)."""
+    left = max(1, cores - int(busy + 0.5) - server_processes)
+    cpu, w = min(concurrency, left), min(writers, left)
+    torch_each = max(1, left // (cpu + w))
+    why = (f"{cores} cores, {busy:.1f} busy, {server_processes} for the vLLM server: {left} left"
+           + (f"; extract.writers {writers} capped at the cores left" if w < writers else ""))
+    return ExtractThreads(concurrency, cpu, w, torch_each, left, why)
+
+
+def sized_torch_threads(fn, n: int):
+    """`fn` made to run its torch ops on `n` intra-op threads in whichever pool thread calls it.
+
+    Gotcha: torch.set_num_threads in any thread also sets the count that every thread computing later starts
+    with (torch 2.13: after a pool thread set 1, the next new thread got 1; the main thread kept its own). So
+    the count is put back to the calling process's after each call, and the thread that wraps `fn` fixes its
+    own count first (torch.get_num_threads initialises it), as the training data thread that owns an online
+    run's fetch pool must keep its own. Likewise each pool thread initialises its count before setting it: a
+    thread's first op otherwise takes the count other threads last set over the one it set itself (seen here:
+    fetch threads computing on the process's 3 after setting 1)."""
+    process = torch.get_num_threads()
+
+    def run(*args, **kwargs):
+        torch.get_num_threads()  # initialises this thread's count, so that the next line's stays (see above)
+        torch.set_num_threads(n)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(process)
+
+    return run
 
 
 def gpu_names() -> list[str] | None:

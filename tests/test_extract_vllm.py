@@ -248,6 +248,81 @@ def test_requests_in_flight_are_bounded(tmp_path, tiny8, fake_server):
     assert srv.max_inflight == 3  # several at a time, never more than extract.concurrency
 
 
+@pytest.mark.parametrize("cores, busy, server, concurrency, writers, want", [
+    # (fetch, cpu, writers, torch each): an 8-GPU node of 192 cores, its server's API server, engine core and
+    # 8 workers: 182 left for 32 fetch threads and 4 writers, 5 torch threads each (before: 192 each)
+    (192, 0.0, 10, 32, 4, (32, 32, 4, 5)),
+    (16, 1.4, 3, 32, 4, (32, 12, 4, 1)),  # one GPU, a core busy: 12 left, fewer than the fetch threads
+    (2, 0.0, 3, 16, 4, (16, 1, 1, 1)),    # vLLM-CPU on 2 cores: one core whatever is left, writers capped
+    (2, 0.0, 0, 32, 4, (32, 2, 2, 1)),    # servers elsewhere (extract.servers): both cores
+    (64, 0.0, 0, 2, 1, (2, 2, 1, 21)),    # few threads on many cores: they share them
+])
+def test_extraction_host_threads_are_sized_to_what_runs(cores, busy, server, concurrency, writers, want):
+    from draftsmith.host import extract_threads
+
+    t = extract_threads(cores, busy, server, concurrency, writers)
+    assert (t.fetch, t.cpu, t.writers, t.torch) == want
+    assert t.cpu <= t.cores_left and t.writers <= t.cores_left  # each part at most the cores left, torch 1 or
+    assert t.torch == 1 or t.torch * (t.cpu + t.writers) <= t.cores_left  # the two parts' threads fill them
+    assert ("capped at the cores left" in t.line()) == (t.writers < writers)
+
+
+def test_pool_threads_run_torch_on_their_sized_count(tmp_path, tiny8, fake_server, monkeypatch, capsys):
+    """The fetch threads' checks and norm and the writers' encoding run on host.extract_threads' torch count,
+    at most `cpu` fetch threads in their CPU part at once, and the sizes are said in one line; the process's
+    own count is untouched, also for a thread that starts computing afterwards (torch.set_num_threads in a
+    thread sets what later threads get). Before: every pool thread ran its ops on the process's count, all
+    fetch threads at once, extract.writers writers whatever the cores."""
+    from draftsmith.extract import store, vllm_backend
+
+    samples = make_samples(target_info(str(tiny8)).vocab_size)
+    srv = fake_server(tiny8, delay_s=0.0)
+    run = RunDir(tmp_path / "vllm")
+    write_prepare(run, str(tiny8), samples)
+    # 20 cores, 18 busy, servers elsewhere: 2 left for 4 fetch threads and 3 writers -> 2 at once, 2 writers, 1 each
+    monkeypatch.setattr(vllm_backend, "usable_cores", lambda: 20)
+    monkeypatch.setattr(vllm_backend, "busy_cores", lambda: (18.0, "test"))
+    seen: dict[str, set] = {"fetch": set(), "write": set()}
+    active, most, lock = [0], [0], threading.Lock()
+    norm_call, encode = FinalNorm.__call__, store.sample_tensors
+
+    def norm(self, x):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            seen["fetch"].add(torch.get_num_threads())
+        time.sleep(0.05)  # the CPU parts would overlap if nothing bounded them
+        try:
+            return norm_call(self, x)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    def sample_tensors(*args, **kw):
+        seen["write"].add(torch.get_num_threads())
+        return encode(*args, **kw)
+
+    monkeypatch.setattr(FinalNorm, "__call__", norm)
+    monkeypatch.setattr(store, "sample_tensors", sample_tensors)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # the process's count, which no pool thread may take or change
+    try:
+        m = run_extract(run, vllm_cfg(tiny8, [srv.url], "extract.concurrency=4", "extract.writers=3"))
+        after: list[int] = []
+        t = threading.Thread(target=lambda: after.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert torch.get_num_threads() == 3 and after == [3]
+    finally:
+        torch.set_num_threads(before)
+    assert m is not None and m["counts"]["done"] == len(samples)
+    assert seen == {"fetch": {1}, "write": {1}}
+    assert most[0] == 2  # cpu = min(concurrency 4, 2 cores left): two overlap, never more
+    out = capsys.readouterr().out
+    assert out.count("extraction host threads: 4 fetch (2 reading and checking at once), 2 writers, 1 torch "
+                     "thread each (20 cores, 18.0 busy, 0 for the vLLM server: 2 left; extract.writers 3 capped") == 1
+
+
 def test_bad_states_are_retried(tmp_path, tiny8, fake_server):
     samples = make_samples(target_info(str(tiny8)).vocab_size)
     kinds = ["nan", "short", "missing", "echo", "http500", "drop"]

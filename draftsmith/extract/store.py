@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import DraftsmithError
+from draftsmith.host import sized_torch_threads
 from draftsmith.prepared_format import Prepared
 from draftsmith.progress import log
 from draftsmith.rundir import (DiskFull, RunDir, atomic_write_json, file_lock, file_sha256, fsync_dir, fsync_paths,
@@ -146,13 +147,15 @@ class ShardWriter:
       all its files were committed. So a file under its final name is always whole and synced, a
       crash loses at most the uncommitted temp files (which resume removes), and no file is
       fsynced alone.
+    - `torch_threads`: the torch intra-op threads of each writer thread (host.extract_threads sizes them beside
+      vLLM); None: the process's count;
     - at most `depth` batches (default: one per thread) are held in memory; an error on any
       thread is raised in the caller at its next `write_batch` or at `close`. On an error the
       files already written whole are still committed (the next attempt keeps them).
     """
 
     def __init__(self, stage_dir: Path, layers: list[int], on_written=None, threads: int = 4, depth: int | None = None,
-                 fmt: StoreFormat = LEGACY):
+                 fmt: StoreFormat = LEGACY, torch_threads: int | None = None):
         self.stage_dir = stage_dir
         self.layers = layers
         self.fmt = fmt
@@ -166,6 +169,7 @@ class ShardWriter:
         self._cv = threading.Condition()
         self._shards: dict[tuple[int, int], _Shard] = {}
         self._stop = False
+        self._job = self._write_one if torch_threads is None else sized_torch_threads(self._write_one, torch_threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-writer")
         self._sync_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-fsync")
         self._committer = threading.Thread(target=self._commit_loop, name="extract-commit", daemon=True)
@@ -196,7 +200,7 @@ class ShardWriter:
         with self._cv:
             self._shards.setdefault(shard, _Shard()).jobs += len(indices)
         for b, (i, s) in enumerate(zip(indices, samples)):
-            self._pool.submit(self._write_one, shard, i, s, aux, last, b, left)
+            self._pool.submit(self._job, shard, i, s, aux, last, b, left)
 
     def finish_shard(self, shard: tuple[int, int]) -> None:
         """Every sample of the shard was queued (or is on disk from an earlier attempt): seal it."""

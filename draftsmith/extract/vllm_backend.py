@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -53,7 +54,8 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
-from draftsmith.host import pick_device, pick_dtype
+from draftsmith.host import (VLLM_SERVER_PROCESSES, ExtractThreads, busy_cores, extract_threads, gpu_names,
+                             pick_device, pick_dtype, sized_torch_threads, usable_cores)
 from draftsmith.target import language_model_names, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
 from draftsmith.vllm_server import MIN_VLLM, VLLMServer, on_cuda_machine, serving, vllm_python
@@ -220,6 +222,15 @@ def remove_file(path: str) -> None:
             os.unlink(p)
 
 
+def host_threads(cfg) -> ExtractThreads:
+    """host.extract_threads for this node now: the cores this process may use, those busy, and the server
+    draftsmith starts here (VLLM_SERVER_PROCESSES and a worker per GPU of the node: the recipes' tensor
+    parallelism spans them; one on vLLM-CPU), none for extract.servers (running ones are counted as busy)."""
+    busy, _ = busy_cores()
+    server = 0 if cfg.extract.servers else VLLM_SERVER_PROCESSES + max(1, len(gpu_names() or ()))
+    return extract_threads(usable_cores(), busy, server, cfg.extract.concurrency, cfg.extract.writers)
+
+
 # -------------------------------------------------------------------------------------------------
 # The client
 
@@ -229,13 +240,16 @@ class HiddenStatesClient:
 
     layers: the aux layer ids; num_layers, hidden_size: the target's; norm: its FinalNorm;
     dtype: what the servers compute in (their files must hold it).
+    threads: the host's sizes (host.extract_threads): at most `threads.cpu` fetch threads read and check a file
+    at once, each on `threads.torch` torch threads; None: every fetch thread at once, on the process's count.
     alive: an optional check called when a server stops answering (raises if a server
     draftsmith started has died, with its log).
     """
 
     def __init__(self, servers: list[str], layers: list[int], num_layers: int, hidden_size: int, norm: FinalNorm,
                  dtype: str, *, concurrency: int = 16, retries: int = 3, timeout_s: float = 600.0,
-                 backoff_s: float = 0.5, log: Callable[[str], None] = print, alive: Callable[[], None] | None = None):
+                 backoff_s: float = 0.5, log: Callable[[str], None] = print, alive: Callable[[], None] | None = None,
+                 threads: ExtractThreads | None = None):
         if not servers:
             raise DraftsmithError("extract.servers: no server to extract from")
         urls = [normalize_server(u, "extract.servers") for u in servers]
@@ -243,7 +257,8 @@ class HiddenStatesClient:
         self.ids = server_layer_ids(layers, num_layers)
         self.norm, self.dtype = norm, dtype
         self.concurrency, self.timeout_s = concurrency, timeout_s
-        self.log, self.alive = log, alive
+        self.log, self.alive, self.threads = log, alive, threads
+        self._cpu = threading.BoundedSemaphore(threads.cpu) if threads is not None else contextlib.nullcontext()
         self.http = OpenAIClient(urls, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  concurrency=concurrency, on_no_answer=self._no_answer)
         self.models: dict[str, str] = {}  # server -> the model name its requests carry
@@ -307,10 +322,17 @@ class HiddenStatesClient:
         if not path:
             raise DraftsmithError(f"extract.servers: {server} returned no kv_transfer_params.hidden_states_path: "
                                   "it does not run the extract_hidden_states method with a hidden-states connector")
-        try:
-            t, meta = wait_and_load(path, self.timeout_s)  # even when unusable: waits until it can be deleted
-        finally:
-            remove_file(path)
+        # the host's CPU part (read, check, norm) in at most threads.cpu fetch threads at once; the lock wait
+        # inside is short: the server answers once its file's write has started
+        with self._cpu:
+            try:
+                t, meta = wait_and_load(path, self.timeout_s)  # even when unusable: waits until it can be deleted
+            finally:
+                remove_file(path)
+            return self._checked(server, reply, path, t, meta, ids)
+
+    def _checked(self, server: str, reply: dict, path: str, t: dict, meta: dict, ids: list[int]):
+        """A loaded connector file's (aux, last) once its metadata, ids, shape, dtype and values pass."""
         echoed = (reply.get("choices") or [{}])[0].get("prompt_token_ids")
         if echoed is not None and list(echoed) != list(ids):
             raise BadReply(f"the server's prompt_token_ids ({len(echoed)} ids) differ from the sample's ({len(ids)})")
@@ -343,6 +365,7 @@ class HiddenStatesClient:
         any order; at most `concurrency` requests in flight and `items` read no further ahead.
         Any other error (servers down, a misconfigured server) stops it and is raised."""
         it = iter(items)
+        fetch = self.fetch if self.threads is None else sized_torch_threads(self.fetch, self.threads.torch)
         with cf.ThreadPoolExecutor(self.concurrency, thread_name_prefix="vllm-states") as pool:
             running: dict[cf.Future, Any] = {}
             try:
@@ -351,7 +374,7 @@ class HiddenStatesClient:
                         nxt = next(it, None)
                         if nxt is None:
                             break
-                        running[pool.submit(self.fetch, nxt[1])] = nxt[0]
+                        running[pool.submit(fetch, nxt[1])] = nxt[0]
                     if not running:
                         return
                     done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
@@ -372,13 +395,16 @@ class HiddenStatesClient:
 
 @contextlib.contextmanager
 def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log: Callable[[str], None],
-                busy=None) -> Iterator[HiddenStatesClient]:
+                busy=None, threads: ExtractThreads | None = None) -> Iterator[HiddenStatesClient]:
     """A connected HiddenStatesClient: on `extract.servers`, or on a server started here from
     the vLLM environment (log `stage_dir/vllm.log`, files under `stage_dir/.vllm_states` or
     extract.staging_dir; the server and that folder are gone when the context ends).
     `max_len`: the longest prompt; `busy(phase)`: a context that heartbeats while the server
-    starts (Progress.busy)."""
+    starts (Progress.busy); `threads`: the host's sizes (host_threads, measured here when None, before the
+    server starts), said in one line."""
     extract_cfg = cfg.extract
+    threads = threads or host_threads(cfg)
+    log(threads.line())
     norm = FinalNorm.of_target(info)
     dtype = server_dtype(cfg)
     srv = None
@@ -413,7 +439,7 @@ def open_client(cfg, info, layers: list[int], stage_dir: Path, max_len: int, log
         client = HiddenStatesClient(urls, layers, info.num_layers, info.hidden_size, norm, dtype,
                                     concurrency=extract_cfg.concurrency, retries=extract_cfg.retries,
                                     timeout_s=extract_cfg.timeout_s, backoff_s=extract_cfg.backoff_s, log=log,
-                                    alive=alive)
+                                    alive=alive, threads=threads)
         closing.callback(client.close)
         yield client.connect()
 
@@ -438,8 +464,9 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
     failed_shards: set = set()
     # depth: one sample per request in flight, so that every writer thread has work; progress counts a sample once
     # its file is committed (hf.py says why)
-    writer = ShardWriter(d, layers, on_written=prog.advance, threads=cfg.extract.writers,
-                         depth=max(2, cfg.extract.concurrency), fmt=cfg.extract.format)
+    threads = host_threads(cfg)  # measured before the server starts, which takes cores of its own
+    writer = ShardWriter(d, layers, on_written=prog.advance, threads=threads.writers,
+                         depth=max(2, cfg.extract.concurrency), fmt=cfg.extract.format, torch_threads=threads.torch)
 
     def items():
         for s in shards:
@@ -463,7 +490,7 @@ def extract_shards(run, cfg, info, layers: list[int], prepared, shards, todo, pr
         todo_n = sum(remaining.values())
         if todo_n:
             max_len = max(prepared.lengths[i] for s in shards for i in todo[s])
-            with open_client(cfg, info, layers, d, max_len, prog.log, prog.busy) as client:
+            with open_client(cfg, info, layers, d, max_len, prog.log, prog.busy, threads) as client:
                 t0 = time.time()
                 for (s, i, sample), res in client.map(items()):
                     if isinstance(res, SampleFailed):
