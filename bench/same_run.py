@@ -2,10 +2,11 @@
 
     .venv/bin/python bench/same_run.py RUN_A RUN_B
 
-Every data file of the two run folders by sha256, leaving out what holds times or paths by design (manifests, logs,
-journals, configs, reports, checkpoints' step folders); a safetensors file that differs is compared by its tensors
-and its metadata as a mapping (its header's key order is not data), a JSON file without its clocks; eval's
-acceptance length of each. Used to show that a refactor changed no behaviour (docs/experiments/house.md).
+Every data file of the two run folders by sha256, leaving out what holds times or paths by design (manifests,
+logs, journals, configs, reports, servers' logs, checkpoints' step folders); a safetensors file that differs is
+compared by its tensors and its metadata as a mapping (its header's key order is not data), a JSON or JSONL file
+without its clocks; eval's acceptance length of each. Used to show that a refactor changed no behaviour
+(docs/experiments/house.md).
 """
 
 import hashlib
@@ -18,12 +19,13 @@ from safetensors import safe_open
 
 TIMED = {"manifest.json", "stage.log", "progress.jsonl", "config.yaml", "heartbeat.json", "pipeline.json",
          "estimate.json", "metrics.jsonl", "README.md", "report.md", "report.json", "provenance.json", "run.json",
-         "shard.json", "state.json", "answers.jsonl", "acceptance.png"}
+         "shard.json", "state.json", "answers.jsonl", "acceptance.png",
+         "engine.json"}  # eval's servers: their ports, paths and start-up seconds
 
 
 def data_files(root: Path) -> dict[str, Path]:
     return {str(p.relative_to(root)): p for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name not in TIMED and not p.name.startswith("progress.")
+            if p.is_file() and p.name not in TIMED and not p.name.startswith("progress.") and p.suffix != ".log"
             and "lock" not in p.name and "checkpoints" not in p.parts}
 
 
@@ -35,7 +37,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 # keys whose values are clocks, in JSON files that are otherwise data (export/config.json's provenance: when it was
 # exported, how long validation took)
-CLOCK_KEYS = {"exported", "seconds", "elapsed_s", "finished", "started"}
+CLOCK_KEYS = {"exported", "seconds", "elapsed_s", "finished", "started", "tokens_per_s"}
 
 
 def without_clocks(x):
@@ -45,7 +47,11 @@ def without_clocks(x):
 
 
 def same_json(a: Path, b: Path) -> bool:
-    return without_clocks(json.loads(a.read_text())) == without_clocks(json.loads(b.read_text()))
+    """The same JSON (a .jsonl file: line by line) once the clocks are left out."""
+    def read(p: Path) -> list:
+        lines = p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]
+        return [without_clocks(json.loads(x)) for x in lines if x.strip()]
+    return read(a) == read(b)
 
 
 def main(a: Path, b: Path) -> int:
@@ -58,7 +64,7 @@ def main(a: Path, b: Path) -> int:
             same += 1
         elif name.endswith(".safetensors") and same_tensors(fa[name], fb[name]):
             same += 1
-        elif name.endswith(".json") and same_json(fa[name], fb[name]):
+        elif name.endswith((".json", ".jsonl")) and same_json(fa[name], fb[name]):
             same += 1
         else:
             differ.append(f"differs: {name}")
