@@ -27,6 +27,7 @@ from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, M
                                       StoreFormat, shard_name, shard_ranges)
 from draftsmith.journal import env_rank
 from draftsmith.prepared_format import Prepared, index_prepared, prepared_path
+from draftsmith.progress import log
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
