@@ -5,8 +5,10 @@ torch nor pydantic; nothing of draftsmith imports the CLI."""
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 import subprocess
+import symtable
 import sys
 from pathlib import Path
 
@@ -119,3 +121,37 @@ def test_no_line_of_the_package_is_over_120_characters():
     long = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
     assert not long, long[:20]
+
+
+MODULE_DUNDERS = {"__file__", "__name__", "__doc__", "__spec__", "__path__", "__builtins__", "__class__"}
+
+
+def undefined_names(path: Path) -> list[str]:
+    """Names a module's code reads as globals that neither the module (imports, definitions, assignments) nor
+    Python's builtins define: each a NameError when that line runs (symtable: no import, no execution)."""
+    top = symtable.symtable(path.read_text(), str(path), "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    found = []
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for s in table.get_symbols():
+            free_global = s.is_global() and not s.is_declared_global() if table is not top else not (
+                s.is_assigned() or s.is_imported())
+            name = s.get_name()
+            if (s.is_referenced() and free_global and name not in defined and not hasattr(builtins, name)
+                    and name not in MODULE_DUNDERS):
+                found.append(f"{path.relative_to(PACKAGE.parent)}: {table.get_name()} reads {name}")
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return found
+
+
+def test_every_name_the_code_reads_is_defined():
+    """A merge caught by CI: one branch removed an import as unused while another began to use it, and a
+    two-process extract failed at its end with a NameError. Every module of the package, the benches and the tests
+    reads only names it defines or imports."""
+    roots = [PACKAGE, PACKAGE.parent / "bench", PACKAGE.parent / "tests"]
+    found = [x for root in roots for path in sorted(root.rglob("*.py")) for x in undefined_names(path)]
+    assert not found, "\n".join(found)
