@@ -133,6 +133,7 @@ def run_train(run, cfg) -> dict:
     With train.processes > 1 outside torchrun, launches that many local ranks (they journal
     their own failures).
     """
+    run = run if isinstance(run, RunDir) else RunDir(run)
     if env_rank()[0] == 0:
         # the run folder, before the launch writes the ranks' config into it and before any rank's lock: made by
         # rank 0 alone, so that the ranks of a torchrun do not race to create it
