@@ -1250,6 +1250,9 @@ class _StoppedTorchrun:
     def terminate(self):
         self.terminated = True
 
+    def kill(self):
+        self.killed = True
+
     def wait(self, timeout=None):
         return 143
 
@@ -1267,6 +1270,18 @@ def test_a_stopped_launcher_gives_its_ranks_the_time_to_checkpoint(synth_run, ti
     proc = _StoppedTorchrun.last
     assert proc.terminated and int(proc.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) >= 30 * 60
     assert "checkpoint of step 7 written" in capsys.readouterr().out
+
+
+def test_ranks_past_the_grace_are_killed(synth_run, tiny8, tmp_path, monkeypatch):
+    """Ranks still talking when the grace is over: the launcher kills torchrun (which takes its ranks with it) and
+    still stops as the signal asked, not with a second error."""
+    run = copy_run(synth_run, tmp_path / "run")
+    monkeypatch.setattr(launch, "STOP_GRACE_S", -60)  # the grace over at once
+    monkeypatch.setattr(launch.subprocess, "Popen", _StoppedTorchrun)
+    with pytest.raises(Terminated):
+        launch.launch_ranks(run, cfg_for(tiny8, processes=2), "train")
+    proc = _StoppedTorchrun.last
+    assert proc.terminated and getattr(proc, "killed", False)
 
 
 def test_a_longer_run_continues_from_the_last_checkpoint_and_nothing_finished_is_deleted(synth_run, tiny8, tmp_path,
