@@ -88,7 +88,7 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     from draftsmith.train.distributed import Ranks
     from draftsmith import kinds
     from draftsmith.config import TrainConfig
-    from draftsmith.train.objective import LossMix
+    from draftsmith.train.objective import LossMix, objective_options
     from draftsmith.train.validation import Validation, split
 
     manifest = RunDir(run).read_manifest("train")
@@ -102,7 +102,8 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     tc = manifest["settings"]["train"]
     # the kind's objective with the run's train settings (every later default filled in by TrainConfig)
     train_cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.model_fields})
-    obj = kinds.get(drafter.config.kind).runtime().objective(drafter, w, train_cfg, None, "sdpa", LossMix())
+    opts = replace(objective_options(train_cfg, "sdpa"), mix=LossMix())
+    obj = kinds.get(drafter.config.kind).runtime().objective(drafter, w, None, opts)
     source = OfflineSource(ExtractStore(RunDir(base)))
     ids = source.sample_ids()
     row = min(int(tc.get("seq_len", 2048)), int(tc.get("batch_tokens", 4096)))

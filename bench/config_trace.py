@@ -5,8 +5,10 @@ key acts (issue 57's measure of how spread the training config is).
 
 Static and a lower bound: a read is `<x>.train.<key>`, or `<alias>.<key>` where the alias is bound to `<x>.train`
 (an assignment, a parameter named tc or typed TrainConfig, an attribute named tc); a value passed on as an argument
-is followed no further. The keys are TrainConfig's fields in config.py. Prints the files that read keys, and the
-keys read in more than one file (those a reader must follow across files).
+is followed no further. The keys are TrainConfig's fields in config.py. Prints the files that read keys, the
+keys read in more than one file (those a reader must follow across files), and the walk: the keys in the order
+TrainConfig declares them (the order the YAML's reference documents them), each followed into the files that read
+it (by name); the files it crosses, and how often it comes back to a file it had left.
 """
 
 import ast
@@ -16,12 +18,20 @@ from pathlib import Path
 ALIAS_NAMES = ("tc", "train_cfg")
 
 
-def train_keys(root: Path) -> set[str]:
+def train_keys(root: Path) -> list[str]:
+    """TrainConfig's fields, in the order config.py declares them."""
     tree = ast.parse((root / "draftsmith" / "config.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "TrainConfig":
-            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+            return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)]
     raise SystemExit(f"{root}/draftsmith/config.py: no TrainConfig")
+
+
+def walk(keys: list[str], by_key: dict[str, list[str]]) -> tuple[int, int]:
+    """(files crossed, returns to a file already left) following `keys` in order into the files reading each."""
+    path = [f for k in keys for f in sorted(by_key.get(k, []))]
+    entered = [f for i, f in enumerate(path) if i == 0 or path[i - 1] != f]
+    return len(set(path)), len(entered) - len(set(entered))
 
 
 def is_train(node: ast.AST) -> bool:
@@ -48,7 +58,8 @@ def keys_read(path: Path, keys: set[str]) -> set[str]:
 
 
 def main(root: Path) -> None:
-    keys = train_keys(root)
+    order = train_keys(root)
+    keys = set(order)
     files = {}
     for path in sorted((root / "draftsmith").rglob("*.py")):
         if path.name != "config.py" and (read := keys_read(path, keys)):
@@ -64,6 +75,8 @@ def main(root: Path) -> None:
     print(f"keys read in more than one file: {len(spread)}; never read: {sorted(keys - set(by_key)) or 'none'}")
     for k, names in spread.items():
         print(f"  {k}: {', '.join(names)}")
+    crossed, returns = walk(order, by_key)
+    print(f"the walk in TrainConfig's order: {crossed} files crossed, {returns} returns to a file it had left")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.codecs import Codec, codec_of
 from draftsmith.extract.hf import make_batch, plan_batches
 from draftsmith.extract.store import ExtractStore
-from draftsmith.extract.vllm_backend import open_client
+from draftsmith.extract.vllm_backend import open_client, server_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.prepared_format import iter_prepared
 from draftsmith.stage import recorded_target_fingerprint, upstream
@@ -334,6 +334,7 @@ def open_upstream(run, cfg, info) -> tuple[list[int], dict[str, dict], ExtractSt
 class OfflineSource:
     """Samples from the extract store (hidden states on disk)."""
 
+    mode = "offline"  # train.mode
     prefetch = True  # file reads overlap the training step
 
     def __init__(self, store: ExtractStore):
@@ -434,6 +435,7 @@ class OnlineSource(PreparedSource):
     """Prepared samples whose hidden states the target computes in-process with extract's capture
     (so they equal what extract would store: bf16, same layers)."""
 
+    mode = "online"
     prefetch = False  # the target's forwards share the cores with training: no overlap to gain
 
     def __init__(self, run, target, layers: list[int], batch_tokens: int):
@@ -466,6 +468,7 @@ class ServerSource(PreparedSource):
     as it is read, so the disk holds at most extract.concurrency of them; the Prefetcher keeps the
     server busy with the next step's samples while this one trains."""
 
+    mode = "online"
     prefetch = True
 
     def __init__(self, run):
@@ -496,6 +499,15 @@ class ServerSource(PreparedSource):
     def close(self) -> None:
         """Stops the vLLM server draftsmith started and removes its file buffer."""
         self._stack.close()
+
+
+def served_states(cfg) -> dict | None:
+    """What the run's fingerprint records of states that come from a vLLM server (train.mode=online with
+    extract.backend=vllm: the dtype the server computes in, the connector); None for states from the store or this
+    process's forward."""
+    if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
+        return {"source": "vllm", "dtype": server_dtype(cfg), "connector": cfg.extract.connector}
+    return None
 
 
 def open_source(run, cfg, info, layers: list[int], store: ExtractStore | None, device, world: int, folder: Path, log):

@@ -86,6 +86,13 @@ def drafter_config(info, cfg, draft_vocab_size: int, num_aux_layers: int) -> Dra
         raise DraftsmithError(f"train: {e}") from None
 
 
+def drafter_record(tc) -> dict:
+    """How the drafter was built, as every checkpoint's drafter.json says it beside its config: the kind, the drafts
+    a step proposes as trained, and the build settings export reads back (fc_input_norm's scale to fold)."""
+    return {"fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
+            "method": tc.method, "drafts": kinds.get(tc.method).drafts(tc)}
+
+
 def first_init_layer(tc) -> int:
     """train.init_layer: drafter layer n starts from target layer init_layer - (num_layers - 1) + n,
     so the last from init_layer; this is the target layer of drafter layer 0."""

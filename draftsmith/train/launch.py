@@ -43,6 +43,11 @@ def remove_stale_rank_configs(run: RunDir) -> None:
                 path.unlink()
 
 
+def launches(cfg) -> bool:
+    """Whether this process starts the ranks itself: train.processes > 1 and not already a rank of a torchrun."""
+    return cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ
+
+
 def launch_ranks(run, cfg, stage: str) -> dict:
     """Run stage `stage` (train) as cfg.train.processes local ranks under torchrun; returns the
     manifest rank 0 wrote. A rank's one-line error is raised as ours."""

@@ -157,6 +157,31 @@ class LossMix:
         return self.kl == 1 and self.rkl == 0 and self.tv == 0 and self.top1 == 0
 
 
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """What a kind's objective builder takes (kinds/<kind>/model.py: objective), made once from the train section by
+    objective_options: the kinds' objectives read no config, and each train key of the objective is read here."""
+
+    steps: int  # train.ttt_steps: a chain's unrolled draft steps (a block kind's slots come from its block_size)
+    gamma: float  # train.gamma: draft step k's loss weighs gamma**k
+    teacher_temperature: float  # train.teacher_temperature: the target's logits are divided by it
+    feature_noise: float  # train.feature_noise: the std of the noise added to the aux states, relative to their RMS
+    anchors: int  # train.dflash_anchors: blocks drawn per row (block kinds)
+    chunk_tokens: int | None  # train.loss_chunk_tokens: teacher positions per chunk of the loss (TTTObjective)
+    mix: LossMix  # train.loss_kl / loss_rkl / loss_tv / loss_top1
+    attention: str  # the TTT attention path, "sdpa" or "flex" (resolve_attention)
+    flex: FlexShape | None  # with flex attention, the run's shape (flex_shape); else None
+
+
+def objective_options(tc, attention: str) -> ObjectiveOptions:
+    """The objective's options from train section `tc`, with the resolved TTT `attention`."""
+    return ObjectiveOptions(steps=tc.ttt_steps, gamma=tc.gamma, teacher_temperature=tc.teacher_temperature,
+                            feature_noise=tc.feature_noise, anchors=tc.dflash_anchors,
+                            chunk_tokens=tc.loss_chunk_tokens,
+                            mix=LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1),
+                            attention=attention, flex=flex_shape(tc) if attention == "flex" else None)
+
+
 def mix_terms(mix: LossMix, p, logp, logq, q=None):
     """The mix at each position of a chunk ([n, Dv] float32: p, logp the teacher's (logp may be None
     when mix.rkl is 0), logq the drafter's; q = exp(logq) if already taken) -> [n] the mixed

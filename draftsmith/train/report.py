@@ -47,8 +47,9 @@ class Window:
     """The steps since the last log line, on every rank: TTT statistics, seconds per part of a
     step, tokens and steps; on rank 0 also where the lines go (`folder`: train/)."""
 
-    def __init__(self, folder: Path, tc, steps: int, rank: int, device, start_step: int, say, trackers=None):
-        self.tc, self.rank, self.say = tc, rank, say
+    def __init__(self, folder: Path, interval_s: float, steps: int, rank: int, device, start_step: int, say,
+                 trackers=None):
+        self.interval_s, self.rank, self.say = interval_s, rank, say  # interval_s: train.log_every_s
         self.metrics_path = folder / METRICS
         self.trackers = trackers
         if rank == 0:
@@ -70,7 +71,7 @@ class Window:
     def due(self, step: int, total_steps: int, last: bool) -> bool:
         """Rank 0: log after step `step` (0-based)? Every train.log_every_s, at the last step, and
         when the time budget makes this step the last (`last`)."""
-        return time.time() - self.last_log >= self.tc.log_every_s or step + 1 == total_steps or last
+        return time.time() - self.last_log >= self.interval_s or step + 1 == total_steps or last
 
     def summary(self, world: int) -> tuple[list[float | None], list[float | None], float]:
         """(loss per TTT step in nats, accuracy per TTT step, seconds of the window) over all ranks

@@ -148,6 +148,7 @@ class TimeBudget:
     """
 
     budget_s: float | None  # None: no budget
+    warmup_steps: int = 0  # train.warmup_steps: the share of time counts from the end of the last of them
     done_s: float = 0.0  # seconds of steps in earlier attempts
     warmup_end_s: float | None = None  # the shared clock when warm-up ended; None until then
     clock_s: float = 0.0  # rank 0's seconds of steps, as shared at the last step
@@ -157,11 +158,18 @@ class TimeBudget:
     def resume(cls, tc, state: dict) -> "TimeBudget":
         """The budget of train config `tc`, going on from a checkpoint's state.json ({} if none)."""
         done = float(state.get("train_s", 0.0))
-        return cls(budget_s=None if tc.max_minutes is None else tc.max_minutes * 60.0, done_s=done,
-                   warmup_end_s=state.get("warmup_end_s", 0.0 if tc.warmup_steps == 0 else None), clock_s=done)
+        return cls(budget_s=None if tc.max_minutes is None else tc.max_minutes * 60.0, warmup_steps=tc.warmup_steps,
+                   done_s=done, warmup_end_s=state.get("warmup_end_s", 0.0 if tc.warmup_steps == 0 else None),
+                   clock_s=done)
 
     def start(self) -> None:
         self.loop_t0 = time.perf_counter()
+
+    def stepped(self, step: int) -> None:
+        """After optimizer step `step` (0-based), before the scheduler computes the next rate: the shared clock at
+        the end of warm-up is kept."""
+        if step + 1 == self.warmup_steps:
+            self.warmup_end_s = self.clock_s
 
     def trained_s(self) -> float:
         """This rank's seconds of training steps so far, earlier attempts included."""

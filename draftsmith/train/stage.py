@@ -30,7 +30,6 @@ import contextlib
 import functools
 import gc
 import math
-import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -41,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from draftsmith import DraftsmithError, kinds
-from draftsmith.extract.vllm_backend import server_dtype
 from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.progress import Progress, log
@@ -50,11 +48,12 @@ from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
-from draftsmith.train.data import DeviceFeeder, Packing, count_steps, open_source, open_upstream, step_stream
+from draftsmith.train.data import (DeviceFeeder, Packing, count_steps, open_source, open_upstream, served_states,
+                                   step_stream)
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
-from draftsmith.train.drafter import build_drafter, drafter_config, read_init_layers
-from draftsmith.train.launch import launch_ranks
-from draftsmith.train.objective import LossMix, flex_shape, resolve_attention
+from draftsmith.train.drafter import build_drafter, drafter_config, drafter_record, read_init_layers
+from draftsmith.train.launch import launch_ranks, launches
+from draftsmith.train.objective import objective_options, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation, split
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
@@ -138,7 +137,7 @@ def run_train(run, cfg) -> dict:
         # the run folder, before the launch writes the ranks' config into it and before any rank's lock: made by
         # rank 0 alone, so that the ranks of a torchrun do not race to create it
         run.ensure()
-    if cfg.train.processes > 1 and "WORLD_SIZE" not in os.environ:
+    if launches(cfg):
         return launch_ranks(run, cfg, STAGE)
     return _train(run, cfg)
 
@@ -290,16 +289,13 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                                                 lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
                                                     torch.device("cpu"), torch.float32),
                                                 init_layers, layers, say, ranks)
-    mix = LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1)
-    kind = kinds.get(tc.method)
-    objective = kind.runtime().objective(drafter, target_head, tc, scale, attention, mix).to(ranks.device)
+    kind, opts = kinds.get(dcfg.kind), objective_options(tc, attention)
+    objective = kind.runtime().objective(drafter, target_head, scale, opts).to(ranks.device)
     meta = {
         "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
         "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
         "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
-        "ttt_steps": tc.ttt_steps, "train_fingerprint": fp, "precision": precision,
-        "fc_input_norm": tc.fc_input_norm, "init_layer": tc.init_layer, "freeze_lm_head": tc.freeze_lm_head,
-        "method": tc.method, "drafts": kind.drafts(tc),
+        "ttt_steps": opts.steps, "train_fingerprint": fp, "precision": precision, **drafter_record(tc),
     }
 
     # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
@@ -331,7 +327,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
                     metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"),
-                    flex_bound=flex_shape(tc).graph_bound if attention == "flex" else None,
+                    flex_bound=opts.flex.graph_bound if opts.flex is not None else None,
                     flex_before=len(FLEX_GRAPHS), flex_noted=len(FLEX_GRAPHS))
     names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
     ts.trackers = Trackers(ts.folder, names, tc.tracker_project, cfg.model_dump(mode="json"), start_step, ranks.rank,
@@ -342,11 +338,11 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
             f"micro-batch {ts.position[1]})")
     budget_note = ("" if budget.budget_s is None
-                   else f" or {tc.max_minutes:g} min of steps ({budget.done_s / 60:.1f} done)")
+                   else f" or {budget.budget_s / 60:g} min of steps ({budget.done_s / 60:.1f} done)")
     trained = sum(1 for n in packing.lengths if n > 0)
-    say(f"{tc.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
+    say(f"{source.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
         f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {kind.label} drafting "
-        f"{kind.drafts(tc)} tokens a step, "
+        f"{meta['drafts']} tokens a step, "
         f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
@@ -375,9 +371,8 @@ def _settings(cfg, layers: list[int], precision: str) -> dict:
     section = cfg.section(STAGE)
     section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, ADDED_LATER_DEFAULTS)
     settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
-    if cfg.train.mode == "online" and cfg.extract.backend == "vllm":
-        # states from a server, not this process's forward, in the dtype the server computes in
-        settings["online_states"] = {"source": "vllm", "dtype": server_dtype(cfg), "connector": cfg.extract.connector}
+    if (served := served_states(cfg)) is not None:
+        settings["online_states"] = served
     return settings
 
 
@@ -392,7 +387,8 @@ def fit(ts: TrainState, prog: Progress, stop: DeferredStop) -> None:
     tc, device = ts.cfg.train, ts.ranks.device
     data = step_stream(ts.packing, ts.source, ts.position, ts.ranks.rank, ts.ranks.world, tc.grad_accum,
                        prepare=_host_step(ts), feeder=DeviceFeeder(device, _act_dtype(ts), tc.grad_accum))
-    window = Window(ts.folder, tc, ts.objective.steps, ts.ranks.rank, device, ts.start_step, say, ts.trackers)
+    window = Window(ts.folder, tc.log_every_s, ts.objective.steps, ts.ranks.rank, device, ts.start_step, say,
+                    ts.trackers)
     ts.budget.start()
     try:
         while ts.step < ts.total_steps:
@@ -542,8 +538,7 @@ def _optimizer_step(ts: TrainState, micro_batches: list, denom: list[float], win
     ts.optimizer.step()
     if tc.ema > 0:
         update_ema(ts.optimizer, ts.params, tc.ema, ts.step + 1)
-    if ts.step + 1 == tc.warmup_steps:
-        ts.budget.warmup_end_s = ts.budget.clock_s  # before the scheduler computes the first post-warm-up rate
+    ts.budget.stepped(ts.step)
     ts.scheduler.step()
     ts.optimizer.zero_grad(set_to_none=True)
     window.times["optimizer"] += time.perf_counter() - t

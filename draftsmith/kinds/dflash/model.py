@@ -8,12 +8,14 @@ import torch
 
 from draftsmith.model.dflash import DFlashDrafter as Drafter
 from draftsmith.train.dflash import DFlashObjective
+from draftsmith.train.objective import ObjectiveOptions
 
 __all__ = ["Drafter", "objective", "propose", "block_logits"]
 
 
-def objective(drafter, target_head, tc, scale, attention: str, mix, cls=DFlashObjective):
-    return cls(drafter, target_head, tc.gamma, tc.dflash_anchors, scale, tc.teacher_temperature, tc.feature_noise, mix)
+def objective(drafter, target_head, scale, o: ObjectiveOptions, cls=DFlashObjective):
+    """The anchored-block objective (its own attention mask: o.attention and o.flex are the chain's)."""
+    return cls(drafter, target_head, o.gamma, o.anchors, scale, o.teacher_temperature, o.feature_noise, o.mix)
 
 
 def block_logits(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):

@@ -49,7 +49,7 @@ class DFlash2(DFlash):
 
     def config_options(self, tc, hf_cfg, attention):
         attention, fields = super().config_options(tc, hf_cfg, attention)
-        o = self.check_options(tc.drafter_options, "train.drafter_options")
+        o = self.check_options(fields["options"], "train.drafter_options")
         if hf_cfg.hidden_size % o["conv_group_size"]:
             raise DraftsmithError(f"train.drafter_options.conv_group_size: {o['conv_group_size']} must divide the "
                                   f"target's hidden_size {hf_cfg.hidden_size}")

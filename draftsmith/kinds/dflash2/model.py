@@ -122,8 +122,8 @@ class Objective(DFlashObjective):
         return ce * right.any(-1), cand.gather(1, scores.detach().argmax(-1, keepdim=True))[:, 0]
 
 
-def objective(drafter, target_head, tc, scale, attention: str, mix):
-    return dflash_objective(drafter, target_head, tc, scale, attention, mix, cls=Objective)
+def objective(drafter, target_head, scale, o):
+    return dflash_objective(drafter, target_head, scale, o, cls=Objective)
 
 
 def propose(dec, unread_ids: list[int], unread_aux, first_pos: int, cache, gen):

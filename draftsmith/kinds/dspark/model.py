@@ -49,8 +49,8 @@ class Objective(DFlashObjective):
         return self.drafter.lm_head(x) + self.drafter.markov_head(prev).to(x.dtype)
 
 
-def objective(drafter, target_head, tc, scale, attention: str, mix):
-    return dflash_objective(drafter, target_head, tc, scale, attention, mix, cls=Objective)
+def objective(drafter, target_head, scale, o):
+    return dflash_objective(drafter, target_head, scale, o, cls=Objective)
 
 
 def propose(dec, unread_ids: list[int], unread_aux, first_pos: int, cache, gen):

@@ -6,16 +6,15 @@ from __future__ import annotations
 import torch
 
 from draftsmith.model.eagle3 import Eagle3Drafter as Drafter
-from draftsmith.train.objective import TTTObjective, flex_shape
+from draftsmith.train.objective import ObjectiveOptions, TTTObjective
 
 __all__ = ["Drafter", "objective", "propose"]
 
 
-def objective(drafter, target_head, tc, scale, attention: str, mix):
-    """The TTT objective over train.ttt_steps unrolled draft steps (flex attention over the run's FlexShape)."""
-    return TTTObjective(drafter, target_head, tc.ttt_steps, tc.gamma, scale, tc.teacher_temperature,
-                        tc.feature_noise, attention, tc.loss_chunk_tokens, mix,
-                        flex_shape(tc) if attention == "flex" else None)
+def objective(drafter, target_head, scale, o: ObjectiveOptions):
+    """The TTT objective over o.steps unrolled draft steps (flex attention over the run's FlexShape)."""
+    return TTTObjective(drafter, target_head, o.steps, o.gamma, scale, o.teacher_temperature, o.feature_noise,
+                        o.attention, o.chunk_tokens, o.mix, o.flex)
 
 
 def read_verified(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):
