@@ -57,22 +57,28 @@ def keys_read(path: Path, keys: set[str]) -> set[str]:
     return read
 
 
-def main(root: Path) -> None:
+def trace(root: Path) -> tuple[list[str], dict[str, set[str]], dict[str, list[str]]]:
+    """(the train keys in declaration order, {file: keys it reads}, {key: files that read it, by name})."""
     order = train_keys(root)
     keys = set(order)
     files = {}
     for path in sorted((root / "draftsmith").rglob("*.py")):
         if path.name != "config.py" and (read := keys_read(path, keys)):
             files[str(path.relative_to(root / "draftsmith"))] = read
-    print(f"{len(keys)} train keys; {len(files)} files read them; {sum(map(len, files.values()))} (file, key) reads")
-    for name, read in sorted(files.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        print(f"  {len(read):3d} {name}")
     by_key: dict[str, list[str]] = {}
     for name, read in files.items():
         for k in read:
             by_key.setdefault(k, []).append(name)
-    spread = {k: v for k, v in sorted(by_key.items()) if len(v) > 1}
-    print(f"keys read in more than one file: {len(spread)}; never read: {sorted(keys - set(by_key)) or 'none'}")
+    return order, files, {k: sorted(v) for k, v in sorted(by_key.items())}
+
+
+def main(root: Path) -> None:
+    order, files, by_key = trace(root)
+    print(f"{len(order)} train keys; {len(files)} files read them; {sum(map(len, files.values()))} (file, key) reads")
+    for name, read in sorted(files.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        print(f"  {len(read):3d} {name}")
+    spread = {k: v for k, v in by_key.items() if len(v) > 1}
+    print(f"keys read in more than one file: {len(spread)}; never read: {sorted(set(order) - set(by_key)) or 'none'}")
     for k, names in spread.items():
         print(f"  {k}: {', '.join(names)}")
     crossed, returns = walk(order, by_key)
