@@ -264,8 +264,10 @@ def _quantized_bytes_per_param(qc: dict) -> float | None:
     return bits
 
 
-def target_shape(config_json: Path, name: str | None = None, attention: str = "auto") -> TargetShape:
-    """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention."""
+def target_shape(config_json: Path, name: str | None = None, attention: str = "auto", train=None) -> TargetShape:
+    """Parameter counts of a transformers model from its config.json; `attention`: train.drafter_attention. With
+    `train` (a train section) the drafter's attention is the one its kind builds, as training asks it
+    (Kind.config_options: DFlash's is gqa beside any target; what a kind refuses there is refused here too)."""
     # multimodal wrappers keep the language model's config inside; every size checked (bounds.py)
     identity = read_identity(config_json, required=("hidden_size", "num_hidden_layers", "vocab_size"))
     top, c = identity.config, identity.text
@@ -275,6 +277,8 @@ def target_shape(config_json: Path, name: str | None = None, attention: str = "a
     view = SimpleNamespace(**c)
     heads = int(c.get("num_attention_heads") or h // 64)
     kv_heads = int(c.get("num_key_value_heads") or heads)
+    if train is not None:
+        attention, _ = kinds.get(train.method).config_options(train, view, train.drafter_attention)
     mla = None
     if drafter_attention(view, attention) == "mla":
         m = drafter_mla_shape(view)
@@ -815,9 +819,9 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
         from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
 
         folder, name = resolve_target(cfg.target, log=lambda *a, **k: None)
-        shape = target_shape(folder / "config.json", name, cfg.train.drafter_attention)
+        shape = target_shape(folder / "config.json", name, train=cfg.train)
     else:
-        shape = target_shape(target_config, attention=cfg.train.drafter_attention)
+        shape = target_shape(target_config, train=cfg.train)
     answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
     if load_rate is not None and not (math.isfinite(load_rate) and load_rate > 0):
         raise DraftsmithError(f"--load-rate {load_rate}: GB/s the target's weights are read at, above 0")

@@ -489,3 +489,40 @@ def test_the_thinking_tail_and_the_batch_that_thins():
     # the bulk decodes at a full batch: its tokens over (in flight / step) plus the tail
     bulk = (10_000 - 64) * 1800 / 64 * refilled["step"]["total"]
     assert refilled["seconds"] == pytest.approx(bulk + refilled["tail_s"])
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_estimate_sizes_the_attention_each_kind_trains(family, tmp_path):
+    """Each kind with train.drafter_attention auto and mla: estimate sizes the drafter's attention training builds
+    (DFlash's is gqa beside an MLA target), and refuses, in training's line, what training refuses (P-EAGLE or a
+    block kind with an MLA drafter); the trainable parameters are those of the built drafter."""
+    import torch
+    from families import make_tiny
+
+    from draftsmith import DraftsmithError, kinds
+    from draftsmith.target import target_info
+    from draftsmith.train.drafter import drafter_config
+
+    folder = make_tiny(family, tmp_path / family)
+    info = target_info(str(folder))
+    checked = 0
+    for kind in kinds.names():
+        for asked in ("auto", "mla"):
+            cfg = load_config(None, [f"target={folder}", f"train.method={kind}", f"train.drafter_attention={asked}",
+                                     f"vocab.draft_vocab_size={info.vocab_size}"])
+            try:
+                dcfg = drafter_config(info, cfg, info.vocab_size, 3)
+            except DraftsmithError as e:
+                with pytest.raises(DraftsmithError) as est:
+                    target_shape(folder / "config.json", train=cfg.train)
+                assert str(est.value) == str(e), (kind, asked)
+                continue
+            shape = target_shape(folder / "config.json", train=cfg.train)
+            assert (shape.drafter_mla is not None) == (dcfg.attention == "mla"), (kind, asked)
+            with torch.device("meta"):
+                model = kinds.drafter_class(dcfg)(dcfg)
+            trainable = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "norm" not in n)
+            estimated = _drafter_params(shape, info.vocab_size, kind=kind, options=dcfg.options)[0]
+            assert estimated == trainable, (kind, asked)
+            checked += 1
+    assert checked >= len(kinds.names())  # auto builds every kind beside either target
