@@ -4,18 +4,18 @@ key acts (issue 57's measure of how spread the training config is).
     .venv/bin/python bench/config_trace.py [REPO]      # REPO: a checkout (default: this one)
 
 Static and a lower bound: a read is `<x>.train.<key>`, or `<alias>.<key>` where the alias is bound to `<x>.train`
-(an assignment, a parameter named tc or typed TrainConfig, an attribute named tc); a value passed on as an argument
-is followed no further. The keys are TrainConfig's fields in config.py. Prints the files that read keys, the
-keys read in more than one file (those a reader must follow across files), and the walk: the keys in the order
-TrainConfig declares them (the order the YAML's reference documents them), each followed into the files that read
-it (by name); the files it crosses, and how often it comes back to a file it had left.
+(an assignment, a parameter named tc, train_cfg or train or typed TrainConfig, an attribute named so); a value
+passed on as an argument is followed no further. The keys are TrainConfig's fields in config.py. Prints the files
+that read keys, the keys read in more than one file (those a reader must follow across files), and the walk: the
+keys in the order TrainConfig declares them (the order the YAML's reference documents them), each followed into the
+files that read it (by name); the files it crosses, and how often it comes back to a file it had left.
 """
 
 import ast
 import sys
 from pathlib import Path
 
-ALIAS_NAMES = ("tc", "train_cfg")
+ALIAS_NAMES = ("tc", "train_cfg", "train")
 
 
 def train_keys(root: Path) -> list[str]:

@@ -163,6 +163,7 @@ SHARED_TRAIN_KEYS = {
     "block_size": ("kinds/__init__.py", "kinds/dflash/__init__.py"),  # refused for chain kinds; a block's size
     "drafter_attention": ("estimate.py", "train/drafter.py"),  # sized without torch; built
     "max_minutes": ("demo.py", "train/schedule.py"),  # the demo's prompts around training's minutes; the budget
+    "method": ("estimate.py", "train/drafter.py"),  # the kind's drafter sized without torch; built
     "mode": ("stages.py", "train/data.py"),  # extract runs for offline training; the source of the states
     "seed": ("train/data.py", "train/drafter.py"),  # the data's order; the drafter's first weights
     # a chain's drafts; a block's default size (ttt_steps + 1); the objective's unrolled steps
