@@ -516,6 +516,10 @@ def extract(out: Path, work: Path, checks) -> dict:
             server.close()
         store = ExtractStore(run)
         tokens = sum(len(s["input_ids"]) for s in sample_list)
+        # the threads the stage sized for this node (host.extract_threads), as its log says them
+        sized = next((line[line.index("extraction host threads"):] for line in
+                      (run.path / "extract" / "stage.log").read_text().splitlines()
+                      if "extraction host threads" in line), "extraction host threads: not logged")
         ok = m is not None and m["counts"]["done"] == samples and len(store) == samples
         ok = ok and not any(p.name.startswith("req-") for p in staging.iterdir())
         rate = samples / seconds
@@ -523,8 +527,7 @@ def extract(out: Path, work: Path, checks) -> dict:
         checks.add("extraction's host side (vllm backend, fp8 store)", ok,
                    f"{samples} samples ({tokens:,} tokens, hidden {hidden}, connector files in {shm}): {rate:.1f} "
                    f"samples/s, {tokens / seconds:,.0f} tokens/s, {b / 1e9:.2f} GB/s of connector files; "
-                   f"extract.concurrency {cfg.extract.concurrency}, {cfg.extract.writers} writers, "
-                   f"{os.cpu_count()} cores", samples_per_s=rate, tokens_per_s=tokens / seconds)
+                   f"{sized}", samples_per_s=rate, tokens_per_s=tokens / seconds)
         return {"samples_per_s": rate, "tokens_per_s": tokens / seconds, "hidden": hidden}
     finally:
         shutil.rmtree(staging, ignore_errors=True)

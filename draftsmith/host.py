@@ -138,11 +138,6 @@ def thread_policy(requested: int | None = None, device: str | None = None) -> tu
 # -------------------------------------------------------------------------------------------------
 # Extraction's host threads (extract.backend=vllm)
 
-# A vLLM server's processes that keep a host core each while it serves, beside one worker per GPU: its API
-# server (HTTP, detokenising) and its engine core (the scheduler's busy loop).
-VLLM_SERVER_PROCESSES = 2
-
-
 @dataclass(frozen=True)
 class ExtractThreads:
     """extract_threads' sizes: fetch threads (requests in flight), how many of them read and check a connector
@@ -162,8 +157,8 @@ class ExtractThreads:
 
 def extract_threads(cores: int, busy: float, server_processes: int, concurrency: int, writers: int) -> ExtractThreads:
     """Threads of extraction's host side (extract.backend=vllm) on a node of `cores` cores where `busy` are taken
-    by other work now and `server_processes` more will be by the vLLM server this process starts (its
-    VLLM_SERVER_PROCESSES and one worker per GPU; 0 for servers already running or elsewhere).
+    by other work now and `server_processes` more will be by the vLLM server this process starts
+    (vllm_server.server_processes; 0 for servers already running or elsewhere).
 
     What runs: the GPUs do the model's work; the host reads each connector file, checks it and norms its last
     state (a fetch thread), then quantises, hashes and writes it (a writer thread), on the cores vLLM's

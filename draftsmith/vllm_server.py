@@ -225,6 +225,28 @@ def _find_vllm_python(configured: str | None, install: bool, log) -> Path:
     return python
 
 
+def arg_value(args: list[str], *names: str) -> str | None:
+    """The value `vllm serve` arguments give the first of `names` ("--name value" or "--name=value"), or None."""
+    for i, a in enumerate(args):
+        key, eq, value = a.partition("=")
+        if key in names:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def server_processes(args: list[str]) -> int:
+    """Host processes a vLLM server started with `args` keeps busy while it serves, a core each: its API server
+    (HTTP, detokenising), an engine core per data-parallel rank (the scheduler's busy loop; with neither tensor nor
+    pipeline parallelism it runs the model itself, vLLM's uniprocess executor), and with either a worker per GPU of
+    each engine (tensor x pipeline size). A value that is not a whole number counts as 1: vLLM refuses it at start."""
+    def size(*names: str) -> int:
+        value = arg_value(args, *names)
+        return int(value) if value is not None and value.isdigit() and int(value) > 0 else 1
+
+    workers = size("--tensor-parallel-size", "-tp") * size("--pipeline-parallel-size", "-pp")
+    return 1 + size("--data-parallel-size", "-dp") * (1 + (workers if workers > 1 else 0))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -130,4 +130,7 @@ def test_the_soak_and_the_extraction_host_part_rehearsed_at_toy_widths(tmp_path)
     ex = device_parts.extract(tmp_path, tmp_path / "work", checks)
     assert checks.ok, checks.items
     assert ex["samples_per_s"] > 0
+    # the threads the stage sized, not the configured ones: servers elsewhere leave every core to extraction
+    detail = checks.items[-1]["detail"]
+    assert "extraction host threads: " in detail and "0 for the vLLM server" in detail
     assert set(Path("/dev/shm").glob("draftsmith-device-check-*")) <= staging  # its staging folder removed

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.vllm_server import VLLMServer, group_members, parse_metrics, vllm_python
+from draftsmith.vllm_server import VLLMServer, group_members, parse_metrics, server_processes, vllm_python
 
 sys.path.insert(0, str(Path(__file__).parent))
 from openai_fakes import FAULTS, FaultProxy  # noqa: E402
@@ -492,3 +492,19 @@ def test_on_a_gpu_a_server_takes_what_is_free_and_its_memory_is_waited_for(tmp_p
         free[0] = 5 * 10**9
         t0 = time.time()
     assert 3.0 <= time.time() - t0 < 10 and "still held after 3s" in said[-1]
+
+
+@pytest.mark.parametrize("args, want", [
+    ([], 2),  # API server + engine core running the model itself (uniprocess executor)
+    (["--enforce-eager"], 2),
+    (["--tensor-parallel-size", "8"], 10),  # + a worker per GPU
+    (["-tp=4", "--pipeline-parallel-size", "2"], 10),
+    (["--tensor-parallel-size=1", "--data-parallel-size", "2"], 3),  # two engine cores, each running its model
+    (["-tp", "2", "-dp", "2"], 7),  # API server + 2 x (engine core + 2 workers)
+    (["--tensor-parallel-size", "eight"], 2),  # vLLM refuses it at start; counted as 1 meanwhile
+    (["--tensor-parallel-size"], 2),
+])
+def test_server_processes_count_the_parallel_workers(args, want):
+    """Extraction sizes its host threads around the server's processes (host.extract_threads): the tensor x pipeline
+    workers the server's own arguments ask for, not every GPU of the node."""
+    assert server_processes(args) == want

@@ -54,11 +54,11 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
-from draftsmith.host import (VLLM_SERVER_PROCESSES, ExtractThreads, busy_cores, extract_threads, gpu_names,
-                             pick_device, pick_dtype, sized_torch_threads, usable_cores)
+from draftsmith.host import (ExtractThreads, busy_cores, extract_threads, pick_device, pick_dtype, sized_torch_threads,
+                             usable_cores)
 from draftsmith.target import language_model_names, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
-from draftsmith.vllm_server import MIN_VLLM, VLLMServer, on_cuda_machine, serving, vllm_python
+from draftsmith.vllm_server import MIN_VLLM, VLLMServer, on_cuda_machine, server_processes, serving, vllm_python
 
 CONNECTOR = "DraftsmithHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_hs_connector"  # draftsmith/vllm_plugins/draftsmith_hs_connector.py
@@ -223,11 +223,11 @@ def remove_file(path: str) -> None:
 
 
 def host_threads(cfg) -> ExtractThreads:
-    """host.extract_threads for this node now: the cores this process may use, those busy, and the server
-    draftsmith starts here (VLLM_SERVER_PROCESSES and a worker per GPU of the node: the recipes' tensor
-    parallelism spans them; one on vLLM-CPU), none for extract.servers (running ones are counted as busy)."""
+    """host.extract_threads for this node now: the cores this process may use, those busy, and the processes of
+    the server draftsmith starts here (vllm_server.server_processes of extract.vllm_args: the recipes' tensor
+    parallelism, a worker per GPU it spans), none for extract.servers (running ones are counted as busy)."""
     busy, _ = busy_cores()
-    server = 0 if cfg.extract.servers else VLLM_SERVER_PROCESSES + max(1, len(gpu_names() or ()))
+    server = 0 if cfg.extract.servers else server_processes(list(cfg.extract.vllm_args))
     return extract_threads(usable_cores(), busy, server, cfg.extract.concurrency, cfg.extract.writers)
 
 
