@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -304,17 +304,27 @@ def _swap_into_place(built: Path, dest: Path) -> None:
     replace_dir(built, dest)
 
 
-@stage_run(STAGE)
-def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
-    """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
-    to RUN/export/. Returns the manifest."""
-    run.ensure()
+@dataclass
+class _Checkpoint:
+    """The checkpoint export reads, checked against the target (_read_checkpoint)."""
+
+    folder: Path
+    meta: dict  # drafter.json
+    state: dict  # state.json
+    config: Any  # its DrafterConfig
+    kind: Any  # its kinds.Kind
+    aux: list[int]  # the target layers its fc fuses
+    info: Any  # the target's TargetInfo
+
+
+def _read_checkpoint(run: RunDir, cfg, checkpoint: str | None) -> _Checkpoint:
+    """The checkpoint to export (export.checkpoint, else train/final, else the newest complete one), refused in one
+    line when it does not fit the configured target."""
     ckpt = find_checkpoint(run, checkpoint or cfg.export.checkpoint)
-    meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
+    meta_path = ckpt / CKPT_META
     meta = read_json_object(meta_path)
     state = read_json_object(ckpt / CKPT_STATE)
     config = drafter_config_from_meta(meta, str(meta_path))
-    kind = kinds.get(config.kind)
     aux = _meta_aux_layers(meta, str(meta_path))
     if len(aux) != config.num_aux_layers:
         raise DraftsmithError(f"{meta_path}: {len(aux)} aux_layers but the drafter's fc fuses {config.num_aux_layers}")
@@ -329,7 +339,34 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     if (config.hidden_size, config.vocab_size) != (info.hidden_size, info.vocab_size):
         raise DraftsmithError(f"{meta_path}: drafter hidden/vocab sizes {config.hidden_size}/{config.vocab_size} "
                               f"do not match target {info.name} ({info.hidden_size}/{info.vocab_size})")
+    return _Checkpoint(ckpt, meta, state, config, kinds.get(config.kind), aux, info)
 
+
+def _served_tensors(weights_path: Path, config, kind, out_dtype) -> dict:
+    """The checkpoint's weights under vLLM's names in `out_dtype` (the vocabulary maps as they are), with
+    train.fc_input_norm's scale folded into fc."""
+    check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
+    sd = load_file(str(weights_path))
+    check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
+    if FC_INPUT_SCALE in sd:  # train.fc_input_norm: fc(x * s) = (W diag(s)) x, a plain fc for vLLM
+        s = sd.pop(FC_INPUT_SCALE).float()
+        if tuple(s.shape) != (sd["fc.weight"].shape[1],):
+            raise DraftsmithError(f"{weights_path}: tensor '{FC_INPUT_SCALE}' has shape {list(s.shape)}, "
+                                  f"expected [{sd['fc.weight'].shape[1]}]")
+        sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
+        kind.fold_fc_scale(sd, s)
+    return {export_name: (sd[name] if name in INDEX_KEYS else sd[name].to(out_dtype)).contiguous()
+            for name, export_name in export_keys(config).items()}
+
+
+@stage_run(STAGE)
+def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
+    """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
+    to RUN/export/. Returns the manifest."""
+    run.ensure()
+    ck = _read_checkpoint(run, cfg, checkpoint)
+    ckpt, meta, state, config, kind, aux, info = ck.folder, ck.meta, ck.state, ck.config, ck.kind, ck.aux, ck.info
+    meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
     settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
@@ -358,20 +395,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     with book.progress(total=1, unit="exports") as prog:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
                  f"dtype {dtype_name}")
-        check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
-        sd = load_file(str(weights_path))
-        check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
-        if FC_INPUT_SCALE in sd:  # train.fc_input_norm: fc(x * s) = (W diag(s)) x, a plain fc for vLLM
-            s = sd.pop(FC_INPUT_SCALE).float()
-            if tuple(s.shape) != (sd["fc.weight"].shape[1],):
-                raise DraftsmithError(f"{weights_path}: tensor '{FC_INPUT_SCALE}' has shape {list(s.shape)}, "
-                                      f"expected [{sd['fc.weight'].shape[1]}]")
-            sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
-            kind.fold_fc_scale(sd, s)
-        tensors = {}
-        for name, export_name in export_keys(config).items():
-            t = sd[name]
-            tensors[export_name] = (t if name in INDEX_KEYS else t.to(out_dtype)).contiguous()
+        tensors = _served_tensors(weights_path, config, kind, out_dtype)
         published = verifier_name(cfg.target, info, cfg.target_id)
         config_json = kind.write_config(
             config, aux, target_name=published, target_arch=info.architecture,
