@@ -180,3 +180,32 @@ def test_the_serving_walk_counts_as_a_greedy_verifier_does():
     starts[0, 1:4] = starts[0, 7:10] = starts[1, 0:3] = True
     runs = torch.tensor([[0, 9, 2, 2, 0, 0, 0, 9, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
     assert serving_walk(starts, runs, 3)[:2] == [1 + 2 + 1, 2 + 0 + 0 + 1]  # runs capped at K = 3
+
+
+def test_the_validation_line_says_what_is_held_out_or_that_none_is(tmp_path, monkeypatch):
+    """train/stage.py's _validation: with held-out samples one line of how many, measured over how many tokens and
+    how often; with train.validation set but nothing held out, one line that it is off and what the train line's tau
+    then means; with validation 0, nothing."""
+    from types import SimpleNamespace
+
+    from draftsmith.config import load_config
+    from draftsmith.rundir import RunDir
+    from draftsmith.train import stage as train_stage
+
+    said: list[str] = []
+    monkeypatch.setattr(train_stage, "say", said.append)
+    run, one = RunDir(tmp_path / "run"), SimpleNamespace(rank=0, world=1)
+    packing = SimpleNamespace(row_len=64, rows_per_batch=2)
+    ids, lengths = ["a", "b", "c", "d"], [10, 100, 30, 40]
+    cfg = load_config(None, ["train.validation=2", "train.validate_every=25"])
+    v = train_stage._validation(run, cfg, [0, 1], ids, lengths, packing, one)
+    assert v is not None and v.measured == [0, 1] and v.tokens == 10 + 64  # each cut to a row
+    assert said == ["validation: 2 samples held out by a hash of their prompt's id, never trained on; 2 measured "
+                    "(74 tokens) every 25 steps and after the last, on the answers' tokens"]
+    said.clear()
+    cfg = load_config(None, ["train.validation=0.1"])
+    assert train_stage._validation(run, cfg, [], ids, lengths, packing, one) is None
+    assert len(said) == 1 and said[0].startswith("validation: off (train.validation=0.1 of 4 samples holds out none)")
+    said.clear()
+    assert train_stage._validation(run, load_config(None, ["train.validation=0"]), [], ids, lengths, packing, one) is None
+    assert said == []

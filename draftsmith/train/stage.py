@@ -267,18 +267,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         clear_for_attempt(folder, continues, fp, say)
     if ranks.world > 1:
         dist.barrier()
-    validation = None
-    if held:
-        validation = Validation(held, ids, source.lengths, packing.row_len, packing.rows_per_batch, ranks.rank,
-                                ranks.world)
-        resampled = len(held) - len(validation.measured)
-        say(f"validation: {len(held)} samples held out by a hash of their prompt's id, never trained on; "
-            f"{len(validation.measured)} measured ({validation.tokens:,} tokens"
-            + (f"; their prompts' {resampled} resampled answers held out too, not measured" if resampled else "")
-            + f") every {tc.validate_every} steps and after the last, on the answers' tokens" + _sampled_note(run, cfg))
-    elif tc.validation > 0:
-        say(f"validation: off (train.validation={tc.validation:g} of {len(source.lengths)} samples holds out none); "
-            "the train line's tau is then measured on the samples being fitted, which overstates the served one")
+    validation = _validation(run, cfg, held, ids, source.lengths, packing, ranks)
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
@@ -346,6 +335,24 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         f"{precision}, {attention} attention, {ranks.world} rank(s) "
         f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
     return ts
+
+
+def _validation(run, cfg, held: list[int], ids: list[str], lengths: list[int], packing: Packing,
+                ranks: Ranks) -> Validation | None:
+    """The held-out samples' Validation (None without any), said in one line: how many, measured on what."""
+    tc = cfg.train
+    if not held:
+        if tc.validation > 0:
+            say(f"validation: off (train.validation={tc.validation:g} of {len(lengths)} samples holds out none); "
+                "the train line's tau is then measured on the samples being fitted, which overstates the served one")
+        return None
+    validation = Validation(held, ids, lengths, packing.row_len, packing.rows_per_batch, ranks.rank, ranks.world)
+    resampled = len(held) - len(validation.measured)
+    say(f"validation: {len(held)} samples held out by a hash of their prompt's id, never trained on; "
+        f"{len(validation.measured)} measured ({validation.tokens:,} tokens"
+        + (f"; their prompts' {resampled} resampled answers held out too, not measured" if resampled else "")
+        + f") every {tc.validate_every} steps and after the last, on the answers' tokens" + _sampled_note(run, cfg))
+    return validation
 
 
 def _sampled_note(run, cfg) -> str:
