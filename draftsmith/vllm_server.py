@@ -413,7 +413,7 @@ class VLLMServer:
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.dtype, self.max_model_len = dtype, max_model_len
-        served = self.extra_args[self.extra_args.index("--dtype") + 1] if "--dtype" in self.extra_args[:-1] else dtype
+        served = arg_value(self.extra_args, "--dtype") or dtype
         if (served in ("float32", "float") and uses_mla(self.model_dir) and not on_cuda_machine() and cpu_has_amx()
                 and not any(a.startswith(("--attention-backend", "--attention-config", "-ac"))
                             for a in self.extra_args)):

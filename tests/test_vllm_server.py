@@ -454,6 +454,9 @@ def test_an_mla_target_is_never_served_eager_on_the_cpu(tmp_path, monkeypatch):
     for kept in (VLLMServer(mla, port=1, python="py", dtype="bfloat16"), VLLMServer(gqa, port=1, python="py",
                                                                                     dtype="float32")):
         assert "--attention-backend" not in kept.command()
+    # a --dtype among the user's arguments is the one served, in either spelling
+    for args in (["--dtype", "float32"], ["--dtype=float32"]):
+        assert "CPU_MLA" in VLLMServer(mla, port=1, python="py", dtype="bfloat16", extra_args=args).command(), args
     monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: False)
     assert "--attention-backend" not in VLLMServer(mla, port=1, python="py", dtype="float32").command()
     monkeypatch.setattr(vllm_server, "on_cuda_machine", lambda: True)
