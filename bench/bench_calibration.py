@@ -89,7 +89,8 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     from draftsmith import kinds
     from draftsmith.config import TrainConfig
     from draftsmith.train.objective import LossMix, objective_options
-    from draftsmith.train.validation import Validation, split
+    from draftsmith.train.validation import Validation
+    from draftsmith.heldout import split
 
     manifest = RunDir(run).read_manifest("train")
     precision = manifest["settings"]["precision_used"]
@@ -107,7 +108,8 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
     source = OfflineSource(ExtractStore(RunDir(base)))
     ids = source.sample_ids()
     row = min(int(tc.get("seq_len", 2048)), int(tc.get("batch_tokens", 4096)))
-    val = Validation(split(ids, share, int(tc.get("validation_max_samples", 256))), ids, source.lengths, row,
+    held = split(ids, share, int(tc.get("validation_min_samples", 64)), int(tc.get("validation_max_samples", 256)))
+    val = Validation(held.indices, ids, source.lengths, row,
                      max(1, int(tc.get("batch_tokens", 4096)) // row), 0, 1)
     layout_of = obj.layouts()
 

@@ -78,6 +78,11 @@ class GenerateConfig(_Section):
         "second slice of a source, disjoint from the first.")
     skip_invalid: bool = Field(False, description="Skip malformed prompt records (counted) instead of failing.")
     first_turn_only: bool = Field(False, description="Keep only the first user turn of each conversation.")
+    group_by: str | None = Field(
+        None, min_length=1, description="A field of every prompt record (a data set's column) naming the group it "
+        "belongs to (a conversation, a topic, a source document): validation holds out whole groups "
+        "(draftsmith/heldout.py). Unset: a conversation is a group (ShareGPT's segments `XXXXXXX_k` of one "
+        "conversation, a prompt's resampled answers and renamed duplicates).")
     min_chars: int = Field(0, ge=0, description="Drop prompts whose first user turn is shorter than this.")
     max_chars: int | None = Field(None, ge=1, description="Drop prompts whose first user turn is longer than this.")
     max_tokens: int = Field(256, ge=1, description="Maximum new tokens per answer.")
@@ -353,11 +358,16 @@ class TrainConfig(_Section):
         "draft vocab] float32 blocks for backward (the loss before chunks: ~2 GB a TTT step at 16k tokens and 32k "
         "draft tokens).")
     validation: float = Field(
-        0.02, ge=0.0, description="Samples held out of training to measure the drafter on (train/validation.py): a "
-        "number below 1 is a share of the samples (rounded down), a whole number >= 1 a count, 0 turns it off; at "
-        "most validation_max_samples. Chosen by a hash of each prompt's id, so a resume, a longer run or another "
-        "world size keeps the same split, and never trained on. Its acceptance length predicts the one served at "
-        "T=0 on prompts like the training ones (eval compares them).")
+        0.02, ge=0.0, description="Samples held out of training (and of the draft vocabulary) to measure the drafter "
+        "on (draftsmith/heldout.py): a number below 1 is a share of the groups (a conversation, a prompt with its "
+        "resampled answers, or generate.group_by's group), raised to validation_min_samples greedy answers where "
+        "the data has them; a whole number >= 1 a count of samples; 0 turns it off; at most "
+        "validation_max_samples. Chosen by a hash of each group, so a resume, another world size or a larger store "
+        "never moves a trained group into validation. Its acceptance length predicts the one served at T=0 on "
+        "prompts like the training ones (eval compares them, with their standard errors).")
+    validation_min_samples: int = Field(
+        64, ge=1, description="With a share, hold out at least this many greedy answers where the data has them "
+        "(never more than a tenth of the groups): 64 give the validation tau a standard error of about 0.03.")
     validation_max_samples: int = Field(
         256, ge=1, description="At most this many validation samples (a share of a large set is capped here).")
     validate_every: int = Field(

@@ -368,6 +368,8 @@ def _check_record(rec: Any, where: str) -> tuple[Any, list[dict], list[str] | No
             raise DraftsmithError(f"{where}: message {j + 1}: 'content' must be a string")
         if m.get("reasoning") is not None and not isinstance(m["reasoning"], str):
             raise DraftsmithError(f"{where}: message {j + 1}: 'reasoning' must be a string")
+    if "group" in rec and not isinstance(rec["group"], str):
+        raise DraftsmithError(f"{where}: 'group' must be a string")
     fr = rec.get("finish_reasons")
     return rec["id"], msgs, fr if isinstance(fr, list) else None
 
@@ -410,10 +412,13 @@ class PreparedTotals:
     tokens: int = 0
     masked_tokens: int = 0
     truncated: int = 0
+    grouped: int = 0  # samples with generate.group_by's group
     notes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in NOTE_KEYS})
 
-    def add(self, ids: list[int], mask: list[int], truncated: bool, notes: dict[str, int]) -> None:
+    def add(self, ids: list[int], mask: list[int], truncated: bool, notes: dict[str, int],
+            group: str | None = None) -> None:
         self.samples += 1
+        self.grouped += int(group is not None)
         self.assistant_turns += sum(1 for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1]))
         self.tokens += len(ids)
         self.masked_tokens += sum(mask)
@@ -436,7 +441,8 @@ def read_prepared(path: Path, valid_keys: set[str]) -> tuple[set[str], PreparedT
             if key not in valid_keys or key in done:
                 raise DraftsmithError(f"{path}:{n}: sample {rec['id']!r} does not belong to this attempt; {rerun}")
             done.add(key)
-            totals.add(rec["input_ids"], rec["loss_mask"], bool(rec.get("truncated")), rec.get("notes") or {})
+            totals.add(rec["input_ids"], rec["loss_mask"], bool(rec.get("truncated")), rec.get("notes") or {},
+                       rec.get("group"))
     return done, totals
 
 
@@ -482,6 +488,7 @@ def run_prepare(run: RunDir, cfg) -> dict:
             "done": tally.samples, "total": tally.samples, "unit": "samples",
             "input_samples": len(keys), "samples": tally.samples, "assistant_turns": tally.assistant_turns,
             "tokens": tally.tokens, "masked_tokens": tally.masked_tokens, "truncated": tally.truncated,
+            "grouped": tally.grouped,
             "dropped": counts["dropped_too_long"] + counts["dropped_empty_mask"], **counts,
             **{k: tally.notes.get(k, 0) for k in NOTE_KEYS},
             "reasoning_capture_rate": capture_rate(tally.notes),
@@ -533,7 +540,9 @@ def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, 
                 n += 1
                 if key in done_keys:
                     continue
-                sid, msgs, finish = _check_record(json.loads(line), f"{gen_path}:{lineno}")
+                gen_rec = json.loads(line)
+                sid, msgs, finish = _check_record(gen_rec, f"{gen_path}:{lineno}")
+                group = gen_rec.get("group")  # generate.group_by's (draftsmith/heldout.py), carried as it is
                 try:
                     enc = encoder.encode(msgs, finish)
                 except TemplateProblem as e:
@@ -556,9 +565,9 @@ def _encode_samples(gen_path: Path, out_path: Path, keys: list, done_keys: set, 
                     # Dropped samples leave no line: shrink the total so that done == lines on disk.
                     prog.set_total(prog.total - 1)
                     continue
-                rec = prepared_record(sid, ids, mask, truncated, enc.notes)
+                rec = prepared_record(sid, ids, mask, truncated, enc.notes, group)
                 append_bytes(out, jsonl_text([rec]).encode(), out_path)
-                tally.add(ids, mask, truncated, enc.notes)
+                tally.add(ids, mask, truncated, enc.notes, group)
                 prog.advance(1)
                 if time.time() - last_sync > 10:
                     with naming_full_disk(out_path):

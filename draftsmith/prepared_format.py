@@ -1,7 +1,7 @@
 """The prepared samples' file, without torch: prepare/samples.jsonl (docs/run-directory.md, "prepare/"), one
 JSON object per line, {"id", "input_ids": [T] token ids, "loss_mask": [T] 0/1, "truncated": bool, "notes"?:
-{counter: n}}, in generate's order. prepare.py writes it (prepared_record); vocab, extract and train read it
-through the one reader here.
+{counter: n}, "group"?: generate.group_by's group}, in generate's order. prepare.py writes it (prepared_record);
+vocab, extract and train read it through the one reader here.
 """
 
 import json
@@ -18,11 +18,14 @@ SAMPLES = "samples.jsonl"
 
 
 def prepared_record(sample_id, input_ids: list[int], loss_mask: list[int], truncated: bool,
-                    notes: dict[str, int] | None) -> dict:
-    """One line's record as prepare writes it (`notes` only when there are any)."""
+                    notes: dict[str, int] | None, group: str | None = None) -> dict:
+    """One line's record as prepare writes it (`notes` only when there are any; `group`, generate.group_by's,
+    only when the generated sample has one)."""
     rec = {"id": sample_id, "input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
     if notes:
         rec["notes"] = notes
+    if group is not None:
+        rec["group"] = group
     return rec
 
 
@@ -67,6 +70,14 @@ def iter_prepared(run: RunDir, by: str = "reading prepared samples"):
         for i, line in enumerate(f):
             rec = check_prepared_line(line, f"{path}:{i + 1}")
             yield i, rec, np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["loss_mask"], dtype=bool)
+
+
+def prepared_groups(run: RunDir) -> dict[str, str]:
+    """{sample id: group} of the prepared samples that carry generate.group_by's group (draftsmith/heldout.py);
+    the file is read only when prepare's manifest counts grouped samples."""
+    if not ((run.read_manifest(STAGE) or {}).get("counts") or {}).get("grouped"):
+        return {}
+    return {str(rec["id"]): str(rec["group"]) for _, rec, _, _ in iter_prepared(run) if "group" in rec}
 
 
 @dataclass

@@ -57,6 +57,7 @@ class Prompt:
     meta: dict = field(default_factory=dict)
     # answers[i]: the source's assistant reply to turns[i] (its first, when several follow), or None
     answers: list[str | None] = field(default_factory=list)
+    group: str | None = None  # the record's generate.group_by field (draftsmith/heldout.py), when one is named
 
     def to_dict(self) -> dict:
         return {"id": self.id, "system": self.system, "turns": self.turns}
@@ -346,9 +347,16 @@ def _record_id(rec: dict, fallback_id: str) -> str:
     return str(next((rec[k] for k in ID_COLUMNS if rec.get(k) not in (None, "")), fallback_id))
 
 
-def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
+def parse_record(rec: object, where: str, fallback_id: str, group_by: str | None = None) -> Prompt:
     if not isinstance(rec, dict):
         raise PromptError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    group = None
+    if group_by is not None:  # the user named it: a record without it is an error of that record, not a guess
+        group = rec.get(group_by)
+        if isinstance(group, bool) or not isinstance(group, (str, int)) or str(group) == "":
+            raise PromptError(f"{where}: field '{group_by}' (generate.group_by) must be a non-empty string or "
+                              f"integer, got {'nothing' if group is None else type(group).__name__}")
+        group = _text(str(group), where, group_by)
     system = None
     turns: list[str] = []
     answers: list[str | None] = []
@@ -414,7 +422,7 @@ def parse_record(rec: object, where: str, fallback_id: str) -> Prompt:
                           "(expected 'conversations', 'messages', 'turns' or 'task_id'+'prompt')")
     if not turns or not any(x.strip() for x in turns):
         raise PromptError(f"{where}: empty conversation (no user turn)")
-    return Prompt(id=_text(pid, where, "id"), turns=turns, system=system, answers=answers)
+    return Prompt(id=_text(pid, where, "id"), turns=turns, system=system, answers=answers, group=group)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -432,6 +440,7 @@ def load_prompts(
     min_chars: int = 0,
     max_chars: int | None = None,
     require_answers: bool = False,
+    group_by: str | None = None,
     stats: LoadStats | None = None,
     invalid: list[PromptError] | None = None,
 ) -> list[Prompt]:
@@ -458,7 +467,7 @@ def load_prompts(
         try:
             if isinstance(rec, PromptError):
                 raise rec
-            p = parse_record(rec, where, fallback_id=fallback_id)
+            p = parse_record(rec, where, fallback_id=fallback_id, group_by=group_by)
         except PromptError as e:
             if not skip_invalid and invalid is None:
                 raise

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError, stages
+from draftsmith.acceptance import fmt as fmt_tau
 from draftsmith.estimate import read_run_estimate
 from draftsmith.journal import fmt_duration, fmt_rate, journal_state, pid_alive
 from draftsmith.rundir import MANIFEST, RunDir, is_temp_name
@@ -139,8 +140,21 @@ def last_validation(metrics: Path, tail_bytes: int = 1 << 18) -> dict | None:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("split") == "validation":
-            return {k: rec.get(k) for k in ("step", "acceptance_length", "acceptance_per_position", "samples")}
+            return {k: rec.get(k) for k in ("step", "acceptance_length", "acceptance_length_se",
+                                            "acceptance_per_position", "samples")}
     return None
+
+
+def eval_figures(d: Path) -> dict | None:
+    """An eval folder's figures from its report.json: engine, prompts, tau with its standard error, speedup."""
+    try:
+        rep = json.loads((d / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rep, dict):
+        return None
+    return {k: rep.get(k) for k in ("engine", "prompts", "num_speculative_tokens", "acceptance_length",
+                                    "acceptance_length_se", "speedup")}
 
 
 # how each kind of stages.Count is counted: (count, bytes) of the stage folder d, given the record's path
@@ -234,6 +248,8 @@ def stage_status(run: RunDir, stage: str, now: float, host: str) -> dict[str, An
         row["bytes_per_token"] = extract_bytes_per_token(d, row["bytes_on_disk"])
     if stage == "train":
         row["validation"] = last_validation(d / "metrics.jsonl")
+    if stage.split("-")[0] == "eval" and row["state"] == "done":  # eval/ and the run's eval-<engine>/ folders
+        row["report"] = eval_figures(d)
     if stage == "generate":
         row["cut"] = generate_cut(d)
     return row
@@ -333,8 +349,16 @@ def render_table(status: dict[str, Any]) -> str:
         if isinstance(val.get("acceptance_length"), (int, float)):
             per_pos = " ".join(f"{a:.2f}" for a in val.get("acceptance_per_position") or []
                                if isinstance(a, (int, float)))
-            notes.append(f"{r['name']}: validation tau {val['acceptance_length']:.2f} at step {val.get('step')} "
-                         f"(per position {per_pos}; {val.get('samples')} held-out samples)")
+            tau = fmt_tau(val["acceptance_length"], val.get("acceptance_length_se"))
+            notes.append(f"{r['name']}: validation tau {tau}"
+                         f" at step {val.get('step')} (per position {per_pos}; {val.get('samples')} held-out samples; "
+                         "± one standard error)")
+        rep = r.get("report") or {}
+        if isinstance(rep.get("acceptance_length"), (int, float)):
+            speed = f", {rep['speedup']:.2f}x plain decoding" if isinstance(rep.get("speedup"), (int, float)) else ""
+            notes.append(f"{r['name']}: {rep.get('engine')} engine tau "
+                         f"{fmt_tau(rep['acceptance_length'], rep.get('acceptance_length_se'))} at K = "
+                         f"{rep.get('num_speculative_tokens')} over {rep.get('prompts')} prompts{speed}")
         if r.get("cut"):
             notes.append(f"{r['name']}: {r['cut']} answers cut for time (no data for generate.idle_timeout_s), counted "
                          "as lost: not in samples.jsonl nor the training data; `generate --retry-failed` asks again")

@@ -2,8 +2,11 @@
 
 The drafter predicts over a small vocabulary (`vocab.draft_vocab_size` tokens) instead of the
 target's full one: the most frequent target tokens among those it is trained to predict (the
-loss-masked ones). Ties go to the smaller token id; when fewer distinct tokens occur than the
-size asks for, the lowest unused ids fill the rest, so the result is the same on every run.
+loss-masked ones), counted without the samples validation holds out (draftsmith/heldout.py, the split train
+makes from the same ids and settings): a held-out answer then misses for an out-of-vocabulary token as a fresh
+prompt's does, and the coverage reported is that of the training answers. Ties go to the smaller token id;
+when fewer distinct tokens occur than the size asks for, the lowest unused ids fill the rest, so the result is
+the same on every run.
 
 Outputs (docs/run-directory.md), both written atomically:
 - `vocab/vocab.safetensors`: `d2t` int64 [draft_vocab_size] (target id = draft id + d2t[draft id],
@@ -24,9 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, heldout
 from draftsmith.journal import fmt_count
-from draftsmith.prepared_format import iter_prepared
+from draftsmith.prepared_format import iter_prepared, prepared_groups
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
@@ -61,14 +64,28 @@ def select_draft_vocab(counts, draft_vocab_size: int):
     return d2t, t2d
 
 
-def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
-    """Frequencies [V] int64 of target tokens under the loss mask of prepare/samples.jsonl."""
+def held_out_ids(run: RunDir, tc) -> set[str]:
+    """The sample ids validation holds out (draftsmith/heldout.py) under train config `tc`, from prepare's ids."""
+    if heldout.settings(tc) is None:
+        return set()
+    ids = [str(rec["id"]) for _, rec, _, _ in iter_prepared(run)]
+    return {ids[i] for i in heldout.split_of(tc, ids, prepared_groups(run)).indices}
+
+
+def count_masked_tokens(run: RunDir, vocab_size: int, prog=None, skip: set[str] = frozenset()):
+    """Frequencies [V] int64 of target tokens under the loss mask of prepare/samples.jsonl, the samples in `skip`
+    left out; (counts, samples counted, loss-masked tokens of the samples left out)."""
     path = run.stage_dir("prepare", create=False) / "samples.jsonl"
     counts = np.zeros(vocab_size, dtype=np.int64)
     buf: list = []
     buffered = 0
-    samples = 0
-    for i, _, ids, mask in iter_prepared(run):
+    samples = skipped = 0
+    for i, rec, ids, mask in iter_prepared(run):
+        if str(rec["id"]) in skip:
+            skipped += int(mask.sum())
+            if prog is not None:
+                prog.advance(1)
+            continue
         masked = ids[mask]
         if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
             raise DraftsmithError(f"{path}:{i + 1}: token id {int(masked.max())} is outside the target vocabulary "
@@ -83,7 +100,7 @@ def count_masked_tokens(run: RunDir, vocab_size: int, prog=None):
             prog.advance(1)
     if buf:
         counts += np.bincount(np.concatenate(buf), minlength=vocab_size)
-    return counts, samples
+    return counts, samples, skipped
 
 
 @stage_run(STAGE)
@@ -98,7 +115,10 @@ def run_vocab(run: RunDir, cfg) -> dict:
         raise DraftsmithError(
             f"vocab.draft_vocab_size: {size} is larger than the vocabulary of target {info.name} "
             f"({info.vocab_size} tokens)")
-    book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": VOCAB_VERSION},
+    tc = cfg.train
+    # the held-out split's settings are vocab's too: the samples it leaves out of the counts
+    book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": VOCAB_VERSION,
+                                                "held_out": heldout.settings(tc)},
                      upstream={"prepare": prep}, target=info)
     fp = book.fingerprint
     d = run.stage_dir(STAGE)
@@ -109,13 +129,14 @@ def run_vocab(run: RunDir, cfg) -> dict:
 
     n_samples = int(prep.get("counts", {}).get("done") or 0) or None
     with book.progress(total=n_samples, unit="samples") as prog:
-        counts, samples = count_masked_tokens(run, info.vocab_size, prog)
+        held = held_out_ids(run, tc)
+        counts, samples, skipped = count_masked_tokens(run, info.vocab_size, prog, held)
         total = int(counts.sum())
         prep_path = run.manifest_path("prepare")
         expected = prep.get("counts", {}).get("masked_tokens")
-        if expected is not None and expected != total:
+        if expected is not None and expected != total + skipped:
             raise DraftsmithError(
-                f"{prep_path.parent / 'samples.jsonl'}: holds {total} loss-masked tokens but {prep_path} "
+                f"{prep_path.parent / 'samples.jsonl'}: holds {total + skipped} loss-masked tokens but {prep_path} "
                 f"records {expected}; the file changed after prepare finished, rerun `draftsmith prepare`")
         if total == 0:
             raise DraftsmithError(f"{prep_path.parent / 'samples.jsonl'}: no loss-masked tokens to count")
@@ -126,12 +147,14 @@ def run_vocab(run: RunDir, cfg) -> dict:
         filled = max(0, size - distinct)
         prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {fmt_count(total)} "
                  f"loss-masked tokens ({distinct} distinct tokens seen"
-                 + (f"; {filled} unseen ids fill the rest" if filled else "") + ")")
+                 + (f"; {filled} unseen ids fill the rest" if filled else "")
+                 + (f"; the {len(held)} samples validation holds out not counted" if held else "") + ")")
 
         vocab_info = {
             "draft_vocab_size": size, "target_vocab_size": info.vocab_size, "coverage": coverage,
             "tokens_counted": total, "tokens_covered": covered, "distinct_tokens": distinct, "filled": filled,
-            "target": info.name, "target_fingerprint": info.fingerprint,
+            "samples_counted": samples, "held_out_samples": len(held), "target": info.name,
+            "target_fingerprint": info.fingerprint,
             "prepare_fingerprint": prep.get("fingerprint"), "fingerprint": fp,
         }
         meta = {k: str(vocab_info[k])
@@ -139,7 +162,8 @@ def run_vocab(run: RunDir, cfg) -> dict:
         with atomic_path(st_path) as tmp:
             save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp), metadata=meta)
         atomic_write_json(json_path, vocab_info)
-        manifest_counts = {"done": samples, "total": samples, "unit": "samples", "coverage": coverage,
+        manifest_counts = {"done": samples + len(held), "total": samples + len(held), "unit": "samples",
+                           "held_out": len(held), "coverage": coverage,
                            "tokens_counted": total, "distinct_tokens": distinct, "filled": filled}
         manifest = book.finish(counts=manifest_counts, outputs=["vocab.safetensors", "vocab.json"],
                                extra={"coverage": coverage})

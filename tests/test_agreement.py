@@ -14,7 +14,8 @@ import pytest
 from conftest import TINY_RUN_SETS
 from draftsmith.card import front_matter, has_absolute_path
 from draftsmith.config import load_config
-from draftsmith.eval.agreement import TOLERANCE, agreement, differences, predicted
+from draftsmith.acceptance import CALIBRATED_GAP
+from draftsmith.eval.agreement import agreement, differences, predicted
 from draftsmith.eval.stage import run_eval
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
@@ -146,11 +147,23 @@ def test_the_verdict_fires_past_the_tolerance_and_hard_differences_fire_alone():
     pred = predicted(cj, 3)
     assert pred["acceptance_length"] == pytest.approx(2.0) and predicted(cj, 2)["acceptance_length"] == 1.9
     assert predicted(cj, 4) is None and predicted({}, 3) is None
-    close = agreement(pred, {"vllm": {"acceptance_length": 2.0 - TOLERANCE + 0.01}}, [], 3, 3)
-    assert close["verdict"] is None
+    # without errors the calibrated gap decides
+    close = agreement(pred, {"vllm": {"acceptance_length": 2.0 - CALIBRATED_GAP + 0.01}}, [], 3, 3)
+    assert close["verdict"] is None and close["vllm_tolerance"] == CALIBRATED_GAP
+    # with errors, two combined standard errors: a 0.10 gap is a finding at 0.03 each, not at 0.06 each
+    with_se = {**pred, "acceptance_length_se": 0.03}
+    named = agreement(with_se, {"vllm": {"acceptance_length": 1.9, "acceptance_length_se": 0.03}}, [], 3, 3)
+    assert named["vllm_gap_se"] == pytest.approx(0.03 * 2 ** 0.5) and named["verdict"].startswith("vllm tau 1.90")
+    wide = agreement({**pred, "acceptance_length_se": 0.06},
+                     {"vllm": {"acceptance_length": 1.9, "acceptance_length_se": 0.06}}, [], 3, 3)
+    assert wide["verdict"] is None and wide["vllm_tolerance"] == pytest.approx(2 * 0.06 * 2 ** 0.5)
+    # a served tau above the prediction is named as well
+    over = agreement(with_se, {"vllm": {"acceptance_length": 2.2, "acceptance_length_se": 0.03}}, [], 3, 3)
+    assert "is 0.20 ± 0.04 over" in over["verdict"]
     far = agreement(pred, {"vllm": {"acceptance_length": 1.5}, "local": {"acceptance_length": 1.52}},
                     ["prompts: eval's `mt-bench` is not the training distribution (`sharegpt`)"], 3, 3)
     assert far["verdict"].startswith("vllm tau 1.50 is 0.50 under and local tau 1.52 is 0.48 under the validation tau")
+    assert far["engines_gap"] == pytest.approx(0.02)
     assert "mt-bench" in far["verdict"]
     unexplained = agreement(pred, {"vllm": {"acceptance_length": 1.5}}, [], 3, 3)
     assert "nothing found different" in unexplained["verdict"]

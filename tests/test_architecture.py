@@ -166,6 +166,7 @@ SHARED_TRAIN_KEYS = {
     "method": ("estimate.py", "train/drafter.py"),  # the kind's drafter sized without torch; built
     "mode": ("stages.py", "train/data.py"),  # extract runs for offline training; the source of the states
     "seed": ("train/data.py", "train/drafter.py"),  # the data's order; the drafter's first weights
+    "validation": ("heldout.py", "train/stage.py"),  # the split vocab and train make; train's line that it is off
     # a chain's drafts; a block's default size (ttt_steps + 1); the objective's unrolled steps
     "ttt_steps": ("kinds/__init__.py", "kinds/dflash/__init__.py", "train/objective.py"),
 }

@@ -17,7 +17,8 @@ from draftsmith.status import run_status
 from draftsmith.train.dflash import DFlashObjective, draw_blocks
 from draftsmith.train.objective import TTTObjective, chain_acceptance, ttt_masks
 from draftsmith.train.stage import run_train
-from draftsmith.train.validation import split, split_key, split_size
+from draftsmith.heldout import group_of, rank_of, split
+from draftsmith.prompts import load_prompts
 from test_train import (DOC, IDS, MASK, POS, _resumed_from_step_10, cfg_for, copy_run, metrics, micro_batch,  # noqa: F401
                         synth_run,
                         tiny_drafter)
@@ -97,23 +98,70 @@ def test_dflash_chain_counts_match_a_block_by_block_computation():
     assert stats[:, 4].tolist() == chain
 
 
-def test_the_split_depends_on_prompt_ids_alone():
-    ids = [f"p{i}" for i in range(1000)]
-    held = split(ids, 0.02, 256)
-    assert len(held) == split_size(1000, 0.02, 256) == 20
+def test_the_split_depends_on_groups_alone():
+    ids = [f"p{i}" for i in range(5000)]
+    held = split(ids, 0.02, 64, 256)
+    # a share: exactly the groups whose hash falls under it (about 2 % of 5,000)
+    assert held.decided_by == "share" and all(rank_of(ids[i]) < 0.02 for i in held.indices)
+    assert all(rank_of(x) >= 0.02 for i, x in enumerate(ids) if i not in set(held.indices))
+    assert 70 < len(held.indices) < 130
     # the same samples in another order (another packing, a reshuffled file): the same held-out ids
     rev = list(reversed(ids))
-    assert sorted(rev[i] for i in split(rev, 0.02, 256)) == sorted(ids[i] for i in held)
-    # a count, and the cap
-    assert len(split(ids, 7, 256)) == 7 and len(split(ids, 0.5, 40)) == 40
-    assert split(ids, 0, 256) == [] and split(ids[:10], 0.02, 256) == []  # 2 % of 10 holds out none
-    assert len(split(ids[:3], 50, 256)) == 2  # never every sample
+    assert sorted(rev[i] for i in split(rev, 0.02, 64, 256).indices) == sorted(ids[i] for i in held.indices)
+    # a count, the cap, off, never every sample
+    assert len(split(ids, 7, 64, 256).indices) == 7 and len(split(ids, 0.5, 64, 40).indices) == 40
+    assert split(ids, 0, 64, 256).indices == []
+    assert len(split(ids[:3], 50, 64, 256).indices) == 2
+    # the floor: a share of a small store is raised to the minimum greedy answers, but never past a tenth
+    small = split(ids[:1000], 0.02, 64, 256)
+    assert small.decided_by == "floor" and small.greedy == 64 and len(small.indices) == 64
+    tiny = split(ids[:200], 0.02, 64, 256)
+    assert tiny.decided_by == "floor" and len(tiny.indices) == 20  # a tenth of 200 groups
     # resampled answers stay with their prompt: a prompt is held out with all of its answers or not at all
-    many = [x for i in range(200) for x in (f"q{i}", f"q{i}#1@T1", f"q{i}#2@T1")]
-    keys = {split_key(many[i]) for i in split(many, 10, 256)}
-    assert keys and all(split_key(x) in keys for x in many if split_key(x) in keys)
-    assert sum(split_key(x) in keys for x in many) == 3 * len(keys)
-    assert split_key("a#b#3@T0.7") == "a#b"
+    many = [x for i in range(200) for x in (f"q{i}", f"q{i}#2@T1", f"q{i}#3@T1")]
+    s = split(many, 10, 64, 256)
+    keys = set(s.groups)
+    assert keys and sum(group_of(x) in keys for x in many) == 3 * len(keys) == len(s.indices)
+    assert s.greedy == len(keys)  # only the greedy answers are measured
+    assert group_of("a#b#3@T0.7") == "a#b"
+
+
+def test_no_held_out_group_shares_a_conversation_with_training():
+    # ShareGPT's segments of one conversation, renamed duplicates and resampled answers are one group each
+    assert group_of("wNBG8Gp_0") == group_of("wNBG8Gp_15") == group_of("wNBG8Gp_80#2") == "wNBG8Gp"
+    assert group_of("wNBG8Gp_15#2@T0.7") == "wNBG8Gp" and group_of("CipTWlm_9#3") == "CipTWlm"
+    assert group_of("sample_3") == "sample_3" and group_of("my-data-12") == "my-data-12"  # not ShareGPT's shape
+    # the packaged ShareGPT prompts: no held-out conversation has a segment in training
+    prompts = load_prompts("sharegpt", limit=2000, skip_invalid=True)
+    ids = [p.id for p in prompts]
+    s = split(ids, 0.05, 64, 256)
+    held_groups = {group_of(ids[i]) for i in s.indices}
+    trained_groups = {group_of(x) for i, x in enumerate(ids) if i not in set(s.indices)}
+    assert held_groups and not held_groups & trained_groups
+    assert any(len(m) > 1 for m in s.groups.values())  # some held-out conversation does have several segments
+    # the old rule (a hash of each segment's id) split conversations: the ruler this replaces
+    by_segment = {x for x in ids if rank_of(x) < 0.05}
+    assert {group_of(x) for x in by_segment} & {group_of(x) for x in ids if x not in by_segment}
+    # a user-named group (generate.group_by) wins over the id
+    groups = {x: "topic-" + str(int(x[1:]) % 10) for x in [f"p{i}" for i in range(400)]}
+    g = split(list(groups), 0.02, 64, 256, groups)
+    held_topics = set(g.groups)
+    assert held_topics and held_topics <= set(groups.values())  # the floor: one topic of ten (a tenth)
+    assert all((groups[x] in held_topics) == (j in set(g.indices)) for j, x in enumerate(groups))
+
+
+def test_the_split_survives_growth_of_the_store():
+    ids = [f"c{i:05d}_{k}" for i in range(3000) for k in range(2)]  # not ShareGPT's shape: each its own group
+    small, large = ids[:2000], ids  # a store, then the same store grown by more data
+    for share in (0.02, 30):  # the floor decides the small one at 2 %; a count in both
+        a, b = split(small, share, 64, 256), split(large, share, 64, 256)
+        trained_small = {small[i] for i in range(len(small)) if i not in set(a.indices)}
+        # no group trained on in the smaller store is held out in the larger one
+        assert not trained_small & {large[i] for i in b.indices}
+    # while the share alone decides, the held-out groups are exactly the same
+    a, b = split(ids[:4000], 0.02, 64, 256), split(ids, 0.02, 64, 256)
+    assert a.decided_by == b.decided_by == "share"
+    assert {ids[i] for i in a.indices} == {ids[i] for i in b.indices if i < 4000}
 
 
 def _recording(monkeypatch, cls) -> list[tuple[bool, list[int]]]:
@@ -137,7 +185,7 @@ def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8,
     trained = {i for training, s in seen if training for i in s}
     validated = {i for training, s in seen if not training for i in s}
     store_ids = json.loads((run.path / "extract" / "meta.json").read_text())["ids"]
-    assert validated == set(split(store_ids, 6, 256)) and len(validated) == 6
+    assert validated == set(split(store_ids, 6, 64, 256).indices) and len(validated) == 6
     assert trained and not trained & validated
     rows = [r for r in metrics(run) if r.get("split") == "validation"]
     assert [r["step"] for r in rows] == [8, 16, 20]
@@ -154,7 +202,13 @@ def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8,
     assert st["validation"]["acceptance_length"] == last["acceptance_length"] and st["validation"]["step"] == 20
     log = (run.path / "train" / "stage.log").read_text()
     assert "validation at step 20: tau" in log and ", val " in log
-    assert "validation: 6 samples held out" in capsys.readouterr().out
+    assert "validation: 6 groups (6 samples) held out" in capsys.readouterr().out
+    # every tau with its error; the split written for anyone to check
+    assert isinstance(last["acceptance_length_se"], float) and 0 < last["acceptance_length_se"] < 1
+    assert st["validation"]["acceptance_length_se"] == last["acceptance_length_se"]
+    written = json.loads((run.path / "train" / "validation.json").read_text())
+    assert written["samples"] == 6 and written["settings"]["validation"] == 6
+    assert {x for g in written["held_out"].values() for x in g["ids"]} == {store_ids[i] for i in validated}
     if method == "eagle3":
         # resumed from step 10: the same weights, so the same validation figures at 16 and 20
         _resumed_from_step_10(run, cfg)
@@ -198,14 +252,21 @@ def test_the_validation_line_says_what_is_held_out_or_that_none_is(tmp_path, mon
     packing = SimpleNamespace(row_len=64, rows_per_batch=2)
     ids, lengths = ["a", "b", "c", "d"], [10, 100, 30, 40]
     cfg = load_config(None, ["train.validation=2", "train.validate_every=25"])
-    v = train_stage._validation(run, cfg, [0, 1], ids, lengths, packing, one)
-    assert v is not None and v.measured == [0, 1] and v.tokens == 10 + 64  # each cut to a row
-    assert said == ["validation: 2 samples held out by a hash of their prompt's id, never trained on; 2 measured "
-                    "(74 tokens) every 25 steps and after the last, on the answers' tokens"]
+    v = train_stage._validation(run, cfg, split(ids, 2), ids, lengths, packing, one)
+    assert v is not None and len(v.measured) == 2 and v.tokens == sum(min(lengths[i], 64) for i in v.measured)
+    assert said[0].startswith("validation: 2 groups (2 samples) held out by a hash of their group")
+    assert said[0].endswith(f"2 measured ({v.tokens} tokens) every 25 steps and after the last, on the answers' "
+                            "tokens")
+    # fewer than validation_min_samples: a line that says the error is larger and what to do
+    assert said[1].startswith("validation: 2 greedy answers measured, fewer than train.validation_min_samples (64")
+    assert said[1].endswith("raise train.validation to hold out more")
+    assert json.loads((run.path / "train" / "validation.json").read_text())["samples"] == 2
     said.clear()
     cfg = load_config(None, ["train.validation=0.1"])
-    assert train_stage._validation(run, cfg, [], ids, lengths, packing, one) is None
+    assert train_stage._validation(run, cfg, split([], 0.1), ids, lengths, packing, one) is None
     assert len(said) == 1 and said[0].startswith("validation: off (train.validation=0.1 of 4 samples holds out none)")
+    assert not (run.path / "train" / "validation.json").exists()  # no stale split beside a run without one
     said.clear()
-    assert train_stage._validation(run, load_config(None, ["train.validation=0"]), [], ids, lengths, packing, one) is None
+    assert train_stage._validation(run, load_config(None, ["train.validation=0"]), split(ids, 0), ids, lengths,
+                                   packing, one) is None
     assert said == []

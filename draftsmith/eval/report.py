@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window: before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 
+from draftsmith.acceptance import acceptance, fmt as fmt_tau  # noqa: E402
 from draftsmith.rundir import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
@@ -46,9 +47,12 @@ def aggregate(records: list[dict], K: int) -> dict:
     tps = tokens / seconds if seconds > 0 else None
     b_tps = b_tokens / b_seconds if with_base and b_seconds > 0 else None
     same = [r["baseline"]["same_tokens"] for r in with_base if r["baseline"].get("same_tokens") is not None]
+    _, se = acceptance((r["num_drafts"], r["num_accepted_tokens"]) for r in records)
     return {
         "prompts": len(records),
         "acceptance_length": (1 + accepted / drafts) if drafts else None,
+        # one standard error, the delta method over prompts (draftsmith/acceptance.py)
+        "acceptance_length_se": se,
         "acceptance_per_position": [c / drafts for c in per_pos] if drafts else [None] * K,
         "tokens_per_s": tps,
         "baseline_tokens_per_s": b_tps,
@@ -165,7 +169,8 @@ def report_markdown(report: dict) -> str:
         "",
         "| metric | value |",
         "| --- | --- |",
-        f"| acceptance length (tau = 1 + accepted/drafts) | {fmt_value(report['acceptance_length'])} |",
+        f"| acceptance length (tau = 1 + accepted/drafts; ± one standard error over prompts) | "
+        f"{fmt_tau(report['acceptance_length'], report.get('acceptance_length_se'), '.3f')} |",
         f"| acceptance per position | {', '.join(fmt_value(a) for a in acc)} |",
         f"| tokens/s with drafting | {fmt_value(report['tokens_per_s'], '.1f')} |",
         f"| tokens/s plain decoding | {fmt_value(report['baseline_tokens_per_s'], '.1f')} |",
@@ -194,21 +199,29 @@ def agreement_markdown(ag: dict | None, K: int) -> list[str]:
     lines = ["", "## Validation, local engine, vLLM", "",
              f"Acceptance length at K = {K} of the same drafter three ways: on held-out training samples at the end of "
              "training (T=0), and decoding these prompts with each engine.", "",
-             "| measurement | acceptance length | per position | where |", "| --- | ---: | --- | --- |"]
+             "| measurement | acceptance length (± 1 SE) | per position | where |", "| --- | ---: | --- | --- |"]
     v = ag.get("validation")
     if v:
-        lines.append(f"| validation (predicted) | {fmt_value(v['acceptance_length'], '.3f')} | "
+        tau = fmt_tau(v["acceptance_length"], v.get("acceptance_length_se"), ".3f")
+        lines.append(f"| validation (predicted) | {tau} | "
                      f"{', '.join(fmt_value(a) for a in v['acceptance_per_position'])} | {v.get('samples')} held-out "
                      f"samples at step {v.get('step')} |")
     else:
         lines.append(f"| validation (predicted) | n/a | | {ag.get('note', '')} |")
     for name in ("local", "vllm"):
         m = ag.get(name)
-        lines.append(f"| {name} engine | {fmt_value(m['acceptance_length'], '.3f')} | "
+        lines.append(f"| {name} engine | {fmt_tau(m['acceptance_length'], m.get('acceptance_length_se'), '.3f')} | "
                      f"{', '.join(fmt_value(a) for a in m.get('acceptance_per_position') or [])} | `{m['folder']}/` |"
                      if m else f"| {name} engine | not measured on these prompts | | |")
-    lines += ["", f"Tolerance {ag['tolerance']} below the prediction. "
-              + (f"**{ag['verdict']}**" if ag.get("verdict") else "No engine falls short of the prediction by more.")]
+    for name in ("vllm", "local"):
+        if ag.get(f"{name}_gap") is not None:
+            lines.append(f"- validation - {name}: {fmt_tau(ag[f'{name}_gap'], ag.get(f'{name}_gap_se'), '+.3f')}, "
+                         f"a finding beyond {ag[f'{name}_tolerance']:.3f} (two combined standard errors, at least "
+                         f"the calibrated {ag['calibrated_gap']})")
+    if ag.get("engines_gap") is not None:
+        lines.append(f"- local - vllm: {fmt_tau(ag['engines_gap'], ag.get('engines_gap_se'), '+.3f')}")
+    lines += ["", (f"**{ag['verdict']}**" if ag.get("verdict") else
+                   "No engine differs from the prediction by more than its tolerance.")]
     if ag.get("differences") and not ag.get("verdict"):
         lines += ["", "Found different: " + "; ".join(ag["differences"]) + "."]
     return lines

@@ -62,6 +62,7 @@ def build_record(prompt, turns: list[TurnResult], backend: str, model: str) -> d
         "backend": backend,
         "model": model,
         **({SAMPLING: prompt.meta[SAMPLING]} if SAMPLING in prompt.meta else {}),
+        **({"group": prompt.group} if prompt.group is not None else {}),
     }
 
 

@@ -153,7 +153,8 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
                            skip_invalid=gen.skip_invalid, first_turn_only=gen.first_turn_only,
                            min_chars=gen.min_chars, max_chars=gen.max_chars,
-                           require_answers=gen.backend == "dataset", stats=stats, invalid=invalid)
+                           require_answers=gen.backend == "dataset", group_by=gen.group_by, stats=stats,
+                           invalid=invalid)
     n_prompts = len(prompts)
     prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
     _check_state(d, _sample_settings(gen, info, source, dtype), say)

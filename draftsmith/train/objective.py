@@ -490,14 +490,25 @@ def serving_walk(starts, runs, K: int) -> list[int]:
     accepted drafts plus one more, so the next step is r + 1 positions on. Visited positions are biased toward where
     drafts fail (a long run skips what follows it), which is why this, not the mean over all positions
     (chain_acceptance), is what serving reaches."""
-    starts, runs = np.asarray(starts, dtype=bool), np.asarray(runs, dtype=np.int64)
     out = [0] * (K + 2)
+    for _, _, walked in walk_answers(starts, runs, K):
+        for k, x in enumerate(walked):
+            out[k] += x
+    return out
+
+
+def walk_answers(starts, runs, K: int):
+    """serving_walk's count of each answer apart: (row, its first position, [drafts, accepted, accepted at position
+    0..K-1]) for every contiguous span of starts (an answer), so a caller can attribute them to samples (the
+    validation's standard error, draftsmith/acceptance.py)."""
+    starts, runs = np.asarray(starts, dtype=bool), np.asarray(runs, dtype=np.int64)
     for r in range(starts.shape[0]):
         pos = np.flatnonzero(starts[r])
         if pos.size == 0:
             continue
         breaks = np.flatnonzero(np.diff(pos) != 1) + 1
         for seg in np.split(pos, breaks):
+            out = [0] * (K + 2)
             i, end = int(seg[0]) + 1, int(seg[-1])
             while i <= end:
                 n = min(int(runs[r, i]), K)
@@ -506,7 +517,7 @@ def serving_walk(starts, runs, K: int) -> list[int]:
                 for k in range(n):
                     out[2 + k] += 1
                 i += n + 1
-    return out
+            yield r, int(seg[0]), out
 
 
 def chain_acceptance(chain: list[float], starts: float) -> tuple[float | None, list[float | None]]:

@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from draftsmith import DraftsmithError, kinds
+from draftsmith import DraftsmithError, heldout, kinds
 from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
+from draftsmith.prepared_format import prepared_groups
 from draftsmith.progress import Progress, log
-from draftsmith.rundir import RunDir, fingerprinted
+from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
@@ -55,7 +56,7 @@ from draftsmith.train.drafter import build_drafter, drafter_config, drafter_reco
 from draftsmith.train.launch import launch_ranks, launches
 from draftsmith.train.objective import objective_options, resolve_attention
 from draftsmith.train.report import Window
-from draftsmith.train.validation import Validation, split
+from draftsmith.train.validation import Validation
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
 from draftsmith.train.stop import DeferredStop
 from draftsmith.train.trackers import Trackers
@@ -248,7 +249,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
     ids = source.sample_ids()
-    held = split(ids, tc.validation, tc.validation_max_samples) if tc.validation > 0 else []
+    held_split = heldout.split_of(tc, ids, prepared_groups(run))
+    held = held_split.indices
     held_set = set(held)
     # the held-out samples get length 0 in the training packing: no micro-batch ever holds them
     packing = Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
@@ -267,7 +269,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         clear_for_attempt(folder, continues, fp, say)
     if ranks.world > 1:
         dist.barrier()
-    validation = _validation(run, cfg, held, ids, source.lengths, packing, ranks)
+    validation = _validation(run, cfg, held_split, ids, source.lengths, packing, ranks)
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
@@ -337,10 +339,19 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     return ts
 
 
-def _validation(run, cfg, held: list[int], ids: list[str], lengths: list[int], packing: Packing,
+def _validation(run, cfg, held_split: heldout.Split, ids: list[str], lengths: list[int], packing: Packing,
                 ranks: Ranks) -> Validation | None:
-    """The held-out samples' Validation (None without any), said in one line: how many, measured on what."""
+    """The held-out samples' Validation (None without any), said in one line: how many groups and samples, measured
+    on what; rank 0 writes them to train/validation.json (draftsmith/heldout.py)."""
     tc = cfg.train
+    held = held_split.indices
+    if ranks.rank == 0:
+        path = run.path / STAGE / heldout.FILE
+        if held:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, heldout.record(held_split, ids, heldout.settings(tc)))
+        else:
+            path.unlink(missing_ok=True)
     if not held:
         if tc.validation > 0:
             say(f"validation: off (train.validation={tc.validation:g} of {len(lengths)} samples holds out none); "
@@ -348,10 +359,13 @@ def _validation(run, cfg, held: list[int], ids: list[str], lengths: list[int], p
         return None
     validation = Validation(held, ids, lengths, packing.row_len, packing.rows_per_batch, ranks.rank, ranks.world)
     resampled = len(held) - len(validation.measured)
-    say(f"validation: {len(held)} samples held out by a hash of their prompt's id, never trained on; "
-        f"{len(validation.measured)} measured ({validation.tokens:,} tokens"
+    say(f"validation: {len(held_split.groups)} groups ({len(held)} samples) held out by a hash of their group "
+        f"(a conversation, a prompt and its answers), never trained on nor counted in the draft vocabulary "
+        f"(train/{heldout.FILE}); {len(validation.measured)} measured ({validation.tokens:,} tokens"
         + (f"; their prompts' {resampled} resampled answers held out too, not measured" if resampled else "")
         + f") every {tc.validate_every} steps and after the last, on the answers' tokens" + _sampled_note(run, cfg))
+    if line := heldout.shortfall(held_split, tc):
+        say(line)
     return validation
 
 

@@ -1,11 +1,9 @@
 """The validation split and its pass: what a drafter's acceptance is on samples it never trained on.
 
-Split (`split`). train.validation holds out a share (or a count) of the samples, capped at
-train.validation_max_samples. Which ones depends on their ids alone: a sample's key is its prompt's id
-(generate.answers_per_prompt's resampled answers, `ID#k@T...`, share their prompt's key, so no prompt is on
-both sides), ranked by sha256; the n lowest are held out. A resume, a longer run, another world size or
-another batch size therefore keeps the same split, and the held-out samples get length 0 in the training
-packing (train/data.py skips them), so no step ever reads them. Offline they are read from the extract store,
+Split: draftsmith/heldout.py (whole groups, a conversation or a prompt with its resampled answers, by a hash of
+the group; the same split vocab leaves out of the draft vocabulary). The held-out samples get length 0 in the
+training packing (train/data.py skips them), so no step ever reads them; train writes them with their groups to
+train/validation.json. Offline they are read from the extract store,
 online from the same source as training (the target in process, or the vLLM servers).
 
 Pass (`Validation.run`). Every train.validate_every optimizer steps and after the last: the drafter in eval mode
@@ -27,63 +25,33 @@ chain is taken on sampled continuations and predicts greedy serving less closely
 
 from __future__ import annotations
 
-import hashlib
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
-from draftsmith.generate.samples import prompt_id_of
+from draftsmith.acceptance import acceptance
+from draftsmith.heldout import is_greedy
 from draftsmith.train.data import pack_epoch
-from draftsmith.train.objective import chain_acceptance, serving_walk
-
-def split_key(sample_id: str) -> str:
-    """The key a sample is held out by: its prompt's id (all answers of one prompt fall on one side)."""
-    return prompt_id_of(sample_id)
+from draftsmith.train.objective import chain_acceptance, walk_answers
 
 
-def split_size(n_samples: int, share: float, max_samples: int) -> int:
-    """Samples held out: `share` < 1 is a share of the samples (rounded down), >= 1 a count; at most
-    max_samples, and never all of them."""
-    n = int(share) if share >= 1 else math.floor(share * n_samples)
-    return max(0, min(n, max_samples, n_samples - 1))
-
-
-def split(ids: list[str], share: float, max_samples: int) -> list[int]:
-    """Indices of the held-out samples, ascending: those whose prompt keys rank lowest by sha256, all
-    answers of a held-out prompt included (so the count may exceed split_size by a prompt's other answers)."""
-    n = split_size(len(ids), share, max_samples)
-    if n == 0:
-        return []
-    keys = [split_key(i) for i in ids]
-    rank = sorted(set(keys), key=lambda k: (hashlib.sha256(k.encode("utf-8", "surrogatepass")).digest(), k))
-    held: set[str] = set()
-    count = 0
-    counts: dict[str, int] = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
-    for k in rank:
-        if count >= n:
-            break
-        held.add(k)
-        count += counts[k]
-    out = [i for i, k in enumerate(keys) if k in held]
-    return out if len(out) < len(ids) else out[:-1]
-
-
-def figures(stats: list[list[float]], walk: list[float]) -> dict:
+def figures(stats: list[list[float]], walk: list[float], per_sample: list[tuple[float, float]] = ()) -> dict:
     """Figures of summed statistics [steps][5] (KL sum, valid, correct, masked, chain; objective.forward) and of the
     serving walk [drafts, accepted, accepted per position] (objective.serving_walk): loss and marginal accuracy per
-    step (None where a step has no position), the acceptance length and per position as served (the walk), the
-    drafts it made and the positions chains start at, and the chain's mean over every position (`position_mean`)."""
+    step (None where a step has no position), the acceptance length and per position as served (the walk) with the
+    acceptance length's standard error over the measured samples' (drafts, accepted) (draftsmith/acceptance.py),
+    the drafts it made and the positions chains start at, and the chain's mean over every position
+    (`position_mean`)."""
     loss = [kl / n if n > 0 else None for kl, n, _, _, _ in stats]
     acc = [c / m if m > 0 else None for _, _, c, m, _ in stats]
     starts = stats[0][3] if stats else 0.0
     mean_tau, mean_pos = chain_acceptance([row[4] for row in stats], starts)
     drafts = walk[0] if walk else 0.0
     tau, per_pos = chain_acceptance(walk[2:], drafts) if walk else (None, [])
-    return {"loss": loss, "acc": acc, "acceptance_length": tau, "acceptance_per_position": per_pos,
+    _, se = acceptance(per_sample)
+    return {"loss": loss, "acc": acc, "acceptance_length": tau, "acceptance_length_se": se,
+            "acceptance_per_position": per_pos, "error": "delta method over the measured samples",
             "drafts": int(drafts), "positions": int(starts),
             "position_mean": {"acceptance_length": mean_tau, "acceptance_per_position": mean_pos}}
 
@@ -94,7 +62,7 @@ class Validation:
     def __init__(self, indices: list[int], ids: list[str], lengths: list[int], row_len: int, rows_per_batch: int,
                  rank: int, world: int):
         self.indices = indices  # held out of training
-        greedy = [i for i in indices if prompt_id_of(ids[i]) == ids[i]]
+        greedy = [i for i in indices if is_greedy(ids[i])]
         self.measured = greedy or indices  # what the pass reads (module doc)
         keep = set(self.measured)
         only = [n if i in keep else 0 for i, n in enumerate(lengths)]
@@ -117,6 +85,9 @@ class Validation:
         Progress.busy, so `status` shows the phase."""
         t0 = last = time.perf_counter()
         stats, walk = None, [0] * (objective.steps + 2)
+        # per measured sample (in self.measured's order): [drafts, accepted], summed over ranks for the error
+        slot = {i: j for j, i in enumerate(self.measured)}
+        per_sample = torch.zeros(len(self.measured), 2, dtype=torch.float64)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         objective.eval()
         objective.keep_runs = True
@@ -129,7 +100,13 @@ class Validation:
                     if counted:
                         stats += s
                         starts, runs = objective.runs
-                        walk = [x + y for x, y in zip(walk, serving_walk(starts.cpu(), runs.cpu(), objective.steps))]
+                        docs = b.doc_ids.cpu()
+                        for r, first, walked in walk_answers(starts.cpu(), runs.cpu(), objective.steps):
+                            walk = [x + y for x, y in zip(walk, walked)]
+                            j = slot.get(rows[r][int(docs[r, first])])
+                            if j is not None:  # an answer of a measured sample (doc d of row r is rows[r][d])
+                                per_sample[j, 0] += walked[0]
+                                per_sample[j, 1] += walked[1]
                     if time.perf_counter() - last >= log_every_s and ranks.rank == 0:
                         last = time.perf_counter()
                         say(f"validation: {j + 1}/{len(self.batches)} micro-batches, {last - t0:.0f}s")
@@ -139,9 +116,11 @@ class Validation:
         if stats is None:  # no batch on any rank (an empty split never gets here)
             stats = torch.zeros(objective.steps, 5, dtype=torch.float64, device=device)
         walked = torch.tensor(walk, dtype=torch.float64, device=device)
+        per_sample = per_sample.to(device)
         if ranks.world > 1:
             dist.all_reduce(stats)
             dist.all_reduce(walked)
-        out = figures(stats.tolist(), walked.tolist())
+            dist.all_reduce(per_sample)
+        out = figures(stats.tolist(), walked.tolist(), [tuple(x) for x in per_sample.tolist()])
         out.update(samples=len(self.measured), tokens=self.tokens, seconds=round(time.perf_counter() - t0, 3))
         return out
