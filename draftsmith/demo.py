@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import DraftsmithError, stages
+from draftsmith.acceptance import fmt as fmt_tau
 from draftsmith.config import load_config
 from draftsmith.export import speculative_config
 from draftsmith.pipeline import current_evals, run_pipeline
@@ -235,14 +236,15 @@ def explain(run: RunDir) -> str:
              f"1.0 when every guess of the drafter is rejected, {k + 1} when all {k} are accepted."]
     for r in reports:
         tau, speedup = r["acceptance_length"], r.get("speedup")
+        shown = fmt_tau(tau, r.get("acceptance_length_se"))
         if speedup:
             cost = tau / speedup  # tokens/s = tau / (cost of a drafting step in plain steps)
             verdict = "faster" if speedup > 1 else "slower"
-            lines.append(f"- {r['engine']} engine: tau {tau:.2f}, {speedup:.2f}x ({verdict} than plain decoding): a "
+            lines.append(f"- {r['engine']} engine: tau {shown}, {speedup:.2f}x ({verdict} than plain decoding): a "
                          f"drafting step ({k} draft passes and one verification of {k + 1} tokens) costs {cost:.2f} "
                          f"plain steps here, so drafting pays only above tau {cost:.2f}.")
         else:
-            lines.append(f"- {r['engine']} engine: tau {tau:.2f} (no plain-decoding baseline measured).")
+            lines.append(f"- {r['engine']} engine: tau {shown} (no plain-decoding baseline measured).")
     lines.append("A 135M target on a CPU decodes a token so cheaply that the drafter's own passes cost nearly as "
                  "much as the target's: the gain grows with the target's size (an 8B target reads about 20x the bytes "
                  "of its one-layer drafter per step) and with tau, which grows with training: configs/smollm2-cpu.yaml "
@@ -256,30 +258,38 @@ def explain(run: RunDir) -> str:
 
 
 def three_measurements(reports: list[dict], k: int) -> list[str]:
-    """The drafter's acceptance length three ways (validation, the local engine, vLLM) and what their gaps mean,
-    from the eval reports' `agreement` blocks (eval/agreement.py)."""
+    """The drafter's acceptance length three ways (validation, the local engine, vLLM), each with its standard error,
+    each engine's gap to validation with its own, how far the engines' outputs agree, and eval's verdict whenever
+    there is one, from the eval reports' `agreement` blocks (eval/agreement.py). Nothing here claims more than the
+    figures carry: a gap within its tolerance is said to be within it, not to be zero."""
     ag = next((r["agreement"] for r in reversed(reports) if (r.get("agreement") or {}).get("validation")), None)
     if ag is None:
         return []
     v = ag["validation"]
-    taus = {r["engine"]: r["acceptance_length"] for r in reports}
-    lines = [f"Three measurements of this drafter at K = {k}:",
-             f"- validation: tau {v['acceptance_length']:.2f} on {v.get('samples')} held-out training answers (never "
-             "trained on): what it predicts serving on prompts like the ones it trained on;"]
-    lines += [f"- {name} engine: tau {taus[name]:.2f} on the eval prompts;" for name in ("local", "vllm")
-              if name in taus]
-    if "local" in taus and "vllm" in taus:
-        d = abs(taus["local"] - taus["vllm"])
-        lines.append(f"The two engines are {d:.2f} apart: " + ("draftsmith's engine and vLLM verify the same drafts, "
-                                                             "so the export serves as it was trained."
-                     if round(d, 2) <= 0.05 else "more than their usual 0.05; compare eval/report.md and "
-                     "eval-vllm/report.md."))
-    gap = v["acceptance_length"] - min(taus.values())
+    by_engine = {r["engine"]: r for r in reports}
+    lines = [f"Three measurements of this drafter at K = {k} (± one standard error over prompts):",
+             f"- validation: tau {fmt_tau(v['acceptance_length'], v.get('acceptance_length_se'))} on "
+             f"{v.get('samples')} held-out training answers (never trained on): what it predicts serving on prompts "
+             "like the ones it trained on;"]
+    for name in ("local", "vllm"):
+        if name in by_engine:
+            r = by_engine[name]
+            gap = ag.get(f"{name}_gap")
+            said = "" if gap is None else (
+                f" ({fmt_tau(-gap, ag.get(f'{name}_gap_se'), '+.2f')} against validation, "
+                + ("within" if abs(gap) <= ag[f"{name}_tolerance"] else "beyond")
+                + f" its tolerance {ag[f'{name}_tolerance']:.2f})")
+            lines.append(f"- {name} engine: tau {fmt_tau(r['acceptance_length'], r.get('acceptance_length_se'))} on "
+                         f"the eval prompts{said};")
+    if o := ag.get("outputs"):
+        lines.append(f"The two engines decoded identical answers on {o['identical']} of {o['prompts']} prompts (on "
+                     f"average the first {o['prefix_share']:.0%} of an answer agrees): past a difference each drafts on "
+                     "its own text, so their taus differ by more than the drafter.")
     prompts = [x for x in ag.get("differences") or [] if x.startswith("prompts:")]
-    lines.append(f"Served sits {gap:+.2f} under validation" if gap > 0 else
-                 f"Served reaches validation ({-gap:.2f} over)")
-    lines[-1] += (f": {prompts[0].removeprefix('prompts: ')}" if prompts else "") + (
-        f" ({ag['verdict']})" if ag.get("verdict") and not prompts else ".")
+    if prompts:
+        lines.append("Prompts: " + "; ".join(x.removeprefix("prompts: ") for x in prompts) + ".")
+    if ag.get("verdict"):
+        lines.append(f"Eval's verdict: {ag['verdict']}.")
     return lines
 
 

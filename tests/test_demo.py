@@ -79,7 +79,10 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch, tiny_ta
     run = RunDir(tmp_path / "run").ensure()
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: ["eval", "eval-vllm"])  # this drafter's reports
     # the vLLM report holds the validation tau beside both engines' (eval/agreement.py)
-    agreement = {"validation": {"acceptance_length": 1.45, "samples": 12},
+    agreement = {"validation": {"acceptance_length": 1.45, "acceptance_length_se": 0.03, "samples": 12},
+                 "vllm_gap": 0.14, "vllm_gap_se": 0.05, "vllm_tolerance": 0.10,
+                 "local_gap": 0.19, "local_gap_se": 0.05, "local_tolerance": 0.10,
+                 "outputs": {"prompts": 16, "identical": 4, "prefix_share": 0.41},
                  "differences": ["prompts: eval's `mt-bench` is not the training distribution (`sharegpt`); "
                                  "validation predicts prompts like the training ones"],
                  "verdict": "vllm tau 1.31 is 0.14 under ..."}
@@ -88,22 +91,29 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch, tiny_ta
         (run.path / folder).mkdir()
         (run.path / folder / "report.json").write_text(json.dumps(
             {"engine": engine, "num_speculative_tokens": 3, "acceptance_length": tau, "speedup": speedup,
+             "acceptance_length_se": 0.04,
              **({"agreement": agreement} if folder == "eval-vllm" else {})}))
     drafter_checkpoint(run.path / "train" / "final", str(tiny_target))  # the served line reads the real export
     run_export(run, load_config(None, [f"target={tiny_target}"]))
     text = explain(run)
     assert '"method": "eagle3", "num_speculative_tokens": 3' in text  # the served line names the kind and K
     assert "1.0 when every guess of the drafter is rejected, 4 when all 3 are accepted" in text
-    assert "local engine: tau 1.26, 0.70x (slower than plain decoding): a drafting step" in text
+    assert "local engine: tau 1.26 ± 0.04, 0.70x (slower than plain decoding): a drafting step" in text
     assert "costs 1.80 plain steps here, so drafting pays only above tau 1.80" in text  # 1.26 / 0.70
     assert "costs 1.38 plain steps" in text  # 1.31 / 0.95
     assert str(run.path / "export") in text and str(run.path / "eval-vllm" / "report.md") in text
     assert "3.00" not in text and "eval-old" not in text
     # the three measurements and what their gaps mean
-    assert "- validation: tau 1.45 on 12 held-out training answers" in text
-    assert "- local engine: tau 1.26 on the eval prompts;" in text and "- vllm engine: tau 1.31" in text
-    assert "The two engines are 0.05 apart: draftsmith's engine and vLLM verify the same drafts" in text
-    assert "Served sits +0.19 under validation: eval's `mt-bench` is not the training distribution" in text
+    assert "- validation: tau 1.45 ± 0.03 on 12 held-out training answers" in text
+    assert ("- local engine: tau 1.26 ± 0.04 on the eval prompts (-0.19 ± 0.05 against validation, beyond its "
+            "tolerance 0.10);") in text
+    assert "- vllm engine: tau 1.31 ± 0.04 on the eval prompts (-0.14 ± 0.05" in text
+    # the engines' agreement is a measured share, never a claim that they verify the same drafts
+    assert "identical answers on 4 of 16 prompts (on average the first 41% of an answer agrees)" in text
+    assert "verify the same drafts" not in text
+    assert "Prompts: eval's `mt-bench` is not the training distribution" in text
+    # the verdict is printed even when the prompts differ (it used to be replaced by the distribution line)
+    assert "Eval's verdict: vllm tau 1.31 is 0.14 under ..." in text
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: [])
     assert explain(RunDir(tmp_path / "empty").ensure()) == ""
 

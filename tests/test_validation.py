@@ -270,3 +270,36 @@ def test_the_validation_line_says_what_is_held_out_or_that_none_is(tmp_path, mon
     assert train_stage._validation(run, load_config(None, ["train.validation=0"]), split(ids, 0), ids, lengths,
                                    packing, one) is None
     assert said == []
+
+
+def test_a_grouping_column_holds_out_whole_groups_through_the_pipeline(tmp_path, tiny_target):
+    """generate.group_by names a record field: generate and prepare carry it, and vocab (like train) holds out
+    whole groups by it; a record without the field is refused in one line naming the file and line."""
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import run_pipeline
+    from draftsmith.prepared_format import prepared_groups
+    from draftsmith.rundir import RunDir
+
+    prompts = tmp_path / "p.jsonl"
+    # 40 prompts in 8 topics; the ids say nothing of the topic (p0 and p8 share one)
+    rows = [{"id": f"p{i}", "topic": f"t{i % 8}", "messages": [{"role": "user", "content": f"about {i}"},
+                                                               {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(40)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"target={tiny_target}", f"generate.prompts={prompts}", "generate.backend=dataset",
+            "generate.group_by=topic", "vocab.draft_vocab_size=32", "train.validation=10"]
+    run = RunDir(tmp_path / "run")
+    run_pipeline(run, load_config(None, sets), until_stage="vocab")
+    groups = prepared_groups(run)
+    assert groups == {r["id"]: r["topic"] for r in rows}
+    ids = [r["id"] for r in rows]
+    s = split(ids, 10, 64, 256, groups)
+    held_topics = set(s.groups)
+    assert held_topics and all((groups[x] in held_topics) == (j in set(s.indices)) for j, x in enumerate(ids))
+    vocab = json.loads((run.path / "vocab" / "vocab.json").read_text())
+    assert vocab["held_out_samples"] == len(s.indices) == 5 * len(held_topics)
+    # a record without the named field: one line naming it, the file and the line
+    rows[3].pop("topic")
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(Exception, match=r"p\.jsonl:4: field 'topic' \(generate\.group_by\) must be"):
+        load_prompts(str(prompts), group_by="topic")

@@ -82,6 +82,41 @@ def measured(run: RunDir, report: dict, folder: str) -> dict[str, dict]:
     return out
 
 
+def output_agreement(run: RunDir, engines: dict[str, dict]) -> dict | None:
+    """How far the local engine and vLLM decoded the same text on the same prompts, measured on their answers.jsonl
+    token ids (None unless both engines have answers): `identical` prompts of `prompts`, and `prefix_share`, the
+    mean over prompts of the tokens before their first difference as a share of the longer answer. At T=0 both
+    verify greedy, but each runs the target at its own numerics (bf16 kernels differ), so past a near tie they
+    decode different continuations and draft on different text: their taus then differ by more than drafting."""
+    if "local" not in engines or "vllm" not in engines:
+        return None
+    answers = []
+    for name in ("local", "vllm"):
+        got: dict[str, list] = {}
+        try:
+            with open(run.path / engines[name]["folder"] / "answers.jsonl", "rb") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and isinstance(rec.get("token_ids"), list):
+                        got[str(rec.get("id"))] = rec["token_ids"]
+        except OSError:
+            return None
+        answers.append(got)
+    both = [k for k in answers[0] if k in answers[1]]
+    if not both:
+        return None
+    shares = []
+    for k in both:
+        a, b = answers[0][k], answers[1][k]
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(n / max(len(a), len(b), 1))
+    return {"prompts": len(both), "identical": sum(answers[0][k] == answers[1][k] for k in both),
+            "prefix_share": sum(shares) / len(shares)}
+
+
 def served_spec(engine_info: dict) -> dict | None:
     """The --speculative-config the vllm engine's own server was started with (engine.json), else None."""
     args = ((engine_info or {}).get("server") or {}).get("args") or []
@@ -211,11 +246,12 @@ def _generated_prompt_ids(run: RunDir) -> set[str]:
     return out
 
 
-def agreement(pred: dict | None, engines: dict[str, dict], found: list[str], K: int, trained_k: int | None) -> dict:
-    """report.json's `agreement`: the three figures, each gap with its standard error and tolerance, what was found
-    different and the one-line verdict (module doc)."""
+def agreement(pred: dict | None, engines: dict[str, dict], found: list[str], K: int, trained_k: int | None,
+              outputs: dict | None = None) -> dict:
+    """report.json's `agreement`: the three figures, each gap with its standard error and tolerance, how far the two
+    engines' outputs agree (output_agreement), what was found different and the one-line verdict (module doc)."""
     out = {"validation": pred, "local": engines.get("local"), "vllm": engines.get("vllm"),
-           "calibrated_gap": CALIBRATED_GAP, "differences": found, "verdict": None}
+           "calibrated_gap": CALIBRATED_GAP, "outputs": outputs, "differences": found, "verdict": None}
     local, served = engines.get("local") or {}, engines.get("vllm") or {}
     if local.get("acceptance_length") is not None and served.get("acceptance_length") is not None:
         out["engines_gap"], out["engines_gap_se"] = difference(

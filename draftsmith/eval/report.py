@@ -220,6 +220,10 @@ def agreement_markdown(ag: dict | None, K: int) -> list[str]:
                          f"the calibrated {ag['calibrated_gap']})")
     if ag.get("engines_gap") is not None:
         lines.append(f"- local - vllm: {fmt_tau(ag['engines_gap'], ag.get('engines_gap_se'), '+.3f')}")
+    if ag.get("outputs"):
+        o = ag["outputs"]
+        lines.append(f"- the two engines' outputs: identical on {o['identical']} of {o['prompts']} prompts; "
+                     f"on average the first {o['prefix_share']:.0%} of an answer's tokens agree")
     lines += ["", (f"**{ag['verdict']}**" if ag.get("verdict") else
                    "No engine differs from the prediction by more than its tolerance.")]
     if ag.get("differences") and not ag.get("verdict"):

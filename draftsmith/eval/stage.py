@@ -26,7 +26,7 @@ import torch
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.card import write_card
-from draftsmith.eval.agreement import agreement, differences, measured, predicted
+from draftsmith.eval.agreement import agreement, differences, measured, output_agreement, predicted
 from draftsmith.eval.engine import ENGINE_INFO, RECORD_KEYS, EngineContext, read_engine_info, resume_records
 from draftsmith.eval.local import local_engine
 from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggregate, fmt_value, machine_summary,
@@ -136,8 +136,9 @@ def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir:
     engine_info = read_engine_info(d, record_fp) if cfg.eval.engine == "vllm" else {}
     template = chat_template_sha256(load_tokenizer(info, cfg.trust_remote_code))
     found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids)
-    return agreement(predicted(drafter_config, K), measured(run, report, folder), found, K,
-                     (drafter_config.get("draftsmith") or {}).get("ttt_steps"))
+    engines = measured(run, report, folder)
+    return agreement(predicted(drafter_config, K), engines, found, K,
+                     (drafter_config.get("draftsmith") or {}).get("ttt_steps"), output_agreement(run, engines))
 
 
 def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftsmith.acceptance import fmt as fmt_tau
 from draftsmith.journal import fmt_duration
 from draftsmith.rundir import append_text, atomic_write_text
 from draftsmith.train.objective import chain_acceptance
@@ -114,7 +115,7 @@ class Window:
         if trackers is not None:
             trackers.log(row["step"], row, prefix="validation/")
         tau, per_pos = row["acceptance_length"], row["acceptance_per_position"]
-        say(f"validation at step {row['step']}: tau {_fmt(tau, '.3f')} "
+        say(f"validation at step {row['step']}: tau {fmt_tau(tau, row.get('acceptance_length_se'), '.3f')} "
             f"(acceptance per position {' '.join(_fmt(a, '.3f') for a in per_pos)}) over "
             f"{row['samples']} held-out samples, {row['positions']:,} drafting positions; loss "
             + " ".join(_fmt(x, ".3f") for x in row["loss"]) + f" nats; {row['seconds']:.1f}s")
