@@ -187,7 +187,10 @@ def _iter_json_array(path: Path, text: str, tolerate_cut_tail: bool) -> Iterator
         except RecursionError:
             raise PromptError(f"{path}:{line}: nested deeper than any conversation") from None
         except json.JSONDecodeError as e:
-            if tolerate_cut_tail and text.find("\n", pos) == -1 or tolerate_cut_tail and e.pos >= n - 1:
+            # a packaged file cut off inside its last object (the ShareGPT wheel's ends mid-string, where e.pos is
+            # the string's start, not the end): everything before it is what it has
+            if tolerate_cut_tail and (text.find("\n", pos) == -1 or e.pos >= n - 1
+                                      or not text.rstrip().endswith("]")):
                 return
             raise PromptError(f"{path}:{text.count(chr(10), 0, e.pos) + 1}: malformed JSON ({e.msg})") from None
         yield line, obj
