@@ -73,6 +73,8 @@ def test_no_import_cycle_and_nothing_imports_the_cli():
     ("import draftsmith.model.config, draftsmith.estimate, draftsmith.checkpoint_format", ("torch", "pydantic")),
     # the target's identity and layout: what estimate and the sizing rules ask of the target
     ("import draftsmith.target.identity, draftsmith.target.layout", ("torch", "transformers")),
+    # the held-out split and the acceptance length's error: vocab, train, eval, status and benches read them
+    ("import draftsmith.heldout, draftsmith.acceptance", ("torch", "pydantic", "transformers")),
 ])
 def test_light_paths_stay_light(code, heavy):
     probe = f"import sys; {code}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
