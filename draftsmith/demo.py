@@ -283,8 +283,8 @@ def three_measurements(reports: list[dict], k: int) -> list[str]:
                          f"the eval prompts{said};")
     if o := ag.get("outputs"):
         lines.append(f"The two engines decoded identical answers on {o['identical']} of {o['prompts']} prompts (on "
-                     f"average the first {o['prefix_share']:.0%} of an answer agrees): past a difference each drafts on "
-                     "its own text, so their taus differ by more than the drafter.")
+                     f"average the first {o['prefix_share']:.0%} of an answer agrees): past a difference each drafts "
+                     "on its own text, so their taus differ by more than the drafter.")
     prompts = [x for x in ag.get("differences") or [] if x.startswith("prompts:")]
     if prompts:
         lines.append("Prompts: " + "; ".join(x.removeprefix("prompts: ") for x in prompts) + ".")
