@@ -6,10 +6,11 @@ machine: every value is checked for absolute paths before it is written (a path 
 relative to it, any other absolute path as its last part), and nothing here reads an API key (configs name only
 the environment variable that holds one).
 
-README.md: YAML front matter (`base_model` = the target as published, `library_name`, tags with the kind; the
-license is left to the user), then the kind and its sizes, the aux layer ids, the draft vocabulary and its
-coverage, the training data, steps and wall time, the validation acceptance, every eval report found, the exact
-`vllm serve` line and how to upload the folder.
+README.md: YAML front matter (`base_model` = the target's Hub id when there is one, no `library_name` (render_card
+says why), tags with the kind; the license is left to the user), then the kind and its sizes, the aux layer ids,
+the draft vocabulary and its coverage, the training data, the samples and tokens trained, steps and wall time, the
+validation acceptance, every eval report found (each acceptance length with its standard error where the report
+has one), the exact `vllm serve` line and how to upload the folder.
 
 provenance.json: draftsmith's version, the resolved config of every stage (RUN/<stage>/config.yaml), and the
 sha256 of each input file (the prompt files, the target's config.json, the files of the folder itself).
@@ -29,6 +30,7 @@ from typing import Any
 import yaml
 
 from draftsmith import __version__, kinds
+from draftsmith.config import is_hub_id
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
 from draftsmith.stages import names as stage_names
 
@@ -139,9 +141,17 @@ def _sizes(cj: dict) -> dict:
 # The card
 
 
-def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> dict:
+def base_model(target: str | None, configured: str | None) -> str | None:
+    """The card's `base_model`: export.base_model, else the target's published name when it is a Hub id (the Hub
+    links only an `org/name`; a folder's or a .gguf file's own name would be an invalid one); else None, left out."""
+    return configured or (target if is_hub_id(target) else None)
+
+
+def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True,
+               base_model_id: str | None = None) -> dict:
     """Everything the card says, read from the run directory (module doc); `reports`: with the run's eval reports
-    of this export (export itself writes the card of a new export, which has none yet)."""
+    of this export (export itself writes the card of a new export, which has none yet); `base_model_id`:
+    export.base_model."""
     cj = _json(export_dir / "config.json")
     layer = cj.get("transformer_layer_config") or cj
     ds = cj.get("draftsmith") or {}
@@ -152,9 +162,11 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     regenerated = man["generate"].get("inputs", {}).get("target") if isinstance(man["generate"].get("inputs"),
                                                                                  dict) else None
     repo = repo_id or REPO_PLACEHOLDER
+    target = (ds.get("target_id") or (cj.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+              or ds.get("verifier") or ds.get("target"))
+    train_counts = man["train"].get("counts") or {}
     return {
-        "target": ds.get("target_id") or (cj.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
-        or ds.get("verifier") or ds.get("target"),
+        "target": target, "base_model": base_model(target, base_model_id),
         "kind": _kind(cj), "sizes": _sizes(cj), "parameters": parameter_count(export_dir / "model.safetensors"),
         "aux_layers": kinds.export_aux(cj),
         "draft_vocab_size": cj.get("draft_vocab_size"), "vocab_size": layer.get("vocab_size"),
@@ -169,9 +181,15 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
                  "regenerated_by": regenerated.get("name") if isinstance(regenerated, dict) else regenerated},
         "train": {"mode": train_settings.get("mode"), "steps": ds.get("step"), "ttt_steps": ds.get("ttt_steps"),
                   "optimizer": train_settings.get("optimizer"), "lr": train_settings.get("lr"),
-                  "minutes": (man["train"].get("counts") or {}).get("train_minutes"),
+                  "minutes": train_counts.get("train_minutes"),
                   "wall_s": man["train"].get("seconds"), "world_size": man["train"].get("world_size"),
-                  "tokens": (man["train"].get("counts") or {}).get("tokens")},
+                  "tokens": train_counts.get("tokens"), "samples_read": train_counts.get("samples"),
+                  # what train read of the data (a run from before it counted them has none: the card then
+                  # counts no token as trained)
+                  "samples": train_counts.get("trained_samples"), "held_out": train_counts.get("held_out"),
+                  "trained_tokens": train_counts.get("trained_tokens"),
+                  "loss_on": train_settings.get("loss_on", "assistant"),
+                  "loss_skip_tokens": train_settings.get("loss_skip_tokens", 0)},
         "validation": ds.get("validation"),
         "reports": eval_reports(run, man["export"].get("fingerprint")) if reports else [],
         "serve": {**serve, "model": repo}, "repo": repo, "repo_set": repo_id is not None,
@@ -182,11 +200,46 @@ def _num(x, spec: str = ".2f") -> str:
     return "n/a" if not isinstance(x, (int, float)) else format(x, spec)
 
 
+def _tau(figures: dict) -> str:
+    """An acceptance length with its standard error (`acceptance_length_se`) as `1.374 ± 0.045`; the figure alone
+    where there is none (a report or an export from before they carried one)."""
+    se = figures.get("acceptance_length_se")
+    tau = _num(figures.get("acceptance_length"), ".3f")
+    return f"{tau} ± {se:.3f}" if isinstance(se, (int, float)) and tau != "n/a" else tau
+
+
+def _has_se(f: dict) -> bool:
+    return any(isinstance((r or {}).get("acceptance_length_se"), (int, float))
+               for r in [f["validation"], *f["reports"]])
+
+
+def _trained(t: dict) -> str:
+    """What training read of the data: its samples, the held-out ones, the tokens in its loss (train.loss_on)."""
+    if t.get("trained_tokens") is None:
+        return ""
+    on = "every token" if t["loss_on"] == "all" else "the answers' tokens"
+    skip = f", each sample's first {t['loss_skip_tokens']} left out" if t.get("loss_skip_tokens") else ""
+    held = f" ({t['held_out']} held out for validation)" if t.get("held_out") else ""
+    # a run stopped inside its first epoch (train.max_minutes, max_steps) read only some of them
+    part = (f"; the steps read {_num(t['samples_read'], ',d')} samples, less than one pass"
+            if isinstance(t.get("samples_read"), int) and isinstance(t.get("samples"), int)
+            and t["samples_read"] < t["samples"] else "")
+    return (f"on {_num(t['samples'], ',d')} samples{held} and their {_num(t['trained_tokens'], ',d')} tokens trained "
+            f"(the loss on {on}{skip}{part}), ")
+
+
 def render_card(f: dict) -> str:
     """README.md from card_facts."""
     kind = f["kind"]
-    front = {"base_model": f["target"], "library_name": "vllm", "pipeline_tag": "text-generation",
-             "tags": ["speculative-decoding", kind, "draftsmith", "speculators"]}
+    # No `library_name`: the Hub knows a library only by a key of huggingface.js packages/tasks/src/model-libraries.ts
+    # (read 2026-12-07 at commit fe42e68; the file last changed in ece43c3, 2026-08-12), and neither `vllm` nor
+    # `speculators` is one: vLLM is a local app there (local-apps.ts), offered on models tagged `transformers` or
+    # GGUF. `transformers` would be recognised but false: it cannot load a speculators drafter, and the vLLM button
+    # it brings would serve the drafter as a model. Left out, a repo created after August 2024 gets no library
+    # guessed from its config.json (hub-docs docs/hub/model-cards.md, "Specifying a library"); the tags `vllm` and
+    # `speculators` say what loads it, as on the speculators drafters RedHatAI publishes.
+    front = {**({"base_model": f["base_model"]} if f["base_model"] else {}), "pipeline_tag": "text-generation",
+             "tags": ["speculative-decoding", kind, "draftsmith", "speculators", "vllm"]}
     s = f["sizes"]
     sizes = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in s.items())
     d, t, v = f["data"], f["train"], f["validation"] or {}
@@ -203,16 +256,17 @@ def render_card(f: dict) -> str:
              f"{_num(100 * f['coverage'] if isinstance(f['coverage'], (int, float)) else None, '.1f')} % of the "
              "training answers' tokens |",
              f"| training data | {d['samples']} samples from `{d['prompts']}`, {_num(d['tokens'], ',d')} tokens "
-             f"({_num(d['masked_tokens'], ',d')} trained), answers regenerated by the target "
+             f"({_num(d['masked_tokens'], ',d')} in the answers), answers regenerated by the target "
              f"(`{d['regenerated_by']}`, backend {d['backend']}, temperature {d['temperature']}, "
              f"{d['answers_per_prompt']} answer(s) per prompt, at most {d['max_tokens']} tokens"
              + (f", {d['reasoning_turns']} with reasoning, kept" if d.get("reasoning_turns") else "") + ") |",
              f"| training | {t['mode']}, {t['steps']} steps of {t['ttt_steps']} drafting steps, {t['optimizer']} lr "
-             f"{t['lr']}, {_num(t['tokens'], ',d')} tokens, {_num(t['minutes'], '.1f')} min of steps "
+             f"{t['lr']}, {_trained(t)}{_num(t['tokens'], ',d')} tokens read by the steps, "
+             f"{_num(t['minutes'], '.1f')} min of steps "
              f"({_num((t['wall_s'] or 0) / 60 if t['wall_s'] else None, '.1f')} min wall) on {t['world_size']} "
              "rank(s) |",
              f"| validation (held-out samples, T=0, K={len(v.get('acceptance_per_position') or []) or 'n/a'}) | "
-             + (f"acceptance length {_num(v.get('acceptance_length'), '.3f')}, per position "
+             + (f"acceptance length {_tau(v)}, per position "
                 f"{', '.join(_num(a, '.3f') for a in v.get('acceptance_per_position') or [])} over "
                 f"{v.get('samples')} samples at step {v.get('step')} |" if v else "not measured |"),
              "", "## Measured acceptance and speed", ""]
@@ -222,13 +276,16 @@ def render_card(f: dict) -> str:
         for r in f["reports"]:
             lines.append(f"| {r.get('engine')} | {r.get('num_speculative_tokens')} | {r.get('temperature')} | "
                          f"{r.get('prompts')} of `{r.get('prompts_source')}` | "
-                         f"{_num(r.get('acceptance_length'), '.3f')} "
+                         f"{_tau(r)} "
                          f"| {', '.join(_num(a) for a in r.get('acceptance_per_position') or [])} | "
                          f"{_num(r.get('speedup'))}x | {r.get('machine') or 'n/a'} |")
         lines += ["", "The acceptance length is the tokens the target emits per verification step (1 + accepted "
                   "drafts per draft); the speedup is over plain decoding on the same machine, one request at a time."]
     else:
         lines.append("No evaluation yet (`draftsmith eval --run RUN`).")
+    if _has_se(f):
+        lines += ["", "An acceptance length written `a ± b` was measured as `a` with a standard error of `b` (± is "
+                  "one standard error)."]
     spec = json.dumps(f["serve"], sort_keys=True)
     include = " ".join(f"--include {p}" for p in PUBLISHED)
     lines += ["", "## Serve it", "", "```bash", f"vllm serve {f['target']} --speculative-config '{spec}'", "```", "",
@@ -274,11 +331,12 @@ def provenance(run: RunDir, export_dir: Path) -> dict:
                        run.path)
 
 
-def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True) -> str | None:
-    """README.md and provenance.json into `export_dir` (atomically); `reports` as card_facts'. Returns None, or why
-    the card was not written (a path of this machine that got past scrub_paths: the files stay as they were, and
-    the stage goes on: the drafter does not depend on its card)."""
-    facts = scrub_paths(card_facts(run, export_dir, serve, repo_id, reports), run.path)
+def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True,
+               base_model_id: str | None = None) -> str | None:
+    """README.md and provenance.json into `export_dir` (atomically); `reports` and `base_model_id` as card_facts'.
+    Returns None, or why the card was not written (a path of this machine that got past scrub_paths: the files
+    stay as they were, and the stage goes on: the drafter does not depend on its card)."""
+    facts = scrub_paths(card_facts(run, export_dir, serve, repo_id, reports, base_model_id), run.path)
     text = scrub_paths(render_card(facts), run.path)
     prov = provenance(run, export_dir)
     for name, body in ((CARD, text), (PROVENANCE, json.dumps(prov))):

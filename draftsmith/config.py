@@ -7,6 +7,7 @@ produces (`RUN/<stage>/config.yaml`).
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -437,14 +438,36 @@ class TrainConfig(_Section):
         return self
 
 
+# a model id the Hugging Face Hub accepts (huggingface_hub's validate_repo_id, narrowed to an org): the model card's
+# base_model must name one, or the Hub neither links the target nor lists the drafter under it
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+", re.ASCII)
+
+
+def is_hub_id(name: Any) -> bool:
+    """Whether `name` is a Hub model id, `org/name` (HUB_ID, without `--` or `..`)."""
+    return isinstance(name, str) and HUB_ID.fullmatch(name) is not None and "--" not in name and ".." not in name
+
+
 class ExportConfig(_Section):
     checkpoint: str | None = Field(None, description="Checkpoint folder to export; default: the last one.")
     repo_id: str | None = Field(
         None, min_length=1, description="The Hub repository the drafter will be published as (e.g. "
         "`my-org/Llama-3.1-8B-eagle3`): the model card's `vllm serve` and `hf upload` lines name it (RUN/export/"
         "README.md). Unset: the card says where to put yours.")
+    base_model: str | None = Field(
+        None, description="The Hub id (`org/name`) the model card gives as `base_model`: the target as the Hub knows "
+        "it, when the target is a local folder or a .gguf file. Unset: the target's published name (`target_id`, "
+        "else the Hub id draftsmith can tell) when it is a Hub id; else the card has no `base_model` and export says "
+        "so in one line.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Dtype of the exported weights (d2t/t2d keep int64/bool).")
+
+    @field_validator("base_model")
+    @classmethod
+    def _a_hub_id(cls, v: str | None) -> str | None:
+        if v is not None and not is_hub_id(v):
+            raise ValueError("a Hub model id, org/name (letters, digits, '-', '_', '.'; no '--' or '..')")
+        return v
 
 
 class EvalConfig(_Section):

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError, __version__, kinds
 from draftsmith.bounds import check_model_numbers
-from draftsmith.card import CARD, PROVENANCE, write_card
+from draftsmith.card import CARD, PROVENANCE, base_model, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import log
@@ -370,7 +370,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
     settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
-    settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k != "repo_id"}  # the card's alone: rewritten below
+    # the card's alone: rewritten below
+    settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k not in ("repo_id", "base_model")}
     # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
     inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha,
               "drafter_json_sha256": file_sha256(meta_path),
@@ -378,9 +379,14 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
     book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
     dest = run.path / STAGE
+    published = verifier_name(cfg.target, info, cfg.target_id)
+    if base_model(published, cfg.export.base_model) is None:
+        log(f"note: the model card has no base_model: the target {published!r} is not a Hub id (org/name); set "
+            "export.base_model=ORG/NAME (the target's Hub id) to add it", stage=STAGE)
     if (old := book.skip_or_begin(outputs_ok=all((dest / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)),
                                   said=lambda m: f"step {m['counts'].get('step')}")) is not None:
-        if why := write_card(run, dest, speculative_config(dest, kinds.served_tokens(meta)), cfg.export.repo_id):
+        if why := write_card(run, dest, speculative_config(dest, kinds.served_tokens(meta)), cfg.export.repo_id,
+                             base_model_id=cfg.export.base_model):
             log(f"warning: {why}", stage=STAGE)  # (export.repo_id may have changed: the card is rewritten here)
         return old  # up to date: same checkpoint, target and settings (`run` skips it)
 
@@ -396,7 +402,6 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
                  f"dtype {dtype_name}")
         tensors = _served_tensors(weights_path, config, kind, out_dtype)
-        published = verifier_name(cfg.target, info, cfg.target_id)
         config_json = kind.write_config(
             config, aux, target_name=published, target_arch=info.architecture,
             num_speculative_tokens=kinds.served_tokens(meta), dtype=dtype_name,
@@ -423,7 +428,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
             # read back through the same checks a user's load goes through
             load_exported(built, target_info=info)
             if why := write_card(run, built, speculative_config(built, kinds.served_tokens(meta)), cfg.export.repo_id,
-                                 reports=False):
+                                 reports=False, base_model_id=cfg.export.base_model):
                 prog.log(f"warning: {why}")
         except BaseException:
             shutil.rmtree(built, ignore_errors=True)

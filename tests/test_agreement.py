@@ -45,7 +45,8 @@ def test_the_model_card_says_what_the_drafter_is_and_names_no_path(piped):
     export = run.path / "export"
     card = (export / "README.md").read_text()
     meta = front_matter(card)
-    assert meta["base_model"] == target.name and meta["library_name"] == "vllm"
+    # the target is a local folder: no Hub id to give as base_model (tests/test_card.py), no library the Hub knows
+    assert "base_model" not in meta and "library_name" not in meta
     assert {"speculative-decoding", "eagle3"} <= set(meta["tags"]) and "license" not in meta
     v = json.loads((export / "config.json").read_text())["draftsmith"]["validation"]
     assert f"acceptance length {v['acceptance_length']:.3f}" in card

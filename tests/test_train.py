@@ -905,9 +905,11 @@ def test_online_mode_trains_on_the_same_numbers_as_offline(tiny8, tmp_path):
     off = make_run(tmp_path / "off", tiny8, samples, extract=True)
     on = make_run(tmp_path / "on", tiny8, samples, extract=False)
     sets = dict(max_steps=6, precision="fp32")
-    run_train(off, cfg_for(tiny8, mode="offline", **sets))
+    m_off = run_train(off, cfg_for(tiny8, mode="offline", **sets))
     m = run_train(on, cfg_for(tiny8, mode="online", **sets))
     assert m["inputs"]["prepare"] and "extract" not in m["inputs"]
+    # the tokens the model card calls trained: the online source's masks count what the store's prepared file does
+    assert m["counts"]["trained_tokens"] == m_off["counts"]["trained_tokens"] > 0
     assert sorted(p.name for p in (on.path).iterdir()) == [".locks", "prepare", "run.json", "train", "vocab"]  # nothing else written (.locks: the stage locks)
     a, b = final_weights(off), final_weights(on)
     for k in a:

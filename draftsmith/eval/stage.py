@@ -108,7 +108,8 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
             prog.log(f"warning: {report['agreement']['verdict']}")
         if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
             trained_k = int(exported_for.get("ttt_steps") or eval_cfg.num_speculative_tokens)
-            if why := write_card(run, export_dir, speculative_config(export_dir, trained_k), cfg.export.repo_id):
+            if why := write_card(run, export_dir, speculative_config(export_dir, trained_k), cfg.export.repo_id,
+                                 base_model_id=cfg.export.base_model):
                 prog.log(f"warning: {why}")
     return book.finish(
         counts={"done": len(records), "total": len(prompts), "unit": "prompts"},

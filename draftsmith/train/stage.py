@@ -42,15 +42,15 @@ import torch.distributed as dist
 from draftsmith import DraftsmithError, heldout, kinds
 from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
-from draftsmith.prepared_format import prepared_groups
+from draftsmith.prepared_format import iter_prepared, prepared_groups
 from draftsmith.progress import Progress, log
 from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
-from draftsmith.train.data import (DeviceFeeder, Packing, count_steps, open_source, open_upstream, served_states,
-                                   step_stream)
+from draftsmith.train.data import (DeviceFeeder, Packing, PreparedSource, count_steps, open_source, open_upstream,
+                                   served_states, step_stream)
 from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, drafter_record, read_init_layers
 from draftsmith.train.launch import launch_ranks, launches
@@ -500,6 +500,30 @@ def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
     return mask & (position_ids >= skip) if skip else mask
 
 
+def trained_tokens(run, source, lengths: list[int], row_len: int, loss_on: str, skip: int) -> int | None:
+    """Tokens in the loss of the samples training reads (`lengths` above 0: the held-out ones are 0), each cut to a
+    row, by loss_positions' rule: what the model card calls trained (prepare's count holds every sample's answers,
+    the held-out ones included, whatever train.loss_on). The masks are the online source's own; offline,
+    prepare/samples.jsonl's, which extract stored and verifies; None when that file is gone or holds other samples
+    (the count is the card's: it never stops a run)."""
+    def masks():
+        if isinstance(source, PreparedSource):
+            yield from source.masks
+        else:
+            for _, _, _, mask in iter_prepared(run, by="counting the trained tokens"):
+                yield mask
+    total, seen = 0, 0
+    try:
+        for n, mask in zip(lengths, masks()):
+            seen += 1
+            if n:
+                cut = min(n, row_len, len(mask))
+                total += max(0, cut - skip) if loss_on == "all" else int(mask[skip:cut].sum())
+    except DraftsmithError:
+        return None
+    return total if seen == len(lengths) else None
+
+
 def _share_step(ts: TrainState, micro_batches: list, window: Window, stop: DeferredStop) -> dict:
     """What every rank needs before the step, in one all-reduce: `denom` [ttt_steps] the positions
     of each TTT step over the whole step (all ranks), the step's `tokens` and `samples`; rank 0's
@@ -679,7 +703,10 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
                   "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
                   "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2),
-                  "validation": ts.val_metrics}
+                  "validation": ts.val_metrics, "trained_samples": sum(1 for n in ts.packing.lengths if n > 0),
+                  "held_out": 0 if ts.validation is None else len(ts.validation),
+                  "trained_tokens": trained_tokens(ts.run, ts.source, ts.packing.lengths, ts.packing.row_len,
+                                                   ts.cfg.train.loss_on, ts.cfg.train.loss_skip_tokens)}
         outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
