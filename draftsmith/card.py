@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from draftsmith import __version__, kinds
+from draftsmith.acceptance import fmt as fmt_tau
 from draftsmith.config import is_hub_id
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
 from draftsmith.stages import names as stage_names
@@ -203,9 +204,7 @@ def _num(x, spec: str = ".2f") -> str:
 def _tau(figures: dict) -> str:
     """An acceptance length with its standard error (`acceptance_length_se`) as `1.374 ± 0.045`; the figure alone
     where there is none (a report or an export from before they carried one)."""
-    se = figures.get("acceptance_length_se")
-    tau = _num(figures.get("acceptance_length"), ".3f")
-    return f"{tau} ± {se:.3f}" if isinstance(se, (int, float)) and tau != "n/a" else tau
+    return fmt_tau(figures.get("acceptance_length"), figures.get("acceptance_length_se"), ".3f")
 
 
 def _has_se(f: dict) -> bool:
