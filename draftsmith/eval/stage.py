@@ -136,7 +136,8 @@ def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir:
     d = run.path / folder
     engine_info = read_engine_info(d, record_fp) if cfg.eval.engine == "vllm" else {}
     template = chat_template_sha256(load_tokenizer(info, cfg.trust_remote_code))
-    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids)
+    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids,
+                        num_layers=info.num_layers)
     engines = measured(run, report, folder)
     return agreement(predicted(drafter_config, K), engines, found, K,
                      (drafter_config.get("draftsmith") or {}).get("ttt_steps"), output_agreement(run, engines))
