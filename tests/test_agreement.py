@@ -196,6 +196,58 @@ def test_online_training_is_held_against_its_own_manifest(piped, tmp_path):
     assert "aux layers: the export says [2, 4, 5], online training read [1, 4, 5] (train/manifest.json)" in found
 
 
+def test_prompts_are_judged_by_their_content_not_their_file_name(piped, tmp_path):
+    """The training distribution is the source generate read, found by content: a renamed copy of the training
+    prompts (other ids, other spacing) is it and was trained on; a held-out slice of the source (prompts generate did
+    not answer) is it and was not trained on; another set, even under the training file's own name, is not; a source
+    that cannot be read any more is said to be so."""
+    from draftsmith.prompts import load_prompts
+
+    run, config, prompts, _ = piped
+    cfg = load_config(config, SETS)
+    cj = json.loads((run.path / "export" / "config.json").read_text())
+    source = [json.loads(x) for x in prompts.read_text().splitlines()]
+
+    def prompt_lines(records: list[dict], name: str, of: RunDir = run) -> list[str]:
+        f = tmp_path / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("".join(json.dumps(r) + "\n" for r in records))
+        rep = {"engine": "local", "num_speculative_tokens": 3, "temperature": 0.0, "prompts_source": str(f)}
+        eval_prompts = load_prompts(str(f), first_turn_only=True)
+        return [x for x in differences(of, cfg, rep, cj, of.path / "export", tmp_path, {}, None, eval_prompts)
+                if x.startswith("prompts:")]
+
+    def user(i: int, text: str | None = None, pid: str | None = None) -> dict:
+        text = text or source[i]["messages"][0]["content"]
+        return {"id": pid or f"x{i}", "messages": [{"role": "user", "content": text}]}
+
+    copied = [user(i, "  " + source[i]["messages"][0]["content"].replace(" ", "  ") + "\n") for i in range(4)]
+    assert prompt_lines(copied, "renamed/mine.jsonl") == [
+        "prompts: 4 of the 4 eval prompts were trained on (their text is a user turn of generate/samples.jsonl)"]
+
+    held = copy_run(run, tmp_path / "held")
+    samples = held.path / "generate" / "samples.jsonl"
+    kept = [x for x in samples.read_text().splitlines() if json.loads(x)["id"] not in ("p10", "p11", "p12")]
+    samples.write_text("\n".join(kept) + "\n")
+    assert prompt_lines([user(i, pid=f"heldout-p{i}") for i in (10, 11, 12)], "heldout.jsonl", held) == []
+
+    other = [user(i, f"an unrelated question number {i} about tides") for i in range(4)]
+    different = ("prompts: eval's `prompts.jsonl` is not the training distribution (`prompts.jsonl`): 0 of its 4 "
+                 "prompts are in it by content; validation predicts prompts like the training ones")
+    assert prompt_lines(other, "elsewhere/prompts.jsonl") == [different]
+    mixed = other[:3] + copied[:1]  # one of four from the source: still not its distribution
+    assert prompt_lines(mixed, "elsewhere/prompts.jsonl")[0] == different.replace("0 of its 4", "1 of its 4")
+
+    moved = copy_run(run, tmp_path / "moved")
+    gm = moved.path / "generate" / "manifest.json"
+    m = json.loads(gm.read_text())
+    m["settings"]["generate"]["prompts"] = str(tmp_path / "gone.jsonl")
+    gm.write_text(json.dumps(m))
+    line, = prompt_lines(other, "other.jsonl", moved)
+    assert line.startswith("prompts: eval's `other.jsonl` is not the training source (`gone.jsonl`), whose content "
+                           "cannot be compared (prompts: ") and "gone.jsonl: no such file" in line
+
+
 def test_vllm_aux_layers_from_its_log_or_its_rule():
     """What vLLM says in its log (the last server start of an appended vllm.log; its V1 line names only ids from the
     config, its V2 lines both), and what it reads from a config when the log says nothing."""

@@ -14,8 +14,10 @@ served drafter's config.json under vLLM's own rule, which takes its default (2, 
 the config names none, see VLLM_AUX_LOG), the draft vocabulary (the export's d2t/t2d against the vocab stage's),
 the chat template (its sha256 at prepare and at eval), the dtype of the target states (training's against eval's),
 the kind and its serving method (what training recorded, what the export says, what the server was started with),
-K against the trained steps, the temperature, and the prompts (the eval set against the training set's source, and
-any prompt trained on).
+K against the trained steps, the temperature, and the prompts, by content (each first turn's sha256 after
+whitespace is made one space): the eval set is the training distribution when it is the very source generate read
+(its sha256) or when at least SAME_SOURCE_SHARE of its prompts are user turns of that source (a renamed copy, a
+held-out slice), and a prompt was trained on when its text is a user turn of generate/samples.jsonl.
 
 When a measured tau differs from the prediction by more than its tolerance, `verdict` is the one line eval prints:
 the gap with its standard error and everything found different (or that nothing was). The tolerance follows from
@@ -39,7 +41,7 @@ from safetensors import safe_open
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.acceptance import CALIBRATED_GAP, difference, fmt, tolerance
-from draftsmith.generate.samples import prompt_id_of
+from draftsmith.prompts import Prompt, PromptError, parse_record, source_identity, source_records
 from draftsmith.rundir import RunDir
 
 # differences that make the served drafter another function than the trained one (the rest explain gaps)
@@ -132,10 +134,11 @@ def served_spec(engine_info: dict) -> dict | None:
 
 
 def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stage_dir: Path, engine_info: dict,
-                eval_template_sha256: str | None, eval_prompt_ids: list[str], *,
+                eval_template_sha256: str | None, eval_prompts: list[Prompt], *,
                 num_layers: int | None = None) -> list[str]:
-    """What is different between training, the export and this eval (module doc), one phrase each. `num_layers`: the
-    target's decoder layers (vLLM's default aux layers follow from it; read from cfg.target when not given)."""
+    """What is different between training, the export and this eval (module doc), one phrase each. `eval_prompts`:
+    the prompts eval decoded (their first turns are compared by content); `num_layers`: the target's decoder layers
+    (vLLM's default aux layers follow from it; read from cfg.target when not given)."""
     found = []
     ds = cj.get("draftsmith") or {}
     own_export = Path(export_dir).resolve() == (run.path / "export").resolve()
@@ -210,16 +213,19 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
     if (report.get("temperature") or 0) > 0:
         found.append(f"temperature: {report['temperature']} at eval; validation predicts T=0 (greedy) verification")
 
-    # the prompts: the training set's source and overlap
-    gen = ((run.read_manifest("generate") or {}).get("settings") or {}).get("generate") or {}
-    train_source = gen.get("prompts")
-    if train_source and report.get("prompts_source") and _source(train_source) != _source(report["prompts_source"]):
-        found.append(f"prompts: eval's `{_source(report['prompts_source'])}` is not the training distribution "
-                     f"(`{_source(train_source)}`); validation predicts prompts like the training ones")
-    trained_ids = _generated_prompt_ids(run)
-    overlap = sum(1 for i in eval_prompt_ids if i in trained_ids)
+    # the prompts, by content: the eval set against the source generate read, and any prompt trained on
+    gen_manifest = run.read_manifest("generate") or {}
+    train_source = ((gen_manifest.get("settings") or {}).get("generate") or {}).get("prompts")
+    wanted = {turn_hash(p.turns[0]) for p in eval_prompts}
+    if train_source and report.get("prompts_source") and wanted:
+        if line := _distribution(train_source, (gen_manifest.get("inputs") or {}).get("prompts"),
+                                 report["prompts_source"], eval_prompts):
+            found.append(line)
+    in_samples = _found_in_samples(run, wanted)
+    overlap = sum(1 for p in eval_prompts if turn_hash(p.turns[0]) in in_samples)
     if overlap:
-        found.append(f"prompts: {overlap} of the {len(eval_prompt_ids)} eval prompts were trained on")
+        found.append(f"prompts: {overlap} of the {len(eval_prompts)} eval prompts were trained on (their text is a "
+                     "user turn of generate/samples.jsonl)")
     return found
 
 
@@ -365,13 +371,80 @@ def _vllm_aux_differences(cfg, stage_dir: Path, engine_info: dict, export_dir: P
     return []
 
 
-def _source(spec: str) -> str:
-    return Path(spec).name if ("/" in spec or "\\" in spec) else spec
+def turn_hash(text: str) -> bytes:
+    """A user turn's identity by content: the sha256 of its text with runs of whitespace made one space."""
+    return hashlib.sha256(" ".join(text.split()).encode("utf-8", "surrogatepass")).digest()
 
 
-def _generated_prompt_ids(run: RunDir) -> set[str]:
-    """The prompt ids generate answered (resampled answers as their prompt's), read from generate/samples.jsonl."""
-    out: set[str] = set()
+SAME_SOURCE_SHARE = 0.5  # eval prompts found in the training source at least this share: its distribution
+SOURCE_RECORDS_MAX = 250_000  # records of the training source read at most (the packaged ShareGPT: 17,395, ~1.3 s)
+
+
+def _distribution(train_source: str, recorded: dict | None, eval_source: str, eval_prompts: list[Prompt]) -> str | None:
+    """None when the eval prompts come from the training distribution: the same source (by its identity, e.g.
+    the file's sha256), or at least SAME_SOURCE_SHARE of them found, by content, among the user turns of the
+    source generate read (a renamed copy of it, a held-out slice of it). Else the line that says so."""
+    t_name, e_name = _source(train_source), _source(eval_source)
+    recorded = recorded if isinstance(recorded, dict) else {}
+    try:
+        now = source_identity(eval_source)
+    except (DraftsmithError, OSError):
+        now = {}
+    if (recorded.get("sha256") == now["sha256"] if now.get("sha256") else
+            now.get("source") is not None and recorded.get("source") == now.get("source")):
+        return None  # the very source generate read (a Hub set by its name)
+    why = None
+    try:
+        current = source_identity(train_source)
+        if recorded.get("sha256") and current.get("sha256") and current["sha256"] != recorded["sha256"]:
+            why = "it changed since generate read it"
+    except (DraftsmithError, OSError) as e:
+        why = str(e)
+    if why is None:
+        wanted = {turn_hash(p.turns[0]) for p in eval_prompts}
+        try:
+            in_source, read, capped = _found_in_source(train_source, wanted)
+        except (DraftsmithError, OSError) as e:
+            why = str(e)
+    if why is not None:
+        return (f"prompts: eval's `{e_name}` is not the training source (`{t_name}`), whose content cannot be "
+                f"compared ({why}); validation predicts prompts like the training ones")
+    k = sum(1 for p in eval_prompts if turn_hash(p.turns[0]) in in_source)
+    if k >= SAME_SOURCE_SHARE * len(eval_prompts):
+        return None
+    return (f"prompts: eval's `{e_name}` is not the training distribution (`{t_name}`): {k} of its "
+            f"{len(eval_prompts)} prompts are in it by content{f' (its first {read:,} records read)' if capped else ''}"
+            "; validation predicts prompts like the training ones")
+
+
+def _found_in_source(source: str, wanted: set[bytes]) -> tuple[set[bytes], int, bool]:
+    """(the hashes of `wanted` that are a user turn of some record of `source`, records read, whether reading stopped
+    at SOURCE_RECORDS_MAX): the source streamed through prompts.py's reader, invalid records passed over, stopped
+    once every one is found."""
+    _, records = source_records(source)
+    found: set[bytes] = set()
+    read = 0
+    for where, fallback_id, rec in records:
+        if read >= SOURCE_RECORDS_MAX:
+            return found, read, True
+        read += 1
+        if isinstance(rec, PromptError):
+            continue
+        try:
+            p = parse_record(rec, where, fallback_id)
+        except PromptError:
+            continue
+        found.update(h for h in map(turn_hash, p.turns) if h in wanted)
+        if len(found) == len(wanted):
+            break
+    return found, read, False
+
+
+def _found_in_samples(run: RunDir, wanted: set[bytes]) -> set[bytes]:
+    """The hashes of `wanted` that are a user turn of a sample generate wrote (generate/samples.jsonl, streamed)."""
+    out: set[bytes] = set()
+    if not wanted:
+        return out
     try:
         with open(run.path / "generate" / "samples.jsonl", "rb") as f:
             for line in f:
@@ -379,11 +452,18 @@ def _generated_prompt_ids(run: RunDir) -> set[str]:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and "id" in rec:
-                    out.add(prompt_id_of(rec["id"]))
+                msgs = rec.get("messages") if isinstance(rec, dict) else None
+                for m in msgs if isinstance(msgs, list) else []:
+                    if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
+                        if (h := turn_hash(m["content"])) in wanted:
+                            out.add(h)
     except OSError:
         pass
     return out
+
+
+def _source(spec: str) -> str:
+    return Path(spec).name if ("/" in spec or "\\" in spec) else spec
 
 
 def agreement(pred: dict | None, engines: dict[str, dict], found: list[str], K: int, trained_k: int | None,

@@ -33,7 +33,7 @@ from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggre
                                     write_report)
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
 from draftsmith.export import CONFIG_FILE, speculative_config
-from draftsmith.prompts import load_prompts
+from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object
 from draftsmith.stage import StageBook, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
@@ -97,7 +97,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
         report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
-                                         [p.id for p in prompts])
+                                         prompts)
         write_report(d, report, run.path / "train" / "metrics.jsonl")
         prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
                  f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
@@ -130,13 +130,13 @@ def summary(run: RunDir, manifest: dict) -> str:
 
 
 def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir: Path, folder: str, info,
-               record_fp: str, prompt_ids: list[str]) -> dict:
+               record_fp: str, prompts: list[Prompt]) -> dict:
     """report.json's `agreement` (eval/agreement.py): this tau beside the validation one and the other engine's."""
     K = cfg.eval.num_speculative_tokens
     d = run.path / folder
     engine_info = read_engine_info(d, record_fp) if cfg.eval.engine == "vllm" else {}
     template = chat_template_sha256(load_tokenizer(info, cfg.trust_remote_code))
-    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompt_ids,
+    found = differences(run, cfg, report, drafter_config, export_dir, d, engine_info, template, prompts,
                         num_layers=info.num_layers)
     engines = measured(run, report, folder)
     return agreement(predicted(drafter_config, K), engines, found, K,
