@@ -72,7 +72,13 @@ def test_a_good_export_is_quiet_and_the_three_figures_sit_in_the_report(piped):
     ag = rep["agreement"]
     assert ag["verdict"] is None
     assert ag["validation"]["acceptance_length"] > 2 and ag["local"]["acceptance_length"] == rep["acceptance_length"]
-    assert any(d.startswith("prompts: 3 of the 3 eval prompts were trained on") for d in ag["differences"])
+    # the eval prompts are training prompts: those train did not hold out for validation were trained on
+    held_out = {i for g in json.loads((run.path / "train" / "validation.json").read_text())["held_out"].values()
+                for i in g["ids"]}
+    trained = sum(f"p{i}" not in held_out for i in range(3))
+    assert [d for d in ag["differences"] if d.startswith("prompts:")] == [
+        f"prompts: {trained} of the 3 eval prompts were trained on (their text is a user turn of "
+        "generate/samples.jsonl, held-out validation samples left out)"]
     md = (run.path / "eval" / "report.md").read_text()
     assert "## Validation, local engine, vLLM" in md and "| validation (predicted) |" in md
 
@@ -198,7 +204,8 @@ def test_online_training_is_held_against_its_own_manifest(piped, tmp_path):
 
 def test_prompts_are_judged_by_their_content_not_their_file_name(piped, tmp_path):
     """The training distribution is the source generate read, found by content: a renamed copy of the training
-    prompts (other ids, other spacing) is it and was trained on; a held-out slice of the source (prompts generate did
+    prompts (other ids, other spacing) is it and was trained on (less the samples train held out for validation); a
+    held-out slice of the source (prompts generate did
     not answer) is it and was not trained on; another set, even under the training file's own name, is not; a source
     that cannot be read any more is said to be so."""
     from draftsmith.prompts import load_prompts
@@ -221,9 +228,15 @@ def test_prompts_are_judged_by_their_content_not_their_file_name(piped, tmp_path
         text = text or source[i]["messages"][0]["content"]
         return {"id": pid or f"x{i}", "messages": [{"role": "user", "content": text}]}
 
-    copied = [user(i, "  " + source[i]["messages"][0]["content"].replace(" ", "  ") + "\n") for i in range(4)]
-    assert prompt_lines(copied, "renamed/mine.jsonl") == [
-        "prompts: 4 of the 4 eval prompts were trained on (their text is a user turn of generate/samples.jsonl)"]
+    held_out = {i for g in json.loads((run.path / "train" / "validation.json").read_text())["held_out"].values()
+                for i in g["ids"]}
+    trained = [i for i in range(len(source)) if source[i]["id"] not in held_out][:4]
+    validated = next(i for i in range(len(source)) if source[i]["id"] in held_out)
+    copied = [user(i, "  " + source[i]["messages"][0]["content"].replace(" ", "  ") + "\n")
+              for i in [*trained, validated]]
+    assert prompt_lines(copied, "renamed/mine.jsonl") == [  # a held-out validation sample is not trained on
+        "prompts: 4 of the 5 eval prompts were trained on (their text is a user turn of generate/samples.jsonl, "
+        "held-out validation samples left out)"]
 
     held = copy_run(run, tmp_path / "held")
     samples = held.path / "generate" / "samples.jsonl"

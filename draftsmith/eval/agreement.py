@@ -17,7 +17,8 @@ the kind and its serving method (what training recorded, what the export says, w
 K against the trained steps, the temperature, and the prompts, by content (each first turn's sha256 after
 whitespace is made one space): the eval set is the training distribution when it is the very source generate read
 (its sha256) or when at least SAME_SOURCE_SHARE of its prompts are user turns of that source (a renamed copy, a
-held-out slice), and a prompt was trained on when its text is a user turn of generate/samples.jsonl.
+held-out slice), and a prompt was trained on when its text is a user turn of a sample of generate/samples.jsonl that
+train did not hold out for validation (train/validation.json).
 
 When a measured tau differs from the prediction by more than its tolerance, `verdict` is the one line eval prints:
 the gap with its standard error and everything found different (or that nothing was). The tolerance follows from
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from draftsmith import DraftsmithError, kinds
+from draftsmith import DraftsmithError, heldout, kinds
 from draftsmith.acceptance import CALIBRATED_GAP, difference, fmt, tolerance
 from draftsmith.prompts import Prompt, PromptError, parse_record, source_identity, source_records
 from draftsmith.rundir import RunDir
@@ -221,11 +222,11 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
         if line := _distribution(train_source, (gen_manifest.get("inputs") or {}).get("prompts"),
                                  report["prompts_source"], eval_prompts):
             found.append(line)
-    in_samples = _found_in_samples(run, wanted)
+    in_samples = _found_in_samples(run, wanted, _held_out_ids(run))
     overlap = sum(1 for p in eval_prompts if turn_hash(p.turns[0]) in in_samples)
     if overlap:
         found.append(f"prompts: {overlap} of the {len(eval_prompts)} eval prompts were trained on (their text is a "
-                     "user turn of generate/samples.jsonl)")
+                     "user turn of generate/samples.jsonl, held-out validation samples left out)")
     return found
 
 
@@ -440,8 +441,18 @@ def _found_in_source(source: str, wanted: set[bytes]) -> tuple[set[bytes], int, 
     return found, read, False
 
 
-def _found_in_samples(run: RunDir, wanted: set[bytes]) -> set[bytes]:
-    """The hashes of `wanted` that are a user turn of a sample generate wrote (generate/samples.jsonl, streamed)."""
+def _held_out_ids(run: RunDir) -> set[str]:
+    """The sample ids train held out for validation (train/validation.json, draftsmith/heldout.py), none without it."""
+    try:
+        held = json.loads((run.path / "train" / heldout.FILE).read_text()).get("held_out") or {}
+        return {str(i) for g in held.values() if isinstance(g, dict) for i in g.get("ids") or []}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _found_in_samples(run: RunDir, wanted: set[bytes], held_out: set[str]) -> set[bytes]:
+    """The hashes of `wanted` that are a user turn of a sample generate wrote (generate/samples.jsonl, streamed) and
+    train did not hold out."""
     out: set[bytes] = set()
     if not wanted:
         return out
@@ -451,6 +462,8 @@ def _found_in_samples(run: RunDir, wanted: set[bytes]) -> set[bytes]:
                 try:
                     rec = json.loads(line)
                 except ValueError:
+                    continue
+                if isinstance(rec, dict) and str(rec.get("id")) in held_out:
                     continue
                 msgs = rec.get("messages") if isinstance(rec, dict) else None
                 for m in msgs if isinstance(msgs, list) else []:
