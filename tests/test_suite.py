@@ -17,7 +17,7 @@ def pytest_run(*args: str, env: dict | None = None, preexec_fn=None) -> subproce
 
 
 def test_the_suite_fails_past_its_budget_and_names_its_slowest_tests():
-    node = "tests/test_validation.py::test_the_split_depends_on_prompt_ids_alone"
+    node = "tests/test_validation.py::test_the_split_depends_on_groups_alone"
     p = pytest_run(node, env={"DRAFTSMITH_SUITE_BUDGET_S": "0", "DRAFTSMITH_SUITE_BUDGET_ALWAYS": "1"})
     assert p.returncode == 1, p.stdout + p.stderr
     assert "past its budget of 0 min" in p.stdout and node in p.stdout.split("past its budget")[1]
