@@ -421,3 +421,28 @@ def test_watch_notify_runs_a_command_once_per_change_of_a_stage(tmp_path):
     assert lines[-1].startswith("extract ") and ">done 6/6 " in lines[-1] and "draftsmith run: extract" in lines[-1]
     assert len(lines) == len(set(lines))  # once per change
     assert "eta=" in lines[0] and "/400 " in lines[0]
+
+
+def test_status_gives_each_tau_with_its_standard_error(tmp_path):
+    """The validation pass's and each eval folder's acceptance length, each with its standard error, in `status`'s
+    table notes and its JSON (draftsmith/acceptance.py)."""
+    from draftsmith.status import eval_figures, render_table
+
+    d = tmp_path / "eval-vllm"
+    d.mkdir()
+    (d / "report.json").write_text(json.dumps({"engine": "vllm", "prompts": 16, "num_speculative_tokens": 3,
+                                               "acceptance_length": 1.367, "acceptance_length_se": 0.041,
+                                               "speedup": 0.91}))
+    figures = eval_figures(d)
+    assert figures["acceptance_length_se"] == 0.041 and figures["engine"] == "vllm"
+    assert eval_figures(tmp_path / "missing") is None
+    row = {"name": "eval-vllm", "state": "done", "done": 16, "total": 16, "unit": "prompts", "rate_per_s": None,
+           "eta_s": None, "heartbeat_age_s": None, "pid": None, "on_disk": 0, "bytes_on_disk": 0, "error": None,
+           "report": figures}
+    val = {"name": "train", "state": "done", "done": 10, "total": 10, "unit": "steps", "rate_per_s": None,
+           "eta_s": None, "heartbeat_age_s": None, "pid": None, "on_disk": 0, "bytes_on_disk": 0, "error": None,
+           "validation": {"step": 10, "acceptance_length": 1.404, "acceptance_length_se": 0.052,
+                          "acceptance_per_position": [0.3, 0.08, 0.02], "samples": 12}}
+    text = render_table({"run": str(tmp_path), "stages": [val, row]})
+    assert "train: validation tau 1.40 ± 0.05 at step 10" in text
+    assert "eval-vllm: vllm engine tau 1.37 ± 0.04 at K = 3 over 16 prompts, 0.91x plain decoding" in text
