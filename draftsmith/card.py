@@ -15,6 +15,12 @@ has one), the exact `vllm serve` line and how to upload the folder.
 provenance.json: draftsmith's version, the resolved config of every stage (RUN/<stage>/config.yaml), and the
 sha256 of each input file (the prompt files, the target's config.json, the files of the folder itself).
 
+The card is data, not a script: every user-given string it shows (the target's name, prompt sources, machines) sits
+in a Markdown code span fenced longer than any backtick run it holds, with control characters shown as `?`, and
+every command line in it is built by shlex (each argument quoted), so no name can close a fence, start a heading or
+run a command when the line is pasted; export.repo_id and export.base_model are Hub ids (config.py refuses others).
+The front matter is written by PyYAML and read back by `front_matter` before the card is kept.
+
 No torch: a file format (the caller passes the `--speculative-config` it serves with).
 """
 
@@ -24,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +204,28 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     }
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _shown(x: Any) -> str:
+    """A user-given value as one line of text: control characters (newlines included) as `?`."""
+    return _CONTROL.sub("?", str(x))
+
+
+def _code(x: Any) -> str:
+    """`x` as a Markdown code span: fenced by more backticks than any run inside it (CommonMark), padded by a space
+    where it starts or ends with one, so nothing in it renders as Markdown or HTML."""
+    text = _shown(x)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _cell(x: Any) -> str:
+    """_code for a table cell: a `|` escaped (GitHub's tables split cells at it even inside a code span)."""
+    return _code(x).replace("|", "\\|")
+
+
 def _num(x, spec: str = ".2f") -> str:
     return "n/a" if not isinstance(x, (int, float)) else format(x, spec)
 
@@ -227,9 +256,8 @@ def _trained(t: dict) -> str:
             f"(the loss on {on}{skip}{part}), ")
 
 
-def render_card(f: dict) -> str:
-    """README.md from card_facts."""
-    kind = f["kind"]
+def card_front(f: dict) -> dict:
+    """The card's YAML front matter from card_facts."""
     # No `library_name`: the Hub knows a library only by a key of huggingface.js packages/tasks/src/model-libraries.ts
     # (read 2026-12-07 at commit fe42e68; the file last changed in ece43c3, 2026-08-12), and neither `vllm` nor
     # `speculators` is one: vLLM is a local app there (local-apps.ts), offered on models tagged `transformers` or
@@ -237,14 +265,20 @@ def render_card(f: dict) -> str:
     # it brings would serve the drafter as a model. Left out, a repo created after August 2024 gets no library
     # guessed from its config.json (hub-docs docs/hub/model-cards.md, "Specifying a library"); the tags `vllm` and
     # `speculators` say what loads it, as on the speculators drafters RedHatAI publishes.
-    front = {**({"base_model": f["base_model"]} if f["base_model"] else {}), "pipeline_tag": "text-generation",
-             "tags": ["speculative-decoding", kind, "draftsmith", "speculators", "vllm"]}
+    return {**({"base_model": f["base_model"]} if f["base_model"] else {}), "pipeline_tag": "text-generation",
+            "tags": ["speculative-decoding", f["kind"], "draftsmith", "speculators", "vllm"]}
+
+
+def render_card(f: dict) -> str:
+    """README.md from card_facts."""
+    kind = f["kind"]
+    front = card_front(f)
     s = f["sizes"]
     sizes = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in s.items())
     d, t, v = f["data"], f["train"], f["validation"] or {}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-             f"# {kinds.get(kind).label if kind in kinds.names() else kind} drafter for {f['target']}", "",
-             f"A draft model for speculative decoding of `{f['target']}` in vLLM, trained with draftsmith "
+             f"# {kinds.get(kind).label if kind in kinds.names() else kind} drafter for {_code(f['target'])}", "",
+             f"A draft model for speculative decoding of {_code(f['target'])} in vLLM, trained with draftsmith "
              f"{__version__}. It proposes tokens that the target verifies; the output is the target's own.", "",
              "| | |", "| --- | --- |",
              f"| kind | `{kind}` |",
@@ -254,9 +288,9 @@ def render_card(f: dict) -> str:
              f"| draft vocabulary | {f['draft_vocab_size']} of {f['vocab_size']} tokens, covering "
              f"{_num(100 * f['coverage'] if isinstance(f['coverage'], (int, float)) else None, '.1f')} % of the "
              "training answers' tokens |",
-             f"| training data | {d['samples']} samples from `{d['prompts']}`, {_num(d['tokens'], ',d')} tokens "
+             f"| training data | {d['samples']} samples from {_cell(d['prompts'])}, {_num(d['tokens'], ',d')} tokens "
              f"({_num(d['masked_tokens'], ',d')} in the answers), answers regenerated by the target "
-             f"(`{d['regenerated_by']}`, backend {d['backend']}, temperature {d['temperature']}, "
+             f"({_cell(d['regenerated_by'])}, backend {d['backend']}, temperature {d['temperature']}, "
              f"{d['answers_per_prompt']} answer(s) per prompt, at most {d['max_tokens']} tokens"
              + (f", {d['reasoning_turns']} with reasoning, kept" if d.get("reasoning_turns") else "") + ") |",
              f"| training | {t['mode']}, {t['steps']} steps of {t['ttt_steps']} drafting steps, {t['optimizer']} lr "
@@ -274,10 +308,10 @@ def render_card(f: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in f["reports"]:
             lines.append(f"| {r.get('engine')} | {r.get('num_speculative_tokens')} | {r.get('temperature')} | "
-                         f"{r.get('prompts')} of `{r.get('prompts_source')}` | "
+                         f"{r.get('prompts')} of {_cell(r.get('prompts_source'))} | "
                          f"{_tau(r)} "
                          f"| {', '.join(_num(a) for a in r.get('acceptance_per_position') or [])} | "
-                         f"{_num(r.get('speedup'))}x | {r.get('machine') or 'n/a'} |")
+                         f"{_num(r.get('speedup'))}x | {_cell(r['machine']) if r.get('machine') else 'n/a'} |")
         lines += ["", "The acceptance length is the tokens the target emits per verification step (1 + accepted "
                   "drafts per draft); the speedup is over plain decoding on the same machine, one request at a time."]
     else:
@@ -285,10 +319,11 @@ def render_card(f: dict) -> str:
     if _has_se(f):
         lines += ["", "An acceptance length written `a ± b` was measured as `a` with a standard error of `b` (± is "
                   "one standard error)."]
-    spec = json.dumps(f["serve"], sort_keys=True)
-    include = " ".join(f"--include {p}" for p in PUBLISHED)
-    lines += ["", "## Serve it", "", "```bash", f"vllm serve {f['target']} --speculative-config '{spec}'", "```", "",
-              "## Upload it", "", "```bash", f"hf upload {f['repo']} RUN/export {include}", "```", ""]
+    serve = shlex.join(["vllm", "serve", _shown(f["target"]), "--speculative-config",
+                        json.dumps(f["serve"], sort_keys=True)])
+    upload = shlex.join(["hf", "upload", _shown(f["repo"]), "RUN/export",
+                         *(a for p in PUBLISHED for a in ("--include", p))])
+    lines += ["", "## Serve it", "", "```bash", serve, "```", "", "## Upload it", "", "```bash", upload, "```", ""]
     if not f["repo_set"]:
         lines += [f"`{REPO_PLACEHOLDER}` stands for your repository: set `export.repo_id` and the card names it.", ""]
     lines += [f"How it was made: `{PROVENANCE}` (draftsmith's version, every stage's resolved config, the sha256 of "
@@ -341,17 +376,30 @@ def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     for name, body in ((CARD, text), (PROVENANCE, json.dumps(prov))):
         if has_absolute_path(body):  # scrub_paths covers every string; this guards what it could miss
             return f"{export_dir / name} not written: it would name a path of this machine"
+    try:  # read back by the reader the card is checked with: a card whose front matter says other is not kept
+        read_back = front_matter(text)
+    except ValueError as e:
+        read_back = str(e)
+    if read_back != card_front(facts):
+        return f"{export_dir / CARD} not written: its front matter does not read back as written ({read_back!r:.80})"
     atomic_write_text(export_dir / CARD, text)
     atomic_write_json(export_dir / PROVENANCE, prov)
     return None
 
 
 def front_matter(text: str) -> dict:
-    """The YAML front matter of a model card (the text between the first two `---` lines)."""
-    parts = text.split("---\n", 2)
-    if len(parts) < 3 or parts[0].strip():
+    """The YAML front matter of a model card: the lines between a first line `---` and the next line that is exactly
+    `---` (as the Hub reads it; a `---` inside a value is indented or quoted and ends nothing)."""
+    lines = text.split("\n")
+    if not lines or lines[0].rstrip("\r") != "---":
         raise ValueError("no YAML front matter")
-    data = yaml.safe_load(parts[1])
+    end = next((i for i, line in enumerate(lines[1:], 1) if line.rstrip("\r") == "---"), None)
+    if end is None:
+        raise ValueError("the front matter has no closing ---")
+    try:
+        data = yaml.safe_load("\n".join(lines[1:end]))
+    except yaml.YAMLError as e:
+        raise ValueError(f"the front matter is not YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
         raise ValueError("front matter is not a mapping")
     return data

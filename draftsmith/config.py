@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from draftsmith import DraftsmithError, kinds
+from draftsmith.redact import register_config_secrets
 from draftsmith.store_format import FORMAT_NAMES, StoreFormat, store_format
 
 
@@ -441,6 +442,7 @@ class TrainConfig(_Section):
 # a model id the Hugging Face Hub accepts (huggingface_hub's validate_repo_id, narrowed to an org): the model card's
 # base_model must name one, or the Hub neither links the target nor lists the drafter under it
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+", re.ASCII)
+NAME = re.compile(r"[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
 def is_hub_id(name: Any) -> bool:
@@ -462,9 +464,11 @@ class ExportConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Dtype of the exported weights (d2t/t2d keep int64/bool).")
 
-    @field_validator("base_model")
+    @field_validator("base_model", "repo_id")
     @classmethod
     def _a_hub_id(cls, v: str | None) -> str | None:
+        # the card pastes both into commands and its front matter: a Hub id or nothing (a path, a quote, `$(...)`,
+        # a newline would become part of a command a user pastes)
         if v is not None and not is_hub_id(v):
             raise ValueError("a Hub model id, org/name (letters, digits, '-', '_', '.'; no '--' or '..')")
         return v
@@ -531,6 +535,21 @@ class Config(_Section):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @field_validator("target_id")
+    @classmethod
+    def _a_published_name(cls, v: str | None) -> str | None:
+        # the name the export and its card publish the target as, pasted into the card's `vllm serve` line
+        if v is not None and not (is_hub_id(v) or NAME.fullmatch(v)):
+            raise ValueError("a Hub model id, org/name, or a name (letters, digits, '-', '_', '.')")
+        return v
+
+    @model_validator(mode="after")
+    def _secrets_registered(self) -> "Config":
+        # every secret the config holds (a URL's password, `--api-key X` in vllm_args) is kept out of every file,
+        # tracker and log this process writes from here on (redact.py); a config file records `***` where it was
+        register_config_secrets(self.model_dump(mode="json"))
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -662,6 +681,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if overrides:
         data = apply_overrides(data, overrides)
         source = f"{source} + --set" if path else "--set"
+    register_config_secrets(data)  # before validation: an error line quoting a value must not show one either
     try:
         return Config.model_validate(data)
     except ValidationError as e:

@@ -8,6 +8,7 @@ when the target has no Hub id."""
 
 import json
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -138,6 +139,55 @@ def test_an_export_base_model_that_is_not_a_hub_id_is_refused_in_one_line(value)
     assert "export.base_model: a Hub model id, org/name" in str(e.value) and "\n" not in str(e.value)
     assert load_config(None, ["export.base_model=HuggingFaceTB/SmolLM2-135M-Instruct"]).export.base_model \
         == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# -------------------------------------------------------------------------------------------------
+# A card is data, not a script
+
+
+HOSTILE = ["x'; touch PWNED; echo '", "$(touch PWNED)", "`touch PWNED`", "a\n```\n# Injected\n<script>x</script>",
+           "  ---\nlibrary_name: evil\n---", "a|b`c``d", "name with spaces\r\u2028end"]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_target_name_cannot_run_a_command_or_change_the_card(tmp_path, name):
+    """The name the export records for its target (a folder's own name, a hand-edited config.json) reaches the
+    card's title, text and serve line: pasted, the serve line runs nothing and hands vllm the name as one argument;
+    the front matter, headings and code fences stay the card's own."""
+    card = card_of(hand_made_run(tmp_path, target_id=name, report={**REPORT, "machine": name}))
+    assert front_matter(card) == {"pipeline_tag": "text-generation",
+                                  "tags": ["speculative-decoding", "eagle3", "draftsmith", "speculators", "vllm"]}
+    assert [x for x in card.splitlines() if x.startswith("#")] == [
+        card.splitlines()[card.splitlines().index("---", 1) + 2], "## Measured acceptance and speed", "## Serve it",
+        "## Upload it"]
+    assert [x for x in card.splitlines() if x.lstrip().startswith("```")] == ["```bash", "```"] * 2
+    serve = card.split("```bash\n")[1].split("\n```")[0]
+    assert "\n" not in serve
+    # pasted into a shell where `vllm` only prints its arguments: one argument per name, nothing else run
+    out = subprocess.run(["bash", "-c", 'vllm() { printf "%s\\0" "$@"; }; ' + serve], cwd=tmp_path,
+                         capture_output=True, text=True)
+    args = out.stdout.split("\0")[:-1]
+    assert out.returncode == 0 and args[0] == "serve" and args[2] == "--speculative-config", out
+    assert args[1] == name.replace("\n", "?").replace("\r", "?").replace("\u2028", "?")
+    assert json.loads(args[3]) == {**SERVE, "model": "acme/drafter"} and len(args) == 4
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("key,value", [("export.repo_id", "acme/x'; rm -rf ~; echo '"), ("export.repo_id", "/models/x"),
+                                       ("export.repo_id", "acme/x\n# h"), ("target_id", "$(touch x)"),
+                                       ("target_id", "a/b/c"), ("target_id", "x\n---")])
+def test_a_repo_id_or_target_id_that_is_not_a_name_is_refused_in_one_line(key, value):
+    with pytest.raises(DraftsmithError) as e:
+        load_config(None, [f"{key}={json.dumps(value)}"])
+    assert f"{key}: a Hub model id, org/name" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, [f"{key}=acme/Drafter-1.5_b"]).model_dump()[key.split(".")[0]] is not None
+
+
+def test_the_front_matter_reader_ends_at_a_line_that_is_exactly_three_dashes():
+    assert front_matter("---\na: '  ---'\nb: |\n  x\n  ---\n---\n# t\n---\n") == {"a": "  ---", "b": "x\n---"}
+    for bad in ("# no front matter\n", "---\na: 1\n", "---\n[1, 2]\n---\n", "---\na: [\n---\n"):
+        with pytest.raises(ValueError):
+            front_matter(bad)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import html
 import json
 import urllib.parse
 import os
@@ -278,3 +279,61 @@ def test_credentials_scrubbed_by_shape_from_every_log_and_error_line(tmp_path, c
         _current_log.pop()
     assert "s3cr3t" not in stage_log.read_text() and "gpu-node:8000" in stage_log.read_text()
     assert "s3cr3t" not in capsys.readouterr().out
+
+
+def test_a_registered_key_is_redacted_in_every_encoding_a_server_could_echo():
+    """redact.py's encodings beyond the ones test_api_key_never_in_files_logs_or_messages sees through a server: HTML
+    entities, base32 at every alignment and either case, UTF-16 hex, the characters one at a time (spaced, one per
+    line, a JSON array of them) and reversed; and nothing of ordinary text."""
+    from draftsmith.redact import redact_secrets, register_secret
+
+    key = "sk-enc/" + secrets.token_hex(12) + "&<'"
+    body = key[len("sk-enc/"):-3]
+    register_secret(key)
+    echoed = {
+        "html decimal": "".join(f"&#{ord(c)};" for c in key),
+        "html hex": "".join(f"&#x{ord(c):X};" for c in key),
+        "html escaped": html.escape(f"<b>{key}</b>"),
+        "spaced": " ".join(key), "one per line": "\n".join(key), "json array": json.dumps(list(key)),
+        "reversed, spaced": " ".join(key[::-1]),
+        "utf-16 hex": key.encode("utf-16-be").hex() + " " + key.encode("utf-16-le").hex().upper(),
+        **{f"base32 at {k}": base64.b32encode(b"x" * k + key.encode()).decode() for k in range(5)},
+        "base32, lower case": base64.b32encode(key.encode()).decode().lower(),
+    }
+    for name, form in echoed.items():
+        out = redact_secrets(f"server said: {form} (end)")
+        assert "***" in out and out.startswith("server said: ") and out.endswith(" (end)"), name
+        for leak in (body, " ".join(body), body.encode().hex(), body.encode("utf-16-be").hex(),
+                     base64.b32encode(body.encode()).decode()[2:-2]):
+            assert leak.lower() not in out.lower(), (name, out)
+    ordinary = "a b c d e f, [\"x\", \"y\"] &#65; QUJDREVGR0g= 0041004200430044 the quick brown fox"
+    assert redact_secrets(ordinary) == ordinary
+
+
+def test_secrets_a_config_holds_are_written_nowhere(tmp_path, tiny_target):
+    """A password in a `generate.servers` URL and `--api-key X` in `generate.vllm_args`: the stage talks to the
+    server with them, and no file of the run (config.yaml, manifest, samples, logs) holds either in any encoding;
+    config.yaml shows where they were set (***)."""
+    from draftsmith.redact import config_secrets
+
+    assert config_secrets({"g": {"servers": ["http://u:p%40ss@h/v1", "https://tok123456@h"],
+                                 "vllm_args": ["--api-key", "K1", "--hf-token=T2", "--port", "8000", "--x", "y"]},
+                           "n": 3}) == ["p%40ss", "p@ss", "tok123456", "K1", "T2"]
+    password, api_key = "pw-" + secrets.token_hex(10), "vk-" + secrets.token_hex(10)
+    run = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.jsonl", [])
+    with FakeOpenAIServer() as srv:
+        url = srv.base_url.replace("http://", f"http://alice:{password}@")
+        p = run_cli("generate", "--run", str(run), "--set", f"target={tiny_target}", "--prompts", str(prompts),
+                    "--backend", "openai", "--server", url, "--set", f"generate.vllm_args=[--api-key, {api_key}]")
+        assert p.returncode == 0, p.stderr
+        assert srv.requests  # the URL with its credentials was used
+    config = (run / "generate" / "config.yaml").read_text()
+    assert "alice:***@" in config and "  - --api-key\n  - ***\n" in config
+    for f in (x for x in run.rglob("*") if x.is_file()):
+        data = f.read_bytes().lower()
+        for s in (password, api_key):
+            for form in (s, s.encode().hex(), s[::-1], base64.b64encode(s.encode()).decode()[2:-2].lower()):
+                assert form.encode() not in data, f"{s} leaked into {f}"
+    for s in (password, api_key):
+        assert s not in p.stdout + p.stderr

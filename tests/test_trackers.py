@@ -2,10 +2,13 @@
 local mode (no network), read back here from each one's own files; a restarted run goes on in the same tracker run;
 a tracker that cannot start or fails mid-run is one warning line and training loses no step."""
 
+import base64
 import glob
 import json
+import secrets
 import sqlite3
 import struct
+import sys
 
 import pytest
 
@@ -81,10 +84,16 @@ def tensorboard_history(folder, key: str) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars(key)}
 
 
-def test_every_tracker_gets_the_figures_of_metrics_jsonl_and_a_restart_continues_it(synth_run, tiny8, offline):
+def test_every_tracker_gets_the_figures_of_metrics_jsonl_and_a_restart_continues_it(synth_run, tiny8, offline,
+                                                                                      monkeypatch):
     run = copy_run(synth_run, offline / "run")
-    sets = dict(max_steps=12, checkpoint_every=6, validation=6, validate_every=6, log_every_s=0.001,
-                report_to="[tensorboard, wandb, mlflow, trackio]")
+    # secrets in the config and on the command line (W&B records it): in no tracker's files, in any encoding
+    password, key = "pw-" + secrets.token_hex(10), "vk-" + secrets.token_hex(10)
+    url = f"http://alice:{password}@gpu-node:8000/v1"
+    monkeypatch.setattr(sys, "argv", [sys.argv[0], "train", "--set", f"generate.servers=[{url}]"])
+    sets = {"max_steps": 12, "checkpoint_every": 6, "validation": 6, "validate_every": 6, "log_every_s": 0.001,
+            "report_to": "[tensorboard, wandb, mlflow, trackio]", "generate.servers": f"[{url}]",
+            "generate.vllm_args": f"[--api-key, {key}]"}
     run_train(run, cfg_for(tiny8, **sets))
     # lengthened: continues from step 12 in the same tracker runs
     run_train(run, cfg_for(tiny8, **{**sets, "max_steps": 18}))
@@ -109,6 +118,19 @@ def test_every_tracker_gets_the_figures_of_metrics_jsonl_and_a_restart_continues
             r["acceptance_length"])
     # one W&B run id across the restart, the resolved config logged with it
     assert len({p.split("-")[-1] for p in glob.glob(f"{offline}/wandb-dir/wandb/offline-run-*")}) == 1
+    def read(f):  # a tracker's transient files (sqlite's -wal) may go while they are read
+        try:
+            return f.read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    files = [f for f in offline.rglob("*") if f.is_file()]
+    assert any(b"***@gpu-node" in read(f) for f in files if "wandb" in str(f))  # the URL was logged
+    for f in files:
+        data = read(f).lower()
+        for s in (password, key):
+            for form in (s, s.encode().hex(), s[::-1], base64.b64encode(s.encode()).decode()[2:-2].lower()):
+                assert form.encode() not in data, f"{s} leaked into {f}"
 
 
 def test_a_failing_tracker_is_one_warning_and_no_step_is_lost(synth_run, tiny8, offline, monkeypatch, capsys):

@@ -19,10 +19,12 @@ import io
 import json
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from draftsmith.redact import redact_tree
 from draftsmith.rundir import atomic_write_json
 
 STATE = "trackers.json"
@@ -79,9 +81,13 @@ class WandB:
         import wandb  # only when asked for (the wandb extra)
 
         run_id = (resume or {}).get("id") or uuid.uuid4().hex[:8]  # W&B's own shape of id: 8 lowercase hex
-        with _quiet():
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, id=run_id,
-                                  resume="allow", config=config, dir=os.environ.get("WANDB_DIR", str(folder)))
+        argv, sys.argv = sys.argv, redact_tree(sys.argv)  # W&B records the command line (its `args`) as it reads it
+        try:
+            with _quiet():
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, id=run_id,
+                                      resume="allow", config=config, dir=os.environ.get("WANDB_DIR", str(folder)))
+        finally:
+            sys.argv = argv
         return {"id": run_id}
 
     def log(self, step, values) -> None:
@@ -159,6 +165,7 @@ class Trackers:
         if rank != 0 or not names:
             return
         state = self._state()
+        config = redact_tree(config)  # the trackers' files are published as they are: no secret of the config
         for name in names:
             tracker = BACKENDS[name]()
             try:
