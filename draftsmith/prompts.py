@@ -343,6 +343,7 @@ def _text(value: object, where: str, key: str) -> str:
     return value
 
 
+ID_ESCAPED_HASH = "%23"  # a `#` in a source's id, which only draftsmith's suffixes may hold (load_prompts)
 ID_COLUMNS = ("id", "prompt_id", "uuid", "conversation_id")  # a data set's own id column, the first one present
 
 
@@ -481,6 +482,9 @@ def load_prompts(
             if len(stats.invalid_examples) < 5:
                 stats.invalid_examples.append(str(e))
             continue
+        # Ids unique by construction: `#` is draftsmith's own (a renamed duplicate's `#n`, a resampled answer's
+        # `#k@T0.7`), so a source id holding one is escaped (`%23`) and can never equal an id draftsmith makes.
+        p.id = p.id.replace("#", ID_ESCAPED_HASH)
         # Number duplicate ids (ShareGPT has some) before any filter, so that an id names the same
         # record whatever the filters keep.
         n = seen.get(p.id, 0)

