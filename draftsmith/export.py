@@ -41,7 +41,7 @@ from draftsmith.card import CARD, PROVENANCE, base_model, write_card
 from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
 from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import log
-from draftsmith.rundir import RunDir, file_sha256, read_json_object, replace_dir
+from draftsmith.rundir import RunDir, check_files, file_sha256, read_json_object, replace_dir
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import config_sha256, target_info, verifier_name
 
@@ -107,6 +107,7 @@ def drafter_config_from_meta(meta: dict, where: str):
     """DrafterConfig from a checkpoint's drafter.json: its DrafterConfig fields, at the top level
     or under "config"."""
     src = meta.get("config") if isinstance(meta.get("config"), dict) else meta
+    check_model_numbers(src, where, drafter=True)  # bounded before anything is sized from it (1e9 layers)
     names = {f.name for f in fields(DrafterConfig)}
     kwargs = {k: v for k, v in src.items() if k in names}
     kwargs["kind"] = kinds.of_meta(meta)  # the kind as written (a checkpoint from before kinds: read once there)
@@ -321,6 +322,12 @@ def _read_checkpoint(run: RunDir, cfg, checkpoint: str | None) -> _Checkpoint:
     """The checkpoint to export (export.checkpoint, else train/final, else the newest complete one), refused in one
     line when it does not fit the configured target."""
     ckpt = find_checkpoint(run, checkpoint or cfg.export.checkpoint)
+    train = run.path / "train"
+    if ckpt.is_relative_to(train.resolve()) and (manifest := run.read_manifest("train")) is not None:
+        # a checkpoint the train manifest recorded (train/final): its files as train wrote them, or refused
+        if bad := check_files(manifest, train, under=ckpt.relative_to(train.resolve()).as_posix()):
+            raise DraftsmithError(f"{bad} (changed since train finished; rerun `draftsmith train --run {run.path}`, "
+                                  "or name another checkpoint in export.checkpoint)")
     meta_path = ckpt / CKPT_META
     meta = read_json_object(meta_path)
     state = read_json_object(ckpt / CKPT_STATE)

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -430,9 +431,23 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def regular_file(path: str | os.PathLike) -> Path:
+    """`path`, when it is a regular file (through any link); else a one-line error naming it: a FIFO, a device or a
+    folder where a stage expects a file would hang its read or read something else."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: missing") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+        raise DraftsmithError(f"{path}: a {what}, not a regular file")
+    return path
+
+
 def read_json_object(path: str | os.PathLike) -> dict:
     """A JSON object from `path`; a missing or malformed file is a one-line error naming it."""
-    path = Path(path)
+    path = regular_file(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -446,7 +461,7 @@ def read_json_object(path: str | os.PathLike) -> dict:
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(regular_file(path), "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -531,12 +546,16 @@ class RunDir:
 
     def read_manifest(self, stage: str) -> dict | None:
         p = self.manifest_path(stage)
-        if not p.is_file():
+        if not p.exists() and not p.is_symlink():
             return None
         try:
-            return json.loads(p.read_text())
+            data = json.loads(regular_file(p).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DraftsmithError(f"{p}: not a valid manifest ({e})") from None
+        if not isinstance(data, dict):  # `[1]`: every reader would fail on its first field, as a bug
+            raise DraftsmithError(f"{p}: not a valid manifest (a JSON {type(data).__name__}, not an object); "
+                                  f"rerun `draftsmith {stage}`")
+        return data
 
     def require_manifest(self, stage: str, by: str) -> dict:
         """The completed manifest of an upstream stage, or a clear error naming what to run."""
@@ -610,7 +629,7 @@ _ENDS = 1 << 20
 def file_record(path: Path) -> dict:
     """{size, sha256, whole}: what a stage's output file is as written (sha256 of its ends only when it is larger
     than HASH_WHOLE_BYTES: a multi-GB optimizer state is checked by size and ends, not read through every time)."""
-    size = path.stat().st_size
+    size = regular_file(path).stat().st_size
     if size <= HASH_WHOLE_BYTES:
         return {"size": size, "sha256": file_sha256(path), "whole": True}
     h = hashlib.sha256()
@@ -621,11 +640,14 @@ def file_record(path: Path) -> dict:
     return {"size": size, "sha256": h.hexdigest(), "whole": False}
 
 
-def check_files(manifest: dict, stage_dir: Path) -> str | None:
-    """The first of a manifest's recorded files (`files`) that is no longer what the stage wrote: "PATH: missing",
-    "PATH: N bytes, written with M" or "PATH: its content changed since"; None when all check (or none is
-    recorded: a manifest written before the record)."""
-    for rel, rec in (manifest.get("files") or {}).items():
+def check_files(manifest: dict, stage_dir: Path, under: str | None = None) -> str | None:
+    """The first of a manifest's recorded files (`files`; `under`: only those in that subfolder of the stage's) that
+    is no longer what the stage wrote: "PATH: missing", "PATH: N bytes, written with M" or "PATH: its content
+    changed since"; None when all check (or none is recorded: a manifest written before the record)."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    for rel, rec in files.items():
+        if under is not None and not str(rel).startswith(under.rstrip("/") + "/"):
+            continue
         path = stage_dir / rel
         if not isinstance(rec, dict) or not path.is_file():
             return f"{path}: missing"

@@ -3,6 +3,7 @@ line naming the stage and where its traceback went, never a traceback on the ter
 lie past the row length says so and writes valid JSON."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -121,6 +122,47 @@ def test_artifacts_are_checked_by_what_they_are(tiny_run, tmp_path):
     weights.write_bytes(b"")
     p = run_cli("train", "--run", str(copy), "--config", str(config), *sets, env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0 and "done again" in p.stdout and weights.stat().st_size > 0, p.stdout + p.stderr
+
+
+def test_a_file_is_checked_before_it_is_trusted(tiny_run, tmp_path):
+    """Hostile or damaged files are refused in one line before any work, by the check of their class: a checkpoint
+    train recorded is held to the train manifest's hashes; any other checkpoint's sizes are bounded before anything
+    is allocated from them (1e9 layers hung export, memory growing); a FIFO where a file belongs is refused, not
+    read (it hung eval's hashing); a manifest that is JSON but no object is a damaged manifest, named."""
+    import shutil
+
+    from conftest import TINY_RUN_SETS, run_cli
+
+    run, config, *_ = tiny_run
+    copy = tmp_path / "run"
+    shutil.copytree(run.path, copy, ignore=shutil.ignore_patterns(".locks"))
+    sets = [x for kv in TINY_RUN_SETS for x in ("--set", kv)]
+    meta = copy / "train" / "final" / "drafter.json"
+    edited = json.loads(meta.read_text())
+    edited["config"]["num_hidden_layers"] = 1000000000
+    meta.write_text(json.dumps(edited))
+    p = run_cli("export", "--run", str(copy), "--config", str(config), *sets, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"{meta}:" in p.stderr and "changed since train finished" in p.stderr
+    # the same folder named by export.checkpoint, which no manifest recorded: bounded before it is sized
+    ck = tmp_path / "checkpoint"
+    shutil.copytree(copy / "train" / "final", ck)
+    p = run_cli("export", "--run", str(copy), "--config", str(config), *sets, "--set", f"export.checkpoint={ck}",
+                timeout=120)
+    assert p.returncode == 2 and "'num_hidden_layers' is 1000000000, more than any drafter has" in p.stderr, p.stderr
+    # a FIFO as a drafter folder's weights
+    foreign = tmp_path / "foreign"
+    shutil.copytree(run.path / "export", foreign)
+    (foreign / "model.safetensors").unlink()
+    os.mkfifo(foreign / "model.safetensors")
+    p = run_cli("eval", "--run", str(tmp_path / "other"), "--config", str(config), *sets, "--drafter", str(foreign),
+                timeout=120)
+    assert p.returncode == 2 and f"{foreign / 'model.safetensors'}: a FIFO, not a regular file" in p.stderr, p.stderr
+    # a manifest that is valid JSON but no manifest
+    (copy / "generate" / "manifest.json").write_text("[1]")
+    p = run_cli("run", str(config), "--run", str(copy), *sets, timeout=120)
+    assert p.returncode == 2 and "generate/manifest.json: not a valid manifest (a JSON list" in p.stderr, p.stderr
+    assert "a bug in draftsmith" not in p.stdout + p.stderr
 
 
 def test_export_into_a_linked_folder_keeps_the_link_and_stale_parked_folders_go(tiny_run, tmp_path):

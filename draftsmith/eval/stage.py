@@ -34,7 +34,7 @@ from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggre
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
 from draftsmith.export import CONFIG_FILE, speculative_config
 from draftsmith.prompts import Prompt, load_prompts
-from draftsmith.rundir import RunDir, append_json_line, read_json_object
+from draftsmith.rundir import RunDir, append_json_line, read_json_object, regular_file
 from draftsmith.stage import StageBook, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
 from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
@@ -156,7 +156,7 @@ def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:
     h = hashlib.sha256()
     for f in [folder / CONFIG_FILE, *weights]:
         h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
+        with open(regular_file(f), "rb") as fh:  # a FIFO would hang this read
             while chunk := fh.read(1 << 20):
                 h.update(chunk)
     return {"fingerprint": h.hexdigest(), "drafter": str(folder)}, folder
