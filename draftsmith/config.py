@@ -33,9 +33,60 @@ AUTO_MAX_IN_FLIGHT = 256
 AUTO_OPENAI_IN_FLIGHT = 32
 
 
+# The largest value of every numeric setting that draftsmith, its libraries and a machine can honour, by section and
+# key: (bound, unit). One table for the whole schema, checked when a config is loaded, before any work; the lower
+# bounds sit on each Field (ge/gt). A setting past its bound is refused in one line naming it, the value and the
+# bound (tests/test_config.py walks every numeric field of the schema). Why these: thread and process counts and
+# requests in flight past what any machine's process table and sockets hold ("can't start new thread"); sizes and
+# token counts past the longest context any model has (2**24 tokens) or the largest vocabulary (2**22); timeouts and
+# waits past a week; retries past a hundred; seeds past a signed 64-bit integer (what torch and vLLM take).
+_WEEK_S, _TOKENS, _VOCAB, _MANY, _SEED = 7 * 24 * 3600.0, 1 << 24, 1 << 22, 10 ** 9, (1 << 63) - 1
+UPPER: dict[str, dict[str, tuple[float, str]]] = {
+    "Config": {"stall_after_s": (_WEEK_S, "seconds"), "vllm_startup_timeout_s": (_WEEK_S, "seconds"),
+               "threads": (1024, "threads")},
+    "GenerateConfig": {"limit": (_MANY, "prompts"), "seed": (_SEED, ""), "offset": (_MANY, "prompts"),
+                       "min_chars": (_MANY, "characters"), "max_chars": (_MANY, "characters"),
+                       "max_tokens": (_TOKENS, "tokens"), "temperature": (100.0, ""),
+                       "answers_per_prompt": (1024, "answers"), "resample_temperature": (100.0, ""),
+                       "concurrency": (4096, "requests in flight"), "batch_size": (4096, "sequences"),
+                       "idle_timeout_s": (_WEEK_S, "seconds"), "retries": (100, "retries"),
+                       "backoff_s": (3600.0, "seconds")},
+    "PrepareConfig": {"max_length": (_TOKENS, "tokens")},
+    "VocabConfig": {"draft_vocab_size": (_VOCAB, "tokens")},
+    "ExtractConfig": {"shard_size": (1 << 20, "samples"), "batch_tokens": (_TOKENS, "tokens"),
+                      "concurrency": (1024, "requests in flight, one thread each"), "retries": (100, "retries"),
+                      "backoff_s": (3600.0, "seconds"), "timeout_s": (_WEEK_S, "seconds")},
+    "TrainConfig": {"dflash_anchors": (1 << 16, "anchors"), "mask_token_id": (_VOCAB, "token id"),
+                    "loss_kl": (1000.0, ""), "loss_rkl": (1000.0, ""), "loss_tv": (1000.0, ""),
+                    "loss_top1": (1000.0, ""), "loss_skip_tokens": (_TOKENS, "tokens"),
+                    "teacher_temperature": (100.0, ""), "feature_noise": (100.0, ""), "init_layer": (4096, "layer"),
+                    "epochs": (1e6, "epochs"), "max_steps": (_MANY, "steps"), "max_minutes": (1e6, "minutes"),
+                    "lr": (10.0, ""), "weight_decay": (10.0, ""), "warmup_steps": (_MANY, "steps"),
+                    "grad_clip": (1e6, ""), "batch_tokens": (1 << 26, "tokens"), "seq_len": (_TOKENS, "tokens"),
+                    "grad_accum": (1 << 16, "micro-batches"), "loss_chunk_tokens": (1 << 26, "tokens"),
+                    "validation": (1e6, "samples"), "validation_min_samples": (1e6, "samples"),
+                    "validation_max_samples": (1e6, "samples"), "validate_every": (_MANY, "steps"),
+                    "checkpoint_every": (_MANY, "steps"), "keep_checkpoints": (10_000, "checkpoints"),
+                    "log_every_s": (_WEEK_S, "seconds"), "seed": (_SEED, ""), "processes": (1024, "processes")},
+    "EvalConfig": {"limit": (_MANY, "prompts"), "offset": (_MANY, "prompts"),
+                   "num_speculative_tokens": (64, "draft tokens"), "temperature": (100.0, ""),
+                   "max_tokens": (_TOKENS, "tokens"), "seed": (_SEED, "")},
+}
+
+
 class _Section(BaseModel):
     # No infinities or NaN anywhere: `train.lr=inf` would train to non-finite weights.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_what_can_be_honoured(cls, v: Any, info: ValidationInfo) -> Any:
+        """Every numeric setting at most its UPPER bound (the table above)."""
+        bound = UPPER.get(cls.__name__, {}).get(info.field_name)
+        if bound is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound[0]:
+            hi = f"{bound[0]:,.0f}" if float(bound[0]).is_integer() else f"{bound[0]:g}"
+            raise ValueError(f"{v:,} is more than draftsmith can honour (at most {hi}{' ' + bound[1] if bound[1] else ''})")
+        return v
 
     @field_validator("*", mode="before")
     @classmethod
@@ -427,6 +478,14 @@ class TrainConfig(_Section):
             raise ValueError(str(e)) from None
         if self.loss_kl + self.loss_rkl + self.loss_tv + self.loss_top1 <= 0:
             raise ValueError("loss_kl, loss_rkl, loss_tv, loss_top1: at least one weight must be above 0")
+        if 0.5 < self.validation < 1:  # 0.999 held out 3 of 4 samples, quietly
+            raise ValueError(f"validation: a share of {self.validation:g} holds out more than it trains on; at most 0.5 "
+                             "(or a whole number >= 1: a count of samples)")
+        if self.validation >= 1 and not float(self.validation).is_integer():
+            raise ValueError(f"validation: {self.validation:g} is neither a share below 1 nor a whole count of samples")
+        if self.validation > self.validation_max_samples:
+            raise ValueError(f"validation: {self.validation:,.0f} samples is more than validation_max_samples "
+                             f"({self.validation_max_samples:,}), which caps the split; raise that too")
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm: not with norm_before_fc (choose one: a norm per aux state, or one over "
                              "their concatenation)")

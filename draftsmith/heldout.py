@@ -114,8 +114,9 @@ def split(ids: list[str], share: float, min_samples: int = 64, max_samples: int 
             samples += len(members[order[n]])
             greedy += greedy_in[order[n]]
             n += 1
-    # the cap and "never everything": drop groups from the end of the prefix
-    while n > 0 and (samples > max_samples or samples >= len(ids) or n >= len(order)):
+    # the cap and "never more than half": drop groups from the end of the prefix (a tiny store keeps most of its
+    # samples for training whatever the count asked)
+    while n > 0 and (samples > max_samples or 2 * samples > len(ids) or n >= len(order)):
         decided = "cap"
         n -= 1
         samples -= len(members[order[n]])

@@ -118,3 +118,66 @@ def test_numbers_written_as_yaml_strings_still_load(tmp_path):
     p.write_text("train:\n  lr: 1e-3\ngenerate:\n  limit: '7'\n  skip_invalid: yes\n")
     c = load_config(p)
     assert (c.train.lr, c.generate.limit, c.generate.skip_invalid) == (1e-3, 7, True)
+
+
+# -------------------------------------------------------------------------------------------------
+# Every numeric setting bounded (config.UPPER and each Field's lower bound)
+
+
+def numeric_fields(model=Config, prefix=""):
+    """(dotted key, field) of every int or float setting of the schema, nested sections walked."""
+    import typing
+
+    for name, f in model.model_fields.items():
+        args = typing.get_args(f.annotation) or (f.annotation,)
+        section = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if section:
+            yield from numeric_fields(section[0], f"{prefix}{name}.")
+        elif any(a in (int, float) for a in args):
+            yield f"{prefix}{name}", f
+
+
+NUMERIC = list(numeric_fields())
+
+
+def test_every_numeric_setting_has_an_upper_bound_in_the_one_table():
+    from draftsmith.config import UPPER
+
+    tables = {k for section in UPPER.values() for k in section}
+    assert len(NUMERIC) >= 60
+    for key, f in NUMERIC:
+        le = [m.le for m in f.metadata if getattr(m, "le", None) is not None]
+        lt = [m.lt for m in f.metadata if getattr(m, "lt", None) is not None]
+        assert le or lt or key.rsplit(".", 1)[-1] in tables, f"{key}: no upper bound"
+
+
+@pytest.mark.parametrize("key", [k for k, _ in NUMERIC])
+def test_every_numeric_setting_refuses_what_cannot_be_honoured_in_one_line(key):
+    """0, -1, huge, non-finite and type-wrong values: each refused in one line that names the setting (0 and -1 may
+    be valid: then they load and keep their value)."""
+    for value in ("0", "-1", "1e30", "1000000000000000000000000000000", ".nan", ".inf", "-.inf", "x", "[1]",
+                  "{a: 1}", "true"):
+        try:
+            cfg = load_config(None, [f"{key}={value}"])
+        except DraftsmithError as e:
+            assert key.rsplit(".", 1)[-1] in str(e) and "\n" not in str(e) and len(str(e)) < 400, (key, value, str(e))
+            continue
+        assert value in ("0", "-1"), f"{key}={value} accepted"
+        section, _, name = key.rpartition(".")
+        got = getattr(getattr(cfg, section) if section else cfg, name)
+        assert got == float(value), (key, value, got)
+
+
+@pytest.mark.parametrize("key,value", [("threads", "5000"), ("generate.concurrency", "1e12"),
+                                       ("extract.concurrency", "100000"), ("train.processes", "99999"),
+                                       ("train.validation", "0.999"), ("train.validation", "1000000"),
+                                       ("eval.num_speculative_tokens", "1e9"), ("vllm_startup_timeout_s", ".inf"),
+                                       ("train.lr", "x")])
+def test_a_setting_past_its_bound_stops_the_cli_before_any_work(tmp_path, key, value):
+    from conftest import REPO, run_cli
+
+    run = tmp_path / "run"
+    p = run_cli("run", str(REPO / "configs" / "demo.yaml"), "--run", str(run), "--set", f"{key}={value}", timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert key.rsplit(".", 1)[-1] in p.stderr and "Traceback" not in p.stdout + p.stderr
+    assert not run.exists()

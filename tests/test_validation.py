@@ -108,10 +108,11 @@ def test_the_split_depends_on_groups_alone():
     # the same samples in another order (another packing, a reshuffled file): the same held-out ids
     rev = list(reversed(ids))
     assert sorted(rev[i] for i in split(rev, 0.02, 64, 256).indices) == sorted(ids[i] for i in held.indices)
-    # a count, the cap, off, never every sample
+    # a count, the cap, off, never more than half the samples (0.999 of 4 samples held out 3)
     assert len(split(ids, 7, 64, 256).indices) == 7 and len(split(ids, 0.5, 64, 40).indices) == 40
     assert split(ids, 0, 64, 256).indices == []
-    assert len(split(ids[:3], 50, 64, 256).indices) == 2
+    assert len(split(ids[:3], 50, 64, 256).indices) == 1
+    assert len(split(ids[:4], 0.999, 64, 256).indices) == len(split(ids[:4], 3, 64, 256).indices) == 2
     # the floor: a share of a small store is raised to the minimum greedy answers, but never past a tenth
     small = split(ids[:1000], 0.02, 64, 256)
     assert small.decided_by == "floor" and small.greedy == 64 and len(small.indices) == 64
