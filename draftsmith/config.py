@@ -85,7 +85,8 @@ class _Section(BaseModel):
         bound = UPPER.get(cls.__name__, {}).get(info.field_name)
         if bound is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound[0]:
             hi = f"{bound[0]:,.0f}" if float(bound[0]).is_integer() else f"{bound[0]:g}"
-            raise ValueError(f"{v:,} is more than draftsmith can honour (at most {hi}{' ' + bound[1] if bound[1] else ''})")
+            unit = f" {bound[1]}" if bound[1] else ""
+            raise ValueError(f"{v:,} is more than draftsmith can honour (at most {hi}{unit})")
         return v
 
     @field_validator("*", mode="before")
@@ -479,8 +480,8 @@ class TrainConfig(_Section):
         if self.loss_kl + self.loss_rkl + self.loss_tv + self.loss_top1 <= 0:
             raise ValueError("loss_kl, loss_rkl, loss_tv, loss_top1: at least one weight must be above 0")
         if 0.5 < self.validation < 1:  # 0.999 held out 3 of 4 samples, quietly
-            raise ValueError(f"validation: a share of {self.validation:g} holds out more than it trains on; at most 0.5 "
-                             "(or a whole number >= 1: a count of samples)")
+            raise ValueError(f"validation: a share of {self.validation:g} holds out more than it trains on; at most "
+                             "0.5 (or a whole number >= 1: a count of samples)")
         if self.validation >= 1 and not float(self.validation).is_integer():
             raise ValueError(f"validation: {self.validation:g} is neither a share below 1 nor a whole count of samples")
         if self.validation > self.validation_max_samples:
