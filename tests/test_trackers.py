@@ -150,3 +150,32 @@ def test_a_failing_tracker_is_one_warning_and_no_step_is_lost(synth_run, tiny8, 
     warned = [x for x in out.splitlines() if "warning: train.report_to" in x]
     assert len(warned) == 2, warned
     assert "wandb: cannot start (ModuleNotFoundError" in warned[0] and "mlflow: a call failed (ConnectionError" in warned[1]
+
+
+def test_a_tracker_that_does_not_answer_or_cannot_write_is_dropped_within_its_bound(synth_run, tiny8, offline,
+                                                                                  monkeypatch, capsys):
+    """An MLflow server that accepts and never answers (mlflow's retries held training 4 minutes, with no line) and a
+    trackio folder that cannot be written (it said "reporting" and lost every figure): each said in one line within
+    DRAFTSMITH_TRACKER_WAIT_S, dropped, and training keeps every step in metrics.jsonl."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts connections, answers none
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    blocker = offline / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TRACKIO_DIR", str(blocker / "trackio"))  # under a file: no folder can be made there
+    monkeypatch.setenv("DRAFTSMITH_TRACKER_WAIT_S", "6")
+    run = copy_run(synth_run, offline / "run")
+    t0 = time.monotonic()
+    m = run_train(run, cfg_for(tiny8, max_steps=8, log_every_s=0.001, report_to="[mlflow, trackio]"))
+    took = time.monotonic() - t0
+    silent.close()
+    assert m["counts"]["done"] == 8 and max(r["step"] for r in metrics(run)) == 8
+    lines = [x for x in capsys.readouterr().out.splitlines() if "train.report_to" in x]
+    assert any("mlflow: waiting for it (at most 6 s" in x for x in lines), lines
+    assert any("mlflow: cannot start (TimeoutError: no answer in 6 s)" in x for x in lines), lines
+    assert any("trackio: cannot start" in x and "a-file" in x for x in lines), lines
+    assert not any("reporting to" in x for x in lines) and took < 60, (took, lines)

@@ -10,6 +10,12 @@ accuracy per step, the acceptance length and per position, tokens/s, lr, grad no
 (under `validation/`), at the optimizer step they belong to. A restarted run goes on in the same tracker run: each
 tracker's run id is kept in RUN/train/trackers.json. A tracker that fails (not installed, no login, the network down,
 a call raising mid-run) is one warning line and is dropped; training goes on and loses no step.
+
+No silent wait: every tracker call (start, log, close) runs with a bound, `DRAFTSMITH_TRACKER_WAIT_S` (30 s): past 5 s
+the log says it is waiting and for what, past the bound the tracker is dropped with a line (an unreachable MLflow
+server held training 4 minutes in its retries, W&B with a key and no network 91 s); a tracker whose folder cannot be
+written (trackio) is dropped at start instead of saying "reporting" and losing every figure. metrics.jsonl keeps the
+figures whatever the trackers do.
 """
 
 from __future__ import annotations
@@ -19,16 +25,26 @@ import io
 import json
 import logging
 import os
+import queue
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from draftsmith.bounds import env_number
 from draftsmith.redact import redact_tree
 from draftsmith.rundir import atomic_write_json
 
 STATE = "trackers.json"
 NAMES = ("tensorboard", "wandb", "mlflow", "trackio")
+SAY_WAITING_S = 5.0  # a tracker call longer than this is said to be waiting
+
+
+def wait_bound_s() -> float:
+    """The longest one tracker call may hold training (module doc)."""
+    return env_number("DRAFTSMITH_TRACKER_WAIT_S", 30.0, 0.1, 3600.0)
 
 
 def scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
@@ -48,6 +64,45 @@ def scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[f"{prefix}{key}/{name}{k}"] = float(v)
     return out
+
+
+class Worker:
+    """The one thread that makes every call of one tracker (mlflow and trackio keep their active run per thread), each
+    call waited for at most wait_bound_s() (module doc). A daemon: a call that never returns (a library's network
+    retry cannot be interrupted) holds neither training nor the process's exit."""
+
+    def __init__(self, name: str, say: Callable[[str], None]):
+        self.name, self.say = name, say
+        self.calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True, name=f"tracker {name}").start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, done, box = self.calls.get()
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+            done.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """fn()'s result on this tracker's thread, or TimeoutError past the bound; past SAY_WAITING_S a line says
+        it is waiting."""
+        bound, done, box = wait_bound_s(), threading.Event(), {}
+        out, err = sys.stdout, sys.stderr
+        t0 = time.monotonic()
+        self.calls.put((fn, done, box))
+        if not done.wait(min(SAY_WAITING_S, bound)):
+            held, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (out, err)  # past the call's _quiet()
+            self.say(f"train.report_to {self.name}: waiting for it (at most {bound:.0f} s, DRAFTSMITH_TRACKER_WAIT_S)")
+            sys.stdout, sys.stderr = held
+            done.wait(max(0.0, bound - (time.monotonic() - t0)))
+        if not done.is_set():
+            sys.stdout, sys.stderr = out, err  # the call may hold _quiet()'s redirection: training's lines are not its
+            raise TimeoutError(f"no answer in {bound:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
 
 @contextlib.contextmanager
@@ -85,7 +140,8 @@ class WandB:
         try:
             with _quiet():
                 self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, id=run_id,
-                                      resume="allow", config=config, dir=os.environ.get("WANDB_DIR", str(folder)))
+                                      resume="allow", config=config, dir=os.environ.get("WANDB_DIR", str(folder)),
+                                      settings=wandb.Settings(init_timeout=wait_bound_s()))
         finally:
             sys.argv = argv
         return {"id": run_id}
@@ -100,6 +156,9 @@ class WandB:
 
 class MLflow:
     def start(self, folder, project, run_name, config, resume, start_step) -> dict:
+        # a server that does not answer: a few short tries, not mlflow's default 7 retries of up to 2 minutes each
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         import mlflow  # only when asked for (the mlflow extra)
 
         logging.getLogger("mlflow").setLevel(logging.ERROR)
@@ -125,6 +184,12 @@ class Trackio:
     def start(self, folder, project, run_name, config, resume, start_step) -> dict:
         import trackio  # only when asked for (the trackio extra)
 
+        # trackio writes from a thread of its own and loses every figure silently when its folder cannot be written
+        home = Path(os.environ.get("TRACKIO_DIR") or Path.home() / ".cache" / "huggingface" / "trackio")
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / f".draftsmith-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
         self.trackio = trackio
         with _quiet():
             self.run = trackio.init(project=project, name=run_name, config=config, resume="allow",
@@ -162,14 +227,16 @@ class Trackers:
                  say: Callable[[str], None]):
         self.folder, self.say = folder, say
         self.active: dict[str, Any] = {}
+        self.workers: dict[str, Worker] = {}
         if rank != 0 or not names:
             return
         state = self._state()
         config = redact_tree(config)  # the trackers' files are published as they are: no secret of the config
         for name in names:
-            tracker = BACKENDS[name]()
+            tracker, self.workers[name] = BACKENDS[name](), Worker(name, say)
             try:
-                state[name] = tracker.start(folder, project, folder.parent.name, config, state.get(name), start_step)
+                state[name] = self.workers[name].call(lambda: tracker.start(  # noqa: B023
+                    folder, project, folder.parent.name, config, state.get(name), start_step))
             except Exception as e:  # not installed, no login, no network: training goes on without it
                 self._drop(name, "cannot start", e)
                 continue
@@ -194,14 +261,14 @@ class Trackers:
         values = scalars(metrics, prefix)
         for name, tracker in list(self.active.items()):
             try:
-                tracker.log(step, values)
+                self.workers[name].call(lambda: tracker.log(step, values))  # noqa: B023
             except Exception as e:
                 self._drop(name, "a call failed", e)
 
     def close(self) -> None:
         for name, tracker in list(self.active.items()):
             try:
-                tracker.close()
+                self.workers[name].call(tracker.close)
             except Exception as e:
                 self._drop(name, "cannot close", e)
         self.active.clear()
