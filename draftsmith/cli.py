@@ -225,15 +225,16 @@ def status(
 
 @app.command(epilog="Examples:\n\n  draftsmith watch runs/demo\n\n"
              "  draftsmith watch runs/demo --interval 30 > watch.log\n\n"
-             "  nohup draftsmith watch runs/big --interval 60 --notify 'curl -s -X POST -H \"Content-type: "
-             "application/json\" --data \"{\\\"text\\\": \\\"$DRAFTSMITH_MESSAGE\\\"}\" $SLACK_WEBHOOK' > watch.log &")
+             "  nohup draftsmith watch runs/big --interval 60 --notify 'curl -sS --fail -X POST -H \"Content-type: "
+             "application/json\" --data \"{\\\"text\\\": $DRAFTSMITH_MESSAGE_JSON}\" \"$SLACK_WEBHOOK\"' > watch.log &")
 def watch(
     run: Annotated[str, typer.Argument(help="The run directory.")],
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,
     notify: Annotated[Optional[str], typer.Option(
         help="A shell command run once each time a stage becomes running, stalled, dead, failed, interrupted or "
-        "done, with DRAFTSMITH_RUN, _STAGE, _STATE, _PREVIOUS_STATE, _DONE, _TOTAL, _UNIT, _ETA_S, _ERROR and "
-        "_MESSAGE (one line) in its environment; watching then goes on until every stage is done.")] = None,
+        "done, with DRAFTSMITH_RUN, _STAGE, _STATE, _PREVIOUS_STATE, _DONE, _TOTAL, _UNIT, _ETA_S, _ERROR, "
+        "_MESSAGE (one line) and _MESSAGE_JSON (that line as a JSON string) in its environment; watching then goes "
+        "on until every stage is done.")] = None,
 ):
     """Refresh the status table until every stage is done or failed (a snapshot per interval when piped); with
     --notify, tell a command of every change of a stage's state."""

@@ -6,17 +6,22 @@ answers in well under a second for a run with 10,000 sample files. Never imports
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError, stages
 from draftsmith.acceptance import fmt as fmt_tau
+from draftsmith.bounds import env_number
 from draftsmith.estimate import read_run_estimate
 from draftsmith.journal import fmt_duration, fmt_rate, journal_state, pid_alive
 from draftsmith.rundir import MANIFEST, RunDir, is_temp_name
@@ -387,7 +392,10 @@ def render_table(status: dict[str, Any]) -> str:
 
 
 NOTIFY_STATES = ("running", "stalled", "dead", "failed", "interrupted", "done")
-NOTIFY_TIMEOUT_S = 60.0
+def notify_timeout_s() -> float:
+    """The longest one --notify command may run (DRAFTSMITH_NOTIFY_TIMEOUT_S, 60 s): then its whole process group is
+    killed and the warning says so."""
+    return env_number("DRAFTSMITH_NOTIFY_TIMEOUT_S", 60.0, 0.1, 3600.0)
 
 
 def notify_env(run: str, row: dict[str, Any], previous: str | None) -> dict[str, str]:
@@ -403,19 +411,57 @@ def notify_env(run: str, row: dict[str, Any], previous: str | None) -> dict[str,
             "DRAFTSMITH_PREVIOUS_STATE": previous or "pending", "DRAFTSMITH_DONE": done, "DRAFTSMITH_TOTAL": total,
             "DRAFTSMITH_UNIT": row.get("unit") or "", "DRAFTSMITH_ETA_S": eta,
             "DRAFTSMITH_ERROR": row.get("error") or "",
-            "DRAFTSMITH_MESSAGE": message}
+            # the line as a JSON string, quotes included: `{"text": $DRAFTSMITH_MESSAGE_JSON}` is valid for any message
+            "DRAFTSMITH_MESSAGE": message, "DRAFTSMITH_MESSAGE_JSON": json.dumps(message)}
 
 
 def run_notify(command: str, env: dict[str, str]) -> str | None:
-    """Run a --notify command (a shell line) with `env` added; None when it worked, else why not (one line)."""
+    """Run a --notify command (a shell line) with `env` added, in a session of its own; None when it worked, else
+    why not (one line). Past notify_timeout_s() its whole process group is killed (a `curl` the shell started
+    included), not the shell alone."""
+    bound = notify_timeout_s()
     try:
-        p = subprocess.run(command, shell=True, env={**os.environ, **env}, capture_output=True, text=True,
-                           timeout=NOTIFY_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        p = subprocess.Popen(command, shell=True, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    except OSError as e:
         return f"{type(e).__name__}: {e}"
+    try:
+        out, err = p.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return f"no end in {bound:g} s (DRAFTSMITH_NOTIFY_TIMEOUT_S): it and every process it started were killed"
     if p.returncode != 0:
-        return f"exit {p.returncode}: {' '.join((p.stderr or p.stdout).split())[:200]}"
+        return f"exit {p.returncode}: {' '.join((err or out).split())[:200]}"
     return None
+
+
+class Notifier:
+    """watch --notify's commands, run in order on a thread of their own, so that a slow or hung command never holds
+    the table's refresh; each one's failure is a warning line on stderr."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True, name="watch --notify").start()
+
+    def send(self, env: dict[str, str], what: str) -> None:
+        self.calls.put((env, what))
+
+    def _serve(self) -> None:
+        while True:
+            env, what = self.calls.get()
+            try:
+                if (why := run_notify(self.command, env)) is not None:
+                    sys.stderr.write(f"draftsmith watch: warning: --notify for {what} failed ({why})\n")
+                    sys.stderr.flush()
+            finally:
+                self.calls.task_done()
+
+    def drain(self) -> None:
+        """Wait for the commands sent so far (each bounded by notify_timeout_s())."""
+        self.calls.join()
 
 
 def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None, notify: str | None = None) -> None:
@@ -429,19 +475,16 @@ def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None,
     tty = sys.stdout.isatty()
     i = 0
     seen: dict[str, str] | None = None
+    notifier = Notifier(notify) if notify is not None else None
     last_print = 0.0
     while True:
         st = run_status(path)
         states = {s["name"]: s["state"] for s in st["stages"]}
         changed = seen is not None and any(states[n] != seen.get(n) for n in states)
-        if notify is not None and seen is not None:
+        if notifier is not None and seen is not None:
             for row in st["stages"]:
                 if row["state"] != seen.get(row["name"]) and row["state"] in NOTIFY_STATES:
-                    why = run_notify(notify, notify_env(path, row, seen.get(row["name"])))
-                    if why is not None:
-                        sys.stderr.write(f"draftsmith watch: warning: --notify for {row['name']} {row['state']} "
-                                         f"failed ({why})\n")
-                        sys.stderr.flush()
+                    notifier.send(notify_env(path, row, seen.get(row["name"])), f"{row['name']} {row['state']}")
         seen = states
         now = time.monotonic()
         if tty or changed or now - last_print >= 10.0 or i == 0:
@@ -454,9 +497,12 @@ def watch(path: str, interval_s: float = 2.0, max_iterations: int | None = None,
                                                                                  and pipe["state"] == "running")
         if notify is None and not active and any(s != "pending" for s in states.values()):
             return
-        if notify is not None and all(s == "done" for s in states.values()):
+        if notifier is not None and all(s == "done" for s in states.values()):
+            notifier.drain()  # the last change's command too
             return
         i += 1
         if max_iterations is not None and i >= max_iterations:
+            if notifier is not None:
+                notifier.drain()
             return
         time.sleep(interval_s if (tty or notify is not None) else max(interval_s, 10.0))

@@ -446,3 +446,67 @@ def test_status_gives_each_tau_with_its_standard_error(tmp_path):
     text = render_table({"run": str(tmp_path), "stages": [val, row]})
     assert "train: validation tau 1.40 ± 0.05 at step 10" in text
     assert "eval-vllm: vllm engine tau 1.37 ± 0.04 at K = 3 over 16 prompts, 0.91x plain decoding" in text
+
+
+def _documented_notify_command() -> str:
+    """The Slack --notify command of docs/monitoring.md, as the shell receives it (the single-quoted argument)."""
+    text = (Path(__file__).parents[1] / "docs" / "monitoring.md").read_text()
+    line = next(x for x in text.splitlines() if "$DRAFTSMITH_MESSAGE_JSON" in x and x.strip().startswith("'curl"))
+    return line.strip().split("'")[1]
+
+
+def test_the_documented_slack_alert_is_valid_json_for_any_message_and_a_400_is_a_failure(monkeypatch):
+    """An error's `"`, `\\`, `$(...)` and backticks in DRAFTSMITH_MESSAGE reach the webhook as the text of valid JSON
+    (the old example sent invalid JSON); a webhook's 400 makes the command fail, and the warning quotes it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from draftsmith.status import notify_env, run_notify
+
+    got, code = [], [200]
+
+    class Hook(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            got.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(code[0])
+            self.end_headers()
+            self.wfile.write(b"invalid_payload" if code[0] != 200 else b"ok")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("SLACK_WEBHOOK", f"http://127.0.0.1:{srv.server_address[1]}/hook")
+    row = {"name": "extract", "state": "failed", "done": 3, "total": 10, "unit": "samples", "eta_s": None,
+           "error": 'sample "a\\b": $(touch x) `id` failed'}
+    try:
+        env = notify_env("runs/kimi", row, "running")
+        assert run_notify(_documented_notify_command(), env) is None
+        assert json.loads(got[-1]) == {"text": env["DRAFTSMITH_MESSAGE"]} and '"a\\b"' in env["DRAFTSMITH_MESSAGE"]
+        code[0] = 400
+        why = run_notify(_documented_notify_command(), env)
+        assert why is not None and why.startswith("exit 22") and "400" in why, why
+    finally:
+        srv.shutdown()
+
+
+def test_a_notify_command_that_hangs_is_killed_with_what_it_started_and_never_holds_the_table(tmp_path, monkeypatch):
+    from draftsmith.status import Notifier, run_notify
+
+    monkeypatch.setenv("DRAFTSMITH_NOTIFY_TIMEOUT_S", "1.5")
+    pids = tmp_path / "pids"
+    hang = f"sleep 300 & echo $! >> {pids}; wait"
+    t0 = time.monotonic()
+    why = run_notify(hang, {})
+    assert time.monotonic() - t0 < 10 and why is not None and "every process it started were killed" in why
+    child = int(pids.read_text().split()[0])
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    # watch's side: sending returns at once; the command runs beside the table's refresh
+    n = Notifier(hang)
+    t0 = time.monotonic()
+    n.send({}, "extract failed")
+    assert time.monotonic() - t0 < 0.5
+    n.drain()
+    assert 1.4 < time.monotonic() - t0 < 10 and len(pids.read_text().split()) == 2
