@@ -27,12 +27,14 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.progress import log
 from draftsmith.rundir import file_sha256
 
 SHORT_NAMES = {
@@ -250,7 +252,9 @@ def _import_datasets():
         raise PromptError("prompts: a data set source needs Hugging Face datasets (pip install 'draftsmith[hub]')"
                           ) from None
     datasets.disable_progress_bars()  # draftsmith's own lines say what is read; no bars, no library chatter
-    datasets.utils.logging.set_verbosity_error()
+    # draftsmith names what failed in its one line; the libraries' own error and retry lines would come first
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
     return datasets
 
 
@@ -263,6 +267,8 @@ def dataset_rows(source: str) -> tuple[str, Iterator[tuple[str, str, object]]]:
         if kind == "hub":
             name, _, rest = source[len(HUB_PREFIX):].partition(":")
             split, _, subset = rest.partition(":")
+            log(f"prompts: asking the Hugging Face Hub for {name} (without a network it gives up after its retries, "
+                "about 30 s; HF_HUB_OFFLINE=1 reads the local cache only)")
             rows = ds.load_dataset(name, subset or None, split=split or "train", streaming=True)
             stem = name.rsplit("/", 1)[-1]
         elif kind == "saved":
@@ -514,9 +520,14 @@ def load_prompts(
     if limit is not None:
         out = out[:limit]
     if not out:
-        raise PromptError(f"{label}: no usable prompts (read {stats.read}, invalid {stats.skipped_invalid}, "
+        # every record invalid: the count and the first one's place and reason (`invalid` holds them when generate
+        # keeps each as a failure of its own; `skip_invalid` counts them in stats)
+        bad = [*(str(e) for e in invalid or []), *stats.invalid_examples]
+        n_bad = len(invalid or []) + stats.skipped_invalid
+        raise PromptError(f"{label}: no usable prompts (read {stats.read}, invalid {n_bad}, "
                           f"filtered {stats.filtered}"
                           + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a "
                              "file with assistant replies" if require_answers else "")
-                          + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")")
+                          + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")"
+                          + (f"; the first invalid: {bad[0]}" if bad else ""))
     return out

@@ -238,6 +238,17 @@ def test_rows_without_an_id_get_a_stable_one_and_the_hub_offline_is_one_line(dat
         "source": "hf:HuggingFaceH4/ultrachat_200k:train_sft"}
 
 
+def test_a_damaged_data_set_file_is_one_line_of_draftsmiths_and_no_library_line(dataset_files, tmp_path, cli):
+    """pyarrow's "Failed to read schema ..." (logged by datasets) came before draftsmith's own line."""
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    p = cli("generate", "--run", str(tmp_path / "run"), "--prompts", str(bad), "--backend", "dataset")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        x for x in p.stderr.strip().splitlines() if x.startswith("draftsmith: error: prompts:")], p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "cannot read the data set (ArrowInvalid" in p.stderr
+    assert "Failed to read schema" not in p.stdout + p.stderr
+
+
 def test_generate_reads_a_parquet_file_and_resumes_by_row_id(dataset_files, tiny_target, tmp_path, cli):
     run = tmp_path / "run"
     args = ["generate", "--run", str(run), "--prompts", str(dataset_files / "chats.parquet"), "--backend", "dataset",
@@ -248,3 +259,18 @@ def test_generate_reads_a_parquet_file_and_resumes_by_row_id(dataset_files, tiny
     assert ids == ["u0", "u1", "u2", "u3", "u4", "u6"]  # row 5 skipped, counted
     p = cli(*args[:-1], "generate.limit=8")
     assert p.returncode == 0 and "6 already done" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("how", ["kept as failures", "skip_invalid", "raised"])
+def test_a_file_whose_every_record_is_invalid_names_the_first_and_counts_them(tmp_path, how):
+    """It said "invalid 0" and named no row when generate kept the invalid records as failures."""
+    path = _jsonl(tmp_path / "bad.jsonl", [{"foo": 1}, {"bar": 2}, {"messages": []}])
+    with pytest.raises(PromptError) as e:
+        if how == "kept as failures":
+            load_prompts(str(path), invalid=[])
+        else:
+            load_prompts(str(path), skip_invalid=how == "skip_invalid")
+    msg = str(e.value)
+    assert "bad.jsonl:1:" in msg and "unknown record format" in msg and "\n" not in msg
+    if how != "raised":
+        assert "no usable prompts (read 3, invalid 3" in msg
