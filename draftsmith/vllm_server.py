@@ -266,6 +266,20 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+ENGINE_PROCESS = "VLLM::EngineCor"  # what vLLM (V1) names its engine core process (/proc/PID/comm, 15 characters)
+ENGINE_GONE_S = 3.0  # an engine missing this long behind a live API server is dead (not a restart between checks)
+
+
+def engine_processes(pgid: int) -> list[int]:
+    """The live engine core processes of a server's process group (group_members, by their process name)."""
+    out = []
+    for pid in group_members(pgid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip().startswith(ENGINE_PROCESS):
+                out.append(pid)
+    return out
+
+
 def die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM when the parent dies (Linux only)."""
     with contextlib.suppress(Exception):
@@ -432,6 +446,7 @@ class VLLMServer:
         self.kill_with_parent = kill_with_parent
         self.say = say or log
         self.proc: subprocess.Popen | None = None
+        self._engine_seen_t: float | None = None  # when an engine process of the server was last seen alive
         self.startup_s: float | None = None
 
     # -- addresses -----------------------------------------------------------------------------
@@ -491,6 +506,7 @@ class VLLMServer:
             self.say(f"trust_remote_code is ON for vllm serve {self.model_dir}: Python code from the folder may run")
         env = server_env(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._engine_seen_t = None
         t0 = time.time()
         with open(self.log_path, "ab") as logf:
             logf.write(f"$ {' '.join(cmd)}\n".encode())
@@ -509,6 +525,10 @@ class VLLMServer:
                 self.proc = None
                 raise DraftsmithError(f"vLLM server exited with code {code} during start-up; log {self.log_path}: "
                                       f"{self._log_tail()}")
+            if (why := self.engine_dead()) is not None:  # an API server waiting on an engine that is gone
+                tail = self._log_tail()
+                self.stop(grace_s=2.0)  # nothing to finish: no engine
+                raise DraftsmithError(f"{why} during start-up; log {self.log_path}: {tail}")
             if health_ok(self.url, timeout_s=2.0):
                 watch.poll()
                 if watch.phase != "ready":
@@ -522,8 +542,27 @@ class VLLMServer:
         self.startup_s = time.time() - t0
         return self
 
+    def engine_dead(self) -> str | None:
+        """Why the server's engine is dead while its API server runs (vLLM-CPU's engine core gives up without the
+        front end's handshake on an overloaded machine, and the API server stays up answering nothing), or None:
+        its engine core process was seen, and none has lived for ENGINE_GONE_S (Linux: /proc)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        now = time.monotonic()
+        if engine_processes(self.proc.pid):
+            self._engine_seen_t = now
+            return None
+        seen = self._engine_seen_t
+        if seen is None or now - seen < ENGINE_GONE_S:
+            return None
+        return (f"vLLM server's engine process ({ENGINE_PROCESS}) is gone ({now - seen:.0f}s) while its API server "
+                f"(pid {self.proc.pid}) still runs")
+
     def exited(self) -> str | None:
-        """Why the started server is gone (its exit code and log tail), or None while it runs."""
+        """Why the started server is gone or cannot answer (its exit code, or a dead engine behind a live API
+        server, and its log tail), or None while it runs."""
+        if self.proc is not None and (why := self.engine_dead()) is not None:
+            return f"{why}; log {self.log_path}: {self._log_tail()}"
         if self.proc is None or self.proc.poll() is None:
             return None
         return f"vLLM server exited with code {self.proc.returncode}; log {self.log_path}: {self._log_tail()}"
@@ -537,6 +576,7 @@ class VLLMServer:
         pgid = proc.pid  # start_new_session: the group id is the leader's pid
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
+            os.killpg(pgid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

