@@ -113,8 +113,9 @@ def register_secret(secret: str | None) -> None:
             _patterns[secret] = secret_patterns(secret)
 
 
-# A secret in a config: an argument named like one (`--api-key`, `--hf-token=...`, `--password`), and a URL's userinfo.
-_SECRET_ARG = re.compile(r"(?i)^-{1,2}[a-z0-9_.-]*(?:key|token|secret|passw(?:or)?d|auth|credential)[a-z0-9_.-]*$")
+# A secret in a config: an argument whose name ends like one (`--api-key`, `--hf-token=...`, `--password`,
+# `--client-secret`; not `--tokenizer` or `--max-num-batched-tokens`), and a URL's userinfo.
+_SECRET_ARG = re.compile(r"(?i)^-{1,2}(?:[a-z0-9]+[-_.])*(?:key|token|secret|password|passwd|credentials?)$")
 _URL_CREDENTIALS = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://([^/\s@]+)@")
 
 

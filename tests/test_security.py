@@ -317,8 +317,10 @@ def test_secrets_a_config_holds_are_written_nowhere(tmp_path, tiny_target):
     from draftsmith.redact import config_secrets
 
     assert config_secrets({"g": {"servers": ["http://u:p%40ss@h/v1", "https://tok123456@h"],
-                                 "vllm_args": ["--api-key", "K1", "--hf-token=T2", "--port", "8000", "--x", "y"]},
-                           "n": 3}) == ["p%40ss", "p@ss", "tok123456", "K1", "T2"]
+                                 "vllm_args": ["--api-key", "K1", "--hf-token=T2", "--port", "8000", "--x", "y",
+                                               "--tokenizer", "/models/tok", "--max-num-batched-tokens", "8192",
+                                               "--client-secret", "S3"]},
+                           "n": 3}) == ["p%40ss", "p@ss", "tok123456", "K1", "T2", "S3"]
     password, api_key = "pw-" + secrets.token_hex(10), "vk-" + secrets.token_hex(10)
     run = tmp_path / "run"
     prompts = _prompts(tmp_path / "p.jsonl", [])
