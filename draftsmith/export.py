@@ -325,7 +325,8 @@ def _read_checkpoint(run: RunDir, cfg, checkpoint: str | None) -> _Checkpoint:
     train = run.path / "train"
     if ckpt.is_relative_to(train.resolve()) and (manifest := run.read_manifest("train")) is not None:
         # a checkpoint the train manifest recorded (train/final): its files as train wrote them, or refused
-        if bad := check_files(manifest, train, under=ckpt.relative_to(train.resolve()).as_posix()):
+        rel = ckpt.relative_to(train.resolve()).as_posix()
+        if bad := check_files(manifest, train, only={f"{rel}/{n}" for n in (CKPT_META, CKPT_WEIGHTS, CKPT_STATE)}):
             raise DraftsmithError(f"{bad} (changed since train finished; rerun `draftsmith train --run {run.path}`, "
                                   "or name another checkpoint in export.checkpoint)")
     meta_path = ckpt / CKPT_META

@@ -546,12 +546,14 @@ class RunDir:
 
     def read_manifest(self, stage: str) -> dict | None:
         p = self.manifest_path(stage)
-        if not p.exists() and not p.is_symlink():
-            return None
         try:
             data = json.loads(regular_file(p).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DraftsmithError(f"{p}: not a valid manifest ({e})") from None
+        except (DraftsmithError, FileNotFoundError):
+            if not p.exists():  # never written, or removed meanwhile (invalidate): the stage is not done
+                return None
+            raise
         if not isinstance(data, dict):  # `[1]`: every reader would fail on its first field, as a bug
             raise DraftsmithError(f"{p}: not a valid manifest (a JSON {type(data).__name__}, not an object); "
                                   f"rerun `draftsmith {stage}`")
@@ -640,13 +642,14 @@ def file_record(path: Path) -> dict:
     return {"size": size, "sha256": h.hexdigest(), "whole": False}
 
 
-def check_files(manifest: dict, stage_dir: Path, under: str | None = None) -> str | None:
-    """The first of a manifest's recorded files (`files`; `under`: only those in that subfolder of the stage's) that
-    is no longer what the stage wrote: "PATH: missing", "PATH: N bytes, written with M" or "PATH: its content
-    changed since"; None when all check (or none is recorded: a manifest written before the record)."""
+def check_files(manifest: dict, stage_dir: Path, only: set[str] | None = None) -> str | None:
+    """The first of a manifest's recorded files (`files`; `only`: those of these paths, relative to the stage's
+    folder, that it recorded) that is no longer what the stage wrote: "PATH: missing", "PATH: N bytes, written with
+    M" or "PATH: its content changed since"; None when all check (or none is recorded: a manifest written before
+    the record)."""
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     for rel, rec in files.items():
-        if under is not None and not str(rel).startswith(under.rstrip("/") + "/"):
+        if only is not None and rel not in only:
             continue
         path = stage_dir / rel
         if not isinstance(rec, dict) or not path.is_file():
