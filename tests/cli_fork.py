@@ -83,8 +83,12 @@ class Zygote:
     def __init__(self, cwd: Path, env: dict):
         self.env = dict(env)
         self.lock = threading.Lock()
+        # bufsize=0: the reply pipe is read without a buffer (a raw file's readline takes a byte at a time), so a
+        # reply already read can never sit in a buffer while select() waits on the pipe for it: a call that ended
+        # at once (its pid and status lines written together) stalled the whole timeout, then signalled a reaped pid
         self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, *PRELOAD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=self.env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=self.env,
+                                     bufsize=0)
         ready = self.proc.stdout.readline()
         if ready != b"ready\n":
             raise RuntimeError(f"the CLI zygote did not start: {self.proc.stderr.read().decode(errors='replace')}")
@@ -115,7 +119,7 @@ class Zygote:
             self.proc.stdin.flush()
             pid = json.loads(self.proc.stdout.readline())["pid"]
             if not select.select([self.proc.stdout], [], [], timeout)[0]:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)  # not reaped yet: the zygote reaps it only after this, in waitpid
                 self.proc.stdout.readline()
                 raise subprocess.TimeoutExpired(["draftsmith", *args], timeout)
             status = json.loads(self.proc.stdout.readline())["status"]

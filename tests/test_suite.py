@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 import conftest
 from conftest import REPO
 
@@ -56,3 +58,35 @@ def test_a_forked_cli_call_is_the_same_as_a_fresh_one(tmp_path, tiny_target):
     changed = sorted(k for k in {*env, *z.env} if env.get(k) != z.env.get(k))
     assert z.fits(env, {}), f"the suite's environment changed since the zygote started: {changed}"
     assert not z.fits({**env, "HF_HUB_OFFLINE": "1"}, {}) and not z.fits(env, {"input": "y"})
+
+
+def test_the_cli_zygote_reports_a_quick_call_at_once_cuts_a_long_one_and_refuses_imports_that_print(tmp_path):
+    """tests/cli_fork.py's three paths: a call that ends at once is reported at once (its pid and status lines,
+    written together, once sat in a read buffer while select() waited the whole timeout on the pipe); a call past
+    its timeout is killed and the zygote serves the next call; a zygote whose imports print refuses to start."""
+    import time
+
+    from cli_fork import Zygote
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    z = Zygote(conftest.REPO, env)
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            p = z.run(["--help"], env, str(tmp_path), timeout=60)
+            assert p.returncode == 0 and "Usage" in p.stdout and time.monotonic() - t0 < 30
+        from draftsmith.rundir import RunDir
+
+        RunDir(tmp_path / "run").ensure()  # a run whose stages are all pending: `watch` watches until stopped
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            z.run(["watch", str(tmp_path / "run"), "--interval", "0.1"], env, str(tmp_path), timeout=3)
+        assert time.monotonic() - t0 < 30
+        assert z.run(["--help"], env, str(tmp_path), timeout=60).returncode == 0  # it serves on
+    finally:
+        z.close()
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import sys\nprint('a library warning', file=sys.stderr)\n")
+    with pytest.raises(RuntimeError, match="importing the CLI's stages printed: a library warning"):
+        Zygote(conftest.REPO, {**env, "PYTHONPATH": str(hook)})
