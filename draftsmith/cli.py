@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 import typer
 from typer._click import exceptions as click_exc  # typer vendors its own click
 
-from draftsmith import DraftsmithError, Terminated, one_line, stages
+from draftsmith import DraftsmithError, Terminated, kinds, one_line, stages
 from draftsmith.estimate import (DEFAULT_PROMPT_TOKENS, HARDWARE, apply_run_rates, estimate_config, render,
                                  run_rates)
 from draftsmith.journal import env_rank
@@ -38,7 +38,8 @@ REFUSED_BY_THE_SYSTEM = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, 
 
 app = typer.Typer(
     name="draftsmith",
-    help="Train draft models (EAGLE-3, P-EAGLE, DFlash) for speculative decoding and deploy them in vLLM.\n\n"
+    help=f"Train draft models ({', '.join(k.label for k in kinds.all_kinds())}) for speculative decoding and deploy "
+    "them in vLLM.\n\n"
     "Examples:\n\n"
     "  draftsmith status runs/demo\n\n"
     "  draftsmith generate --run runs/r1 --set generate.limit=100",

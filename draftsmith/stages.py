@@ -242,7 +242,8 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
         inputs=("vocab/vocab.safetensors", "extract/", "prepare/samples.jsonl"),
         outputs=("train/final/", "train/checkpoints/", "train/metrics.jsonl"),
         count=Count("checkpoint_step", "checkpoints"), estimate="draftsmith.estimate:cost_train",
-        help="Train the drafter (train.method: eagle3, peagle, dflash); checkpoints resume exactly.",
+        help="Train the drafter (train.method: one of the kinds, `draftsmith --help` lists them); checkpoints resume "
+        "exactly.",
         examples=(
             "draftsmith train --run runs/r1",
             "draftsmith train --run runs/r1 --mode online --max-steps 200",

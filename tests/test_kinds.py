@@ -451,3 +451,17 @@ def test_a_drafter_reads_as_many_target_layers_as_extract_layers_names(name, tin
     assert info["aux_layers"] == [1, 2, 4, 5] and drafter.config.num_aux_layers == 4
     with pytest.raises(DraftsmithError, match=r"^extract.layers: expected at least 2 auxiliary layer ids, got \[3\]$"):
         target.info.check_layers([3])
+
+
+def test_the_lists_of_kinds_a_user_reads_name_every_kind_of_the_registry():
+    """The CLI's help is built from the registry; the README's first line is checked against it (a kind's name may
+    appear only in its package, so no hand-written list in the package could be right)."""
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    labels = [kinds.get(n).label for n in kinds.names()]
+    help_text = " ".join(CliRunner().invoke(app, ["--help"]).output.split())
+    readme = (REPO / "README.md").read_text().splitlines()[2]
+    for label in labels:
+        assert label in help_text and label in readme, label
