@@ -248,3 +248,11 @@ def pick_dtype(spec: str = "auto", device=None):
         return getattr(torch, spec)
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
 
+
+def served_dtype(spec: str, device_spec: str) -> str:
+    """The dtype a vLLM server draftsmith starts serves the target in, by name: `spec` (the config's `dtype`), with
+    `auto` as pick_dtype decides on the device `device_spec` names. One rule for generate's, extract's and eval's
+    servers, so that the drafter is evaluated on the target states it was trained on (vLLM-CPU without AMX serves
+    float32 faster than its emulated bfloat16, and eval served bfloat16 to a drafter trained on float32 states)."""
+    return spec if spec != "auto" else str(pick_dtype("auto", pick_device(device_spec))).removeprefix("torch.")
+

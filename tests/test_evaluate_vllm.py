@@ -372,7 +372,7 @@ def evals(trained_run, smol_target) -> dict:
     run, out = trained_run, {}
     for name, sets in (("local", ["dtype=float32", "eval.baseline=false"]),
                        ("vllm", ["dtype=float32", "eval.engine=vllm", "eval.baseline=false"]),
-                       ("vllm-bf16", ["eval.engine=vllm"])):
+                       ("vllm-bf16", ["eval.engine=vllm", "dtype=bfloat16"])):
         with both_cores():
             out["manifest"] = run_eval(run, load_config(None, eval_sets(smol_target, *sets)))
         out[name] = json.loads((run.path / "eval" / "report.json").read_text()), answers(run)
@@ -433,6 +433,13 @@ def test_vllm_report_counts_speedup_and_server(evals, trained_run):
         assert a["baseline"]["same_tokens"] in (True, False)
     assert rep["speedup"] == pytest.approx(rep["tokens_per_s"] / rep["baseline_tokens_per_s"])
     assert rep["dtype"] == "bfloat16" and rep["vllm_version"] == "0.32.0" and rep["concurrency"] == 1
+    # dtype auto serves the target as generate and extract did (host.served_dtype): the states the drafter learned
+    from draftsmith.config import load_config
+    from draftsmith.eval.vllm import vllm_server_args
+    from draftsmith.host import pick_dtype
+
+    auto = vllm_server_args(load_config(None, ["device=cpu"]), None)
+    assert auto[:2] == ["--dtype", str(pick_dtype("auto")).removeprefix("torch.")]
     args = rep["server"]["args"]
     assert "--enforce-eager" in args and args[args.index("--dtype") + 1] == "bfloat16"
     spec = json.loads(args[args.index("--speculative-config") + 1])

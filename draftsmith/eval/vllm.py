@@ -25,6 +25,7 @@ from draftsmith import DraftsmithError, kinds
 from draftsmith.eval.engine import EngineContext, prompt_seed, read_engine_info, resume_records, write_engine_info
 from draftsmith.eval.report import fmt_value
 from draftsmith.export import CONFIG_FILE, speculative_config
+from draftsmith.host import served_dtype
 from draftsmith.http import OpenAIClient, SampleFailed, normalize_server, root_url, served_models
 from draftsmith.prompts import context_tokens_needed
 from draftsmith.rundir import append_json_line, read_json_object
@@ -152,8 +153,9 @@ def _answer_fields(choice: dict, seconds: float) -> dict:
 
 
 def vllm_server_args(cfg, spec: dict | None) -> list[str]:
-    """`vllm serve` arguments besides --model/--host/--port: dtype, eval.vllm_args, the drafter."""
-    args = ["--dtype", "bfloat16" if cfg.dtype == "auto" else cfg.dtype, *cfg.eval.vllm_args]
+    """`vllm serve` arguments besides --model/--host/--port: dtype (host.served_dtype: the target as generate and
+    extract served it), eval.vllm_args, the drafter."""
+    args = ["--dtype", served_dtype(cfg.dtype, cfg.device), *cfg.eval.vllm_args]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
     return args

@@ -54,7 +54,7 @@ from draftsmith import DraftsmithError
 from draftsmith.extract.store import FAILURES, STAGE, ShardWriter
 from draftsmith.http import BadReply, OpenAIClient, SampleFailed, ServersDown, normalize_server, served_models
 from draftsmith.rundir import append_text
-from draftsmith.host import (ExtractThreads, busy_cores, extract_threads, pick_device, pick_dtype, sized_torch_threads,
+from draftsmith.host import (ExtractThreads, busy_cores, extract_threads, served_dtype, sized_torch_threads,
                              usable_cores)
 from draftsmith.target import language_model_names, read_tensor
 from draftsmith.vllm_plugins import plugin_dir
@@ -79,11 +79,9 @@ def server_dtype(cfg) -> str:
     starts, as for the hf backend: bfloat16 on GPUs and CPUs with AMX, else float32 (vLLM-CPU
     without AMX extracts 1.6x faster in float32, docs/experiments/extract.md); for `extract.servers`,
     bfloat16, what vLLM serves bf16 checkpoints in (set `dtype` when they run another)."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    if cfg.extract.servers:
+    if cfg.dtype == "auto" and cfg.extract.servers:
         return "bfloat16"
-    return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
+    return served_dtype(cfg.dtype, cfg.device)
 
 
 def plugin_pythonpath() -> str:

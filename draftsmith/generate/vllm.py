@@ -10,7 +10,8 @@ from draftsmith.config import AUTO_MAX_IN_FLIGHT
 from draftsmith.generate.openai import ask_servers
 from draftsmith.generate.samples import STAGE
 from draftsmith.prompts import context_tokens_needed, conversation_tokens
-from draftsmith.host import pick_device, pick_dtype
+from draftsmith.host import pick_device
+from draftsmith.host import served_dtype as host_served_dtype  # generate's own served_dtype(cfg) wraps it
 from draftsmith.target import load_tokenizer
 from draftsmith.vllm_server import VLLMServer, context_limit, max_model_len, serving, vllm_python
 
@@ -21,9 +22,7 @@ def served_dtype(cfg) -> str:
     """The dtype backend vllm serves the target in. `auto`: as for the local backend, bfloat16 on
     GPUs and CPUs with AMX, else float32 (vLLM-CPU without AMX decodes a batch of 128 at ~205
     tokens/s in float32 against ~165 in bfloat16 here; greedy answers differ only at near-ties)."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return str(pick_dtype("auto", pick_device(cfg.device))).replace("torch.", "")
+    return host_served_dtype(cfg.dtype, cfg.device)
 
 
 def own_server_seeds(cfg) -> bool:
