@@ -46,7 +46,8 @@ UPPER: dict[str, dict[str, tuple[float, str]]] = {
                "threads": (1024, "threads")},
     "GenerateConfig": {"limit": (_MANY, "prompts"), "seed": (_SEED, ""), "offset": (_MANY, "prompts"),
                        "min_chars": (_MANY, "characters"), "max_chars": (_MANY, "characters"),
-                       "max_tokens": (_TOKENS, "tokens"), "temperature": (100.0, ""),
+                       "max_tokens": (_TOKENS, "tokens"), "planned_answer_tokens": (_TOKENS, "tokens"),
+                       "temperature": (100.0, ""),
                        "answers_per_prompt": (1024, "answers"), "resample_temperature": (100.0, ""),
                        "concurrency": (4096, "requests in flight"), "batch_size": (4096, "sequences"),
                        "idle_timeout_s": (_WEEK_S, "seconds"), "retries": (100, "retries"),
@@ -140,6 +141,11 @@ class GenerateConfig(_Section):
     min_chars: int = Field(0, ge=0, description="Drop prompts whose first user turn is shorter than this.")
     max_chars: int | None = Field(None, ge=1, description="Drop prompts whose first user turn is longer than this.")
     max_tokens: int = Field(256, ge=1, description="Maximum new tokens per answer.")
+    planned_answer_tokens: int | None = Field(
+        None, ge=1, description="The mean answer length (completion tokens, reasoning included) the estimates plan "
+        "with before generate has answers to measure (`draftsmith run`'s RUN/estimate.json, shown by `status`; "
+        "`draftsmith estimate` unless --answer-tokens is given). Unset: 0.85 x max_tokens, far too long for a "
+        "reasoning recipe whose max_tokens only caps the longest thinking.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     answers_per_prompt: int = Field(

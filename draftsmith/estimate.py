@@ -804,6 +804,12 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
     return e
 
 
+def planned_answer_tokens(cfg) -> int:
+    """The mean answer length an estimate plans with when none is measured: generate.planned_answer_tokens, else
+    0.85 x generate.max_tokens (most chat answers run into a short cap)."""
+    return cfg.generate.planned_answer_tokens or math.ceil(0.85 * cfg.generate.max_tokens)
+
+
 def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None, prompt_tokens: int,
                     answer_tokens: int | None, load_rate: float | None = None) -> dict[str, Any]:
     """`estimate` for a validated config on a named hardware profile; the target's shape from
@@ -822,7 +828,7 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
         shape = target_shape(folder / "config.json", name, train=cfg.train)
     else:
         shape = target_shape(target_config, train=cfg.train)
-    answer = answer_tokens if answer_tokens is not None else math.ceil(0.85 * cfg.generate.max_tokens)
+    answer = answer_tokens if answer_tokens is not None else planned_answer_tokens(cfg)
     if load_rate is not None and not (math.isfinite(load_rate) and load_rate > 0):
         raise DraftsmithError(f"--load-rate {load_rate}: GB/s the target's weights are read at, above 0")
     return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer,
@@ -843,6 +849,7 @@ DEFAULT_PROMPT_TOKENS = 100  # the mean prompt, chat template included, when non
 def save_run_estimate(run: RunDir, e: dict, command: str) -> None:
     atomic_write_json(run.path / RUN_ESTIMATE, {
         "command": command, "hardware": e["hardware"], "devices": e["devices"], "written": round(time.time(), 3),
+        "assumptions": {k: e["assumptions"][k] for k in ("prompt_tokens", "answer_tokens")},
         "stages": {name: {"seconds": round(s["seconds"], 1)} for name, s in e["stages"].items()}})
 
 

@@ -20,6 +20,7 @@ import time
 from draftsmith import DraftsmithError, one_line
 from draftsmith import stages as registry
 from draftsmith.estimate import DEFAULT_PROMPT_TOKENS, HARDWARE, RUN_ESTIMATE, estimate_config, save_run_estimate
+from draftsmith.generate.samples import SAMPLES, measured_lengths
 from draftsmith.progress import error_line, log
 from draftsmith.host import gpu_names, release_device_memory, thread_policy
 from draftsmith.rundir import RunDir, atomic_write_json
@@ -121,13 +122,20 @@ def save_expectation(run: RunDir, cfg) -> None:
         log(f"no estimate beside the stages in status: {names[0]} has no profile in `draftsmith estimate` "
             f"({', '.join(HARDWARE)})", stage="run")
         return
+    # the answers' own lengths once generate has some (a resumed run), else the recipe's planned length
+    measured = measured_lengths(run.path / "generate" / SAMPLES)
+    prompt_tokens, answer_tokens = (measured[0], measured[1]) if measured else (DEFAULT_PROMPT_TOKENS, None)
     try:
-        e = estimate_config(cfg, hardware, devices, None, DEFAULT_PROMPT_TOKENS, None)
+        e = estimate_config(cfg, hardware, devices, None, prompt_tokens, answer_tokens)
     except (DraftsmithError, OSError, ValueError) as err:
         log(f"no estimate beside the stages in status: {one_line(err)}", stage="run")
         return
-    save_run_estimate(run, e, f"draftsmith estimate CONFIG --hardware {hardware} --devices {devices} "
-                              f"--prompt-tokens {DEFAULT_PROMPT_TOKENS}")
+    lengths = (f"--prompt-tokens {prompt_tokens} --answer-tokens {answer_tokens} (the mean of {measured[2]} answers "
+               "generate wrote)" if measured else
+               f"--prompt-tokens {prompt_tokens} --answer-tokens {e['assumptions']['answer_tokens']} (planned: "
+               + ("generate.planned_answer_tokens)" if cfg.generate.planned_answer_tokens else
+                  "0.85 x generate.max_tokens; a reasoning recipe sets generate.planned_answer_tokens)"))
+    save_run_estimate(run, e, f"draftsmith estimate CONFIG --hardware {hardware} --devices {devices} {lengths}")
 
 
 def _refuse_other_format(run: RunDir, wanted: str) -> None:

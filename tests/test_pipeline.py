@@ -215,3 +215,31 @@ def test_the_runs_estimate_is_of_this_machines_gpus_or_said_missing(recipe, tmp_
     pipeline.save_expectation(run, load_config(recipe))  # no generate.limit
     assert not (run.path / "estimate.json").exists()
     assert "no estimate beside the stages in status: generate.limit: set it" in capsys.readouterr().out
+
+
+def test_the_runs_estimate_plans_with_the_answers_lengths_once_generate_has_some(recipe, tmp_path, monkeypatch):
+    """Before generate has answers, the estimate plans with generate.planned_answer_tokens (a reasoning recipe's:
+    0.85 x max_tokens was ~3x high for Kimi-K2.5), else 0.85 x max_tokens; once generate wrote some, with their own
+    mean prompt and answer lengths (a resumed run's status estimate follows what the target really answers)."""
+    from draftsmith import pipeline
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    monkeypatch.setattr(pipeline, "gpu_names", lambda: ["NVIDIA H200"] * 8)
+
+    def saved(*sets):
+        pipeline.save_expectation(run, load_config(recipe, [f"generate.limit={len(PROMPTS)}", *sets]))
+        return json.loads((run.path / "estimate.json").read_text())
+
+    plain = saved("generate.max_tokens=1000")
+    assert plain["assumptions"]["answer_tokens"] == 850 and "0.85 x generate.max_tokens" in plain["command"]
+    planned = saved("generate.max_tokens=1000", "generate.planned_answer_tokens=300")
+    assert planned["assumptions"]["answer_tokens"] == 300 and "(planned: generate.planned_answer_tokens)" in \
+        planned["command"]
+    assert planned["stages"]["generate"]["seconds"] < plain["stages"]["generate"]["seconds"]
+    (run.path / "generate").mkdir()
+    rows = [{"id": f"p{i}", "prompt_tokens": 40, "completion_tokens": 100 + 20 * i} for i in range(5)]
+    (run.path / "generate" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    measured = saved("generate.max_tokens=1000", "generate.planned_answer_tokens=300")
+    assert measured["assumptions"] == {"prompt_tokens": 40, "answer_tokens": 140}
+    assert "(the mean of 5 answers generate wrote)" in measured["command"]

@@ -2,6 +2,7 @@
 of one sample, and the store of samples.jsonl and failures.jsonl that keeps the stage's promises."""
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -39,6 +40,22 @@ class TurnResult:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+
+
+def measured_lengths(path: Path, most: int = 2000) -> tuple[int, int, int] | None:
+    """(mean prompt tokens, mean completion tokens, answers read) over the first `most` records of a samples.jsonl
+    (each record's `prompt_tokens`, `completion_tokens`: reasoning included), or None when it holds none yet. Reads
+    at most `most` lines: an estimate's answer length, not an audit of a multi-GB file."""
+    prompt = completion = n = 0
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            if n >= most:
+                break
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):  # a torn or foreign line
+                rec = json.loads(line)
+                p, c = int(rec["prompt_tokens"]), int(rec["completion_tokens"])
+                prompt, completion, n = prompt + p, completion + c, n + 1
+    return (round(prompt / n), max(1, round(completion / n)), n) if n else None
 
 
 def build_record(prompt, turns: list[TurnResult], backend: str, model: str) -> dict:
