@@ -32,6 +32,10 @@ A kind vLLM-CPU does not serve (kinds' `serves_on_cpu`: DSpark) gets the local e
 figure. --match-steps KIND: each new row trains the optimizer steps KIND's row of the same budget took (read from
 ROOT/KIND-{minutes}/train/manifest.json), so that kinds are compared at equal steps whatever else loads the machine.
 
+--revalidate-first N: nothing trained or evaluated; each drafter trained so far gets its validation measured again
+over whole answers and over each answer's first N tokens (an eval with max_tokens N decodes only those), printed
+side by side: how much of a gap the answers' length explains.
+
 --revalidate: the validation figures measured again on each drafter's exported weights by train/validation.py
 (the same held-out samples, the same pass training runs, in the training's precision), for drafters trained
 before the current validation code; the export's own figure is kept beside it (`exported`).
@@ -112,9 +116,21 @@ def register(root: Path, registration: dict) -> None:
     path.write_text(json.dumps(registration, indent=2) + "\n")
 
 
-def revalidate(base: Path, run: Path, validation: str) -> dict:
+def first_answer_tokens(mask, doc_ids, n: int):
+    """[R, T] bool `mask` keeping, per sample (doc_ids), only its first `n` positions in the mask: validation over
+    each answer's first n tokens, as an eval with max_tokens n decodes them."""
+    mask = mask.clone()
+    for r in range(mask.shape[0]):
+        for d in doc_ids[r].unique().tolist():
+            if d >= 0:
+                mask[r, ((doc_ids[r] == d) & mask[r]).nonzero().flatten()[n:]] = False
+    return mask
+
+
+def revalidate(base: Path, run: Path, validation: str, first: int | None = None) -> dict:
     """train/validation.py's pass over the held-out samples of `base`'s store, on the drafter exported in `run`
-    (module doc, --revalidate): its figures."""
+    (module doc, --revalidate): its figures; `first`: over each answer's first `first` tokens only
+    (--revalidate-first)."""
     import contextlib
     from dataclasses import replace
 
@@ -156,6 +172,8 @@ def revalidate(base: Path, run: Path, validation: str) -> dict:
 
     def prepare(b):
         b = replace(b, loss_mask=loss_positions(b.loss_mask, b.doc_ids, b.position_ids, "assistant", 0))
+        if first is not None:
+            b = replace(b, loss_mask=first_answer_tokens(b.loss_mask, b.doc_ids, first))
         return replace(b, layout=layout_of(b.input_ids, b.loss_mask, b.doc_ids))
     return val.run(obj, source, prepare, torch.device("cpu"), torch.float32, precision,
                    Ranks(rank=0, world=1, device=torch.device("cpu")), lambda m: None, 3600.0,
@@ -185,6 +203,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="more --set overrides for every stage")
     ap.add_argument("--revalidate", action="store_true", help="measure the validation figures again on each "
                     "export (module doc)")
+    ap.add_argument("--revalidate-first", type=int, default=None, metavar="N",
+                    help="only measure again, on each drafter trained so far, the validation over each answer's first "
+                    "N tokens (as an eval with max_tokens N decodes them), and print it beside the whole answers'")
     ap.add_argument("--match-steps", default=None, metavar="KIND",
                     help="train each row for the steps KIND's row of the same budget took (module doc)")
     ap.add_argument("--out", type=Path, default=None)
@@ -211,6 +232,17 @@ def main() -> None:
                     "prompts": {n: hashlib.sha256(Path(p).read_bytes()).hexdigest() for n, p in prompt_sets.items()
                                 if n != "mt-bench-121"}, "mt_bench": "questions 121 on (offset 40)"})
     rows, revalidated = [], {}
+    if args.revalidate_first is not None:
+        for kind in args.kinds.split(","):
+            for minutes in args.minutes.split(","):
+                run = root / f"{kind}-{minutes}"
+                if (run / "export" / "manifest.json").is_file():
+                    whole = revalidate(base, run, args.validation)
+                    cut = revalidate(base, run, args.validation, first=args.revalidate_first)
+                    print(f"{run.name}: validation {se_text(whole['acceptance_length'], whole['acceptance_length_se'])}"
+                          f" over whole answers, {se_text(cut['acceptance_length'], cut['acceptance_length_se'])} "
+                          f"over their first {args.revalidate_first} tokens", flush=True)
+        return
     for kind in args.kinds.split(","):
         for minutes in args.minutes.split(","):
             name = f"{kind}-{minutes}"

@@ -63,7 +63,8 @@ BACKENDS: dict[str, Callable[..., dict]] = {"openai": openai.decode, "vllm": vll
                                             "dataset": dataset.decode}
 
 # Settings that change how the stage runs but not what it produces: left out of the fingerprint.
-OPERATIONAL_KEYS = ("concurrency", "servers", "idle_timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env")
+OPERATIONAL_KEYS = ("concurrency", "servers", "idle_timeout_s", "retries", "backoff_s", "retry_failed", "api_key_env",
+                    "planned_answer_tokens")  # the last: what estimates plan with, not what generate writes
 # What backend dataset (the source's own replies) never looks at.
 DATASET_IGNORES = ("model", "temperature", "top_p", "batch_size", "vllm_args")
 
