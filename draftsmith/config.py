@@ -41,6 +41,8 @@ AUTO_OPENAI_IN_FLIGHT = 32
 # token counts past the longest context any model has (2**24 tokens) or the largest vocabulary (2**22); timeouts and
 # waits past a week; retries past a hundred; seeds past a signed 64-bit integer (what torch and vLLM take).
 _WEEK_S, _TOKENS, _VOCAB, _MANY, _SEED = 7 * 24 * 3600.0, 1 << 24, 1 << 22, 10 ** 9, (1 << 63) - 1
+_F32_MAX = 3.4e38  # a learning rate past it is inf in the optimizer's float32 arithmetic (one that diverges is said
+# after its step: "the weights are non-finite ... lower train.lr")
 UPPER: dict[str, dict[str, tuple[float, str]]] = {
     "Config": {"stall_after_s": (_WEEK_S, "seconds"), "vllm_startup_timeout_s": (_WEEK_S, "seconds"),
                "threads": (1024, "threads")},
@@ -62,12 +64,13 @@ UPPER: dict[str, dict[str, tuple[float, str]]] = {
                     "loss_top1": (1000.0, ""), "loss_skip_tokens": (_TOKENS, "tokens"),
                     "teacher_temperature": (100.0, ""), "feature_noise": (100.0, ""), "init_layer": (4096, "layer"),
                     "epochs": (1e6, "epochs"), "max_steps": (_MANY, "steps"), "max_minutes": (1e6, "minutes"),
-                    "lr": (10.0, ""), "weight_decay": (10.0, ""), "warmup_steps": (_MANY, "steps"),
+                    "lr": (_F32_MAX, "(float32's largest)"), "weight_decay": (10.0, ""),
+                    "warmup_steps": (_MANY, "steps"),
                     "grad_clip": (1e6, ""), "batch_tokens": (1 << 26, "tokens"), "seq_len": (_TOKENS, "tokens"),
                     "grad_accum": (1 << 16, "micro-batches"), "loss_chunk_tokens": (1 << 26, "tokens"),
                     "validation": (1e6, "samples"), "validation_min_samples": (1e6, "samples"),
                     "validation_max_samples": (1e6, "samples"), "validate_every": (_MANY, "steps"),
-                    "checkpoint_every": (_MANY, "steps"), "keep_checkpoints": (10_000, "checkpoints"),
+                    "checkpoint_every": (_MANY, "steps"), "keep_checkpoints": (_MANY, "checkpoints"),
                     "log_every_s": (_WEEK_S, "seconds"), "seed": (_SEED, ""), "processes": (1024, "processes")},
     "EvalConfig": {"limit": (_MANY, "prompts"), "offset": (_MANY, "prompts"),
                    "num_speculative_tokens": (64, "draft tokens"), "temperature": (100.0, ""),
@@ -85,7 +88,7 @@ class _Section(BaseModel):
         """Every numeric setting at most its UPPER bound (the table above)."""
         bound = UPPER.get(cls.__name__, {}).get(info.field_name)
         if bound is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound[0]:
-            hi = f"{bound[0]:,.0f}" if float(bound[0]).is_integer() else f"{bound[0]:g}"
+            hi = f"{bound[0]:,.0f}" if float(bound[0]).is_integer() and bound[0] < 1e15 else f"{bound[0]:g}"
             unit = f" {bound[1]}" if bound[1] else ""
             raise ValueError(f"{v:,} is more than draftsmith can honour (at most {hi}{unit})")
         return v

@@ -155,7 +155,7 @@ def test_every_numeric_setting_has_an_upper_bound_in_the_one_table():
 def test_every_numeric_setting_refuses_what_cannot_be_honoured_in_one_line(key):
     """0, -1, huge, non-finite and type-wrong values: each refused in one line that names the setting (0 and -1 may
     be valid: then they load and keep their value)."""
-    for value in ("0", "-1", "1e30", "1000000000000000000000000000000", ".nan", ".inf", "-.inf", "x", "[1]",
+    for value in ("0", "-1", "1e300", "1" + "0" * 40, ".nan", ".inf", "-.inf", "x", "[1]",
                   "{a: 1}", "true"):
         try:
             cfg = load_config(None, [f"{key}={value}"])

@@ -132,10 +132,10 @@ def test_ddp_with_shared_gradient_buckets_accumulates_and_clips_like_one_rank(tw
 
 
 def test_non_finite_weights_stop_every_rank_with_the_same_line(two_rank_run, tiny8, tmp_path):
-    """train.lr huge: after step 1 the weights are inf/NaN; rank 0 refuses to checkpoint them and
+    """train.lr at its bound (float32's largest): after step 1 the weights are inf/NaN; rank 0 refuses to checkpoint them and
     the other rank raises the same one-line error instead of waiting for it (no hang)."""
     run = copy_run(two_rank_run, tmp_path / "run")
-    p = torchrun(run, tiny8, 2, max_steps=1, lr=1e300, batch_tokens=64)
+    p = torchrun(run, tiny8, 2, max_steps=1, lr=3e38, batch_tokens=64)  # float32's largest: a step to inf
     assert p.returncode != 0
     line = "draftsmith: error: train: the weights are non-finite ("
     errors = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith("draftsmith: error:")]
