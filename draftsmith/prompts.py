@@ -520,14 +520,19 @@ def load_prompts(
     if limit is not None:
         out = out[:limit]
     if not out:
-        # every record invalid: the count and the first one's place and reason (`invalid` holds them when generate
-        # keeps each as a failure of its own; `skip_invalid` counts them in stats)
-        bad = [*(str(e) for e in invalid or []), *stats.invalid_examples]
-        n_bad = len(invalid or []) + stats.skipped_invalid
-        raise PromptError(f"{label}: no usable prompts (read {stats.read}, invalid {n_bad}, "
-                          f"filtered {stats.filtered}"
-                          + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a "
-                             "file with assistant replies" if require_answers else "")
-                          + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")"
-                          + (f"; the first invalid: {bad[0]}" if bad else ""))
+        raise _no_prompts(label, stats, invalid, require_answers, offset, n_kept)
     return out
+
+
+def _no_prompts(label: str, stats: LoadStats, invalid: list | None, require_answers: bool, offset: int,
+                n_kept: int) -> PromptError:
+    """load_prompts' error when nothing is left: what was read, invalid and filtered, and with every record invalid
+    the first one's place and reason (`invalid` holds them when generate keeps each as a failure of its own;
+    `skip_invalid` counts them in stats)."""
+    bad = [*(str(e) for e in invalid or []), *stats.invalid_examples]
+    n_bad = len(invalid or []) + stats.skipped_invalid
+    return PromptError(f"{label}: no usable prompts (read {stats.read}, invalid {n_bad}, filtered {stats.filtered}"
+                       + (f", without a reply to their first turn {stats.no_answer}: backend dataset needs a file "
+                          "with assistant replies" if require_answers else "")
+                       + (f"; offset {offset} skips all {n_kept} selected" if offset and n_kept else "") + ")"
+                       + (f"; the first invalid: {bad[0]}" if bad else ""))
