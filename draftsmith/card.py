@@ -10,7 +10,8 @@ README.md: YAML front matter (`base_model` = the target's Hub id when there is o
 says why), tags with the kind; the license is left to the user), then the kind and its sizes, the aux layer ids,
 the draft vocabulary and its coverage, the training data, the samples and tokens trained, steps and wall time, the
 validation acceptance, every eval report found (each acceptance length with its standard error where the report
-has one), the exact `vllm serve` line and how to upload the folder.
+has one), the exact `vllm serve` line at the K its newest eval found fastest (draftsmith/speedup.py: vLLM's report
+before the local one's) and how to upload the folder.
 
 provenance.json: draftsmith's version, the resolved config of every stage (RUN/<stage>/config.yaml), and the
 sha256 of each input file (the prompt files, the target's config.json, the files of the folder itself).
@@ -38,8 +39,10 @@ import yaml
 
 from draftsmith import __version__, kinds
 from draftsmith.acceptance import fmt as fmt_tau
+from draftsmith.checkpoint_format import BEST_DIR
 from draftsmith.config import is_hub_id
 from draftsmith.rundir import RunDir, atomic_write_json, atomic_write_text
+from draftsmith.speedup import chosen as chosen_k, summary as speedup_summary
 from draftsmith.stages import names as stage_names
 
 CARD = "README.md"
@@ -173,6 +176,8 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     target = (ds.get("target_id") or (cj.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
               or ds.get("verifier") or ds.get("target"))
     train_counts = man["train"].get("counts") or {}
+    found = eval_reports(run, man["export"].get("fingerprint")) if reports else []
+    chosen = chosen_k(found)  # draftsmith/speedup.py
     return {
         "target": target, "base_model": base_model(target, base_model_id),
         "kind": _kind(cj), "sizes": _sizes(cj), "parameters": parameter_count(export_dir / "model.safetensors"),
@@ -198,9 +203,11 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
                   "trained_tokens": train_counts.get("trained_tokens"),
                   "loss_on": train_settings.get("loss_on", "assistant"),
                   "loss_skip_tokens": train_settings.get("loss_skip_tokens", 0)},
-        "validation": ds.get("validation"),
-        "reports": eval_reports(run, man["export"].get("fingerprint")) if reports else [],
-        "serve": {**serve, "model": repo}, "repo": repo, "repo_set": repo_id is not None,
+        "validation": ds.get("validation"), "checkpoint": ds.get("checkpoint"),
+        "validation_passes": ds.get("validation_passes"),
+        "reports": found, "k_choice": chosen,
+        "serve": {**serve, "model": repo, **({"num_speculative_tokens": chosen["best_k"]} if chosen else {})},
+        "repo": repo, "repo_set": repo_id is not None,
     }
 
 
@@ -239,6 +246,17 @@ def _tau(figures: dict) -> str:
 def _has_se(f: dict) -> bool:
     return any(isinstance((r or {}).get("acceptance_length_se"), (int, float))
                for r in [f["validation"], *f["reports"]])
+
+
+def _selected(f: dict) -> str:
+    """What the validation figure is of: the checkpoint export.checkpoint=best picked (the largest of N passes,
+    high by selection), or nothing for the weights training ended with."""
+    ck = str(f.get("checkpoint") or "")
+    if not ck.endswith(f"/{BEST_DIR}"):
+        return ""
+    n = f.get("validation_passes")
+    return (f"; the exported checkpoint is `{ck}`, picked as the best of {n if n else 'several'} validation passes, "
+            "so this figure reads high by selection: eval's figures below are the unbiased ones")
 
 
 def _trained(t: dict) -> str:
@@ -301,7 +319,7 @@ def render_card(f: dict) -> str:
              f"| validation (held-out samples, T=0, K={len(v.get('acceptance_per_position') or []) or 'n/a'}) | "
              + (f"acceptance length {_tau(v)}, per position "
                 f"{', '.join(_num(a, '.3f') for a in v.get('acceptance_per_position') or [])} over "
-                f"{v.get('samples')} samples at step {v.get('step')} |" if v else "not measured |"),
+                f"{v.get('samples')} samples at step {v.get('step')}{_selected(f)} |" if v else "not measured |"),
              "", "## Measured acceptance and speed", ""]
     if f["reports"]:
         lines += ["| engine | K | T | prompts | acceptance length | per position | speedup | machine |",
@@ -323,7 +341,12 @@ def render_card(f: dict) -> str:
                         json.dumps(f["serve"], sort_keys=True)])
     upload = shlex.join(["hf", "upload", _shown(f["repo"]), "RUN/export",
                          *(a for p in PUBLISHED for a in ("--include", p))])
-    lines += ["", "## Serve it", "", "```bash", serve, "```", "", "## Upload it", "", "```bash", upload, "```", ""]
+    lines += ["", "## Serve it", ""]
+    if kc := f.get("k_choice"):
+        lines += [f"At K = {kc['best_k']} draft tokens per step ({speedup_summary(kc)}; {kc['engine']} engine on "
+                  f"{_cell(kc.get('machine'))}, report `{kc.get('folder')}/report.md`). The fastest K depends on the "
+                  "machine: measure yours with `draftsmith eval --set eval.num_speculative_tokens=auto`.", ""]
+    lines += ["```bash", serve, "```", "", "## Upload it", "", "```bash", upload, "```", ""]
     if not f["repo_set"]:
         lines += [f"`{REPO_PLACEHOLDER}` stands for your repository: set `export.repo_id` and the card names it.", ""]
     lines += [f"How it was made: `{PROVENANCE}` (draftsmith's version, every stage's resolved config, the sha256 of "

@@ -10,6 +10,10 @@ to name a checkpoint's files; so the names two stages share belong to neither of
 CKPT_WEIGHTS, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE = (
     "model.safetensors", "drafter.json", "optimizer.pt", "rng.safetensors", "state.json")
 
+# train/'s checkpoint folders besides checkpoints/step_N: the drafter training ends with, and the one whose
+# validation pass measured the highest acceptance length so far (export.checkpoint: final | best)
+FINAL_DIR, BEST_DIR = "final", "best"
+
 # With train.fc_input_norm, the [3H] factor the aux states are multiplied by before fc, saved in
 # model.safetensors beside the drafter's weights; export folds it into fc.weight.
 FC_INPUT_SCALE = "fc_input_scale"

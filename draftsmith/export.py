@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith import DraftsmithError, __version__, kinds
 from draftsmith.bounds import check_model_numbers
 from draftsmith.card import CARD, PROVENANCE, base_model, write_card
-from draftsmith.checkpoint_format import CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
+from draftsmith.checkpoint_format import BEST_DIR, CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE, FINAL_DIR
 from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import log
 from draftsmith.rundir import RunDir, check_files, file_sha256, read_json_object, replace_dir
@@ -73,9 +73,16 @@ def _complete(folder: Path) -> bool:
 
 
 def find_checkpoint(run: RunDir, explicit: str | None = None) -> Path:
-    """The checkpoint folder to export: `explicit` (a path, or relative to the run), else
-    RUN/train/final, else the newest complete RUN/train/checkpoints/step_N."""
-    if explicit:
+    """The checkpoint folder to export: `explicit` (`best`: RUN/train/best, the step of the highest validation tau;
+    `final`, or unset: RUN/train/final, else the newest complete RUN/train/checkpoints/step_N; else a path, or
+    relative to the run)."""
+    train = run.path / "train"
+    if explicit == BEST_DIR:
+        if not _complete(train / BEST_DIR):
+            raise DraftsmithError(f"export.checkpoint=best: {train / BEST_DIR}: no complete checkpoint (train keeps "
+                                  "one when a validation pass measures a tau; is train.validation 0?)")
+        return (train / BEST_DIR).resolve()
+    if explicit and explicit != FINAL_DIR:
         p = Path(explicit).expanduser()
         if not p.is_absolute() and not p.exists() and (run.path / p).exists():
             p = run.path / p
@@ -88,9 +95,8 @@ def find_checkpoint(run: RunDir, explicit: str | None = None) -> Path:
             raise DraftsmithError(f"export.checkpoint: {p}: incomplete checkpoint (no {CKPT_STATE}; "
                                   "it was being written when training stopped)")
         return p.resolve()
-    train = run.path / "train"
-    if _complete(train / "final"):
-        return (train / "final").resolve()
+    if _complete(train / FINAL_DIR):
+        return (train / FINAL_DIR).resolve()
     steps = []
     ck = train / "checkpoints"
     if ck.is_dir():
@@ -215,6 +221,14 @@ def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int) -
     cj = read_json_object(Path(folder) / CONFIG_FILE)
     config, *_ = _config_from_export(cj, where)
     return kinds.get(config.kind).speculative_config(str(folder), config, int(num_speculative_tokens))
+
+
+def exported_k(folder: str | os.PathLike) -> int:
+    """The drafts per step the export in `folder` was made to be served with (its trained steps; a block
+    drafter's block_size - 1): what `eval.num_speculative_tokens: auto` serves."""
+    where = str(Path(folder) / CONFIG_FILE)
+    _, _, spec_tokens, _ = _config_from_export(read_json_object(Path(folder) / CONFIG_FILE), where)
+    return int(spec_tokens)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -423,6 +437,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
                         "checkpoint": _relative(ckpt, run.path), "step": state.get("step"),
                         "ttt_steps": kinds.served_tokens(meta), "aux_layers_trained": aux,
                         "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
+                        # of how many validation passes (train/best: the figure is their maximum)
+                        "validation_passes": state.get("validation_passes"),
                         "exported": time.time()},
         )
         home.parent.mkdir(parents=True, exist_ok=True)

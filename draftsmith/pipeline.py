@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import socket
 import time
 
@@ -80,9 +81,12 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
             if retake_threads and stages.index(stage) > 0:  # the CLI took it for the first
                 log(thread_policy(cfg.threads, cfg.device)[1], stage="run")
             stage_cfg, fn = cfg, registry.get(stage).run_function()
-            if stage not in registry.REGISTRY:  # eval-<engine>
+            if stage not in registry.REGISTRY:  # eval-<engine>, eval[-<engine>]-k<K>
+                engine, k = eval_folder(stage, cfg.eval.engine)
                 stage_cfg = cfg.model_copy(deep=True)
-                stage_cfg.eval.engine = stage.split("-", 1)[1]
+                stage_cfg.eval.engine = engine
+                if k is not None:
+                    stage_cfg.eval.num_speculative_tokens = k
                 fn = functools.partial(fn, folder=stage)
             if stage == "extract" and not cfg.extract.overwrite:
                 # `run` promises that a changed input reruns every later stage; a store built from
@@ -97,6 +101,11 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
             release_device_memory()  # a stage's models are gone with its frame: their cached GPU blocks go too
             skipped = manifests[stage].get("finished", 0) < ts
             log(f"=== {stage}: {'up to date, skipped' if skipped else f'done in {time.time() - ts:.0f}s'}", stage="run")
+            if stage == stages[-1] and (confirm := confirm_stage(run, cfg, stage)):
+                stages.append(confirm)
+                state["stages"] = stages
+                log(f"=== {stage} predicts another K faster than the one it served: measuring it ({confirm})",
+                    stage="run")
             if on_stage_done is not None:
                 on_stage_done(stage, None if skipped else time.time() - ts)
     except BaseException as e:
@@ -108,6 +117,31 @@ def _run_stages(run: RunDir, cfg, from_stage: str | None, until_stage: str | Non
     atomic_write_json(run.path / "pipeline.json", state)
     log(f"all stages done in {time.time() - t0:.0f}s", stage="run")
     return manifests
+
+
+def eval_folder(name: str, default_engine: str) -> tuple[str, int | None]:
+    """(engine, K or None) of an eval folder's name: eval-<engine>, eval-k<K>, eval-<engine>-k<K>."""
+    m = re.fullmatch(r"eval(?:-([a-z]+))?(?:-k(\d+))?", name)
+    if m is None:
+        raise DraftsmithError(f"{name}: not an eval folder name (eval-<engine>[-k<K>])")
+    return m.group(1) or default_engine, int(m.group(2)) if m.group(2) else None
+
+
+def confirm_stage(run: RunDir, cfg, folder: str) -> str | None:
+    """With eval.num_speculative_tokens auto, the evaluation that measures the K the last one (`folder`) found
+    fastest by its prediction (draftsmith/speedup.py), in the same engine: `<folder>-k<K>`; None when the last
+    stage is no evaluation, K is not auto, or the best K is the one measured."""
+    if cfg.eval.num_speculative_tokens != "auto" or not (folder == "eval" or folder.startswith("eval-")):
+        return None
+    if eval_folder(folder, cfg.eval.engine)[1] is not None:
+        return None  # a confirmation itself
+    try:
+        kc = json.loads((run.path / folder / "report.json").read_text()).get("k_choice")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kc, dict) or kc.get("block") or kc.get("best_k") == kc.get("measured_k"):
+        return None
+    return f"{folder}-k{kc['best_k']}"
 
 
 def save_expectation(run: RunDir, cfg) -> None:

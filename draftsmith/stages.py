@@ -316,7 +316,8 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in (
                    key="eval.prompts"),
             Option(("--limit",), int, "How many prompts.", key="eval.limit"),
             Option(("--offset",), int, "Skip this many prompts first.", key="eval.offset"),
-            Option(("--num-speculative-tokens", "-k"), int, "K, draft tokens per verification step.",
+            Option(("--num-speculative-tokens", "-k"), str, "K, draft tokens per verification step, or `auto` (the "
+                   "trained drafts; the report names the fastest K).",
                    key="eval.num_speculative_tokens"),
             Option(("--temperature",), float, "Sampling temperature (0 = greedy).", key="eval.temperature"),
             Option(("--max-tokens",), int, "Tokens per answer.", key="eval.max_tokens"),

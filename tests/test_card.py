@@ -18,6 +18,7 @@ from draftsmith import DraftsmithError
 from draftsmith.card import front_matter, write_card
 from draftsmith.config import load_config
 from draftsmith.rundir import RunDir, atomic_write_json
+from draftsmith.speedup import choice
 from draftsmith.train.data import PreparedSource
 from draftsmith.train.stage import trained_tokens
 
@@ -209,6 +210,32 @@ def test_figures_without_a_standard_error_stay_plain(tmp_path):
     card = card_of(run)
     assert "acceptance length 1.404, per position" in card and "| 1.374 |" in card
     assert "±" not in card
+
+
+# -------------------------------------------------------------------------------------------------
+# The K it serves at
+
+
+def test_the_card_serves_at_the_k_found_fastest_preferring_the_vllm_report(tmp_path):
+    local = {**REPORT, "k_choice": choice(REPORT, [], block=False)}
+    assert local["k_choice"]["best_k"] == 1  # 0.3 of first drafts at 0.67x for three: one draft is cheaper
+    run = hand_made_run(tmp_path, report=local)
+    vllm_report = {**REPORT, "engine": "vllm", "speedup": 1.4, "acceptance_per_position": [0.6, 0.5, 0.05],
+                   "acceptance_length": 2.15}
+    vllm_report["k_choice"] = choice(vllm_report, [], block=False)
+    assert vllm_report["k_choice"]["best_k"] == 2
+    card = card_of(run)
+    assert '"num_speculative_tokens": 1' in card and "At K = 1 draft tokens" in card and "local engine" in card
+    (run.path / "eval-vllm").mkdir()
+    atomic_write_json(run.path / "eval-vllm" / "report.json", vllm_report)
+    card = card_of(run)
+    assert '"num_speculative_tokens": 2' in card and "vllm engine" in card and "`eval-vllm/report.md`" in card
+    front_matter(card)
+
+
+def test_without_a_k_choice_the_card_serves_at_the_k_it_was_given(tmp_path):
+    card = card_of(hand_made_run(tmp_path))
+    assert '"num_speculative_tokens": 3' in card and "At K =" not in card
 
 
 # -------------------------------------------------------------------------------------------------

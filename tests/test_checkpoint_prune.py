@@ -57,3 +57,18 @@ def test_a_leftover_of_an_earlier_version_is_removed(tmp_path):
     (ck_dir / "step_119" / ck.CKPT_STATE).unlink()
     ck.clear_for_attempt(folder, lambda state: state.get("train_fingerprint") == "fp", "fp", print)
     assert sorted(p.name for p in ck_dir.iterdir()) == ["step_147", "step_150"]
+
+
+def test_a_best_of_another_run_goes_aside_alone_and_one_of_this_run_stays(tmp_path):
+    folder = tmp_path / "train"
+    make_checkpoints(folder / "checkpoints", [10, 20])
+    make_checkpoints(folder, [15])
+    (folder / "step_15").rename(folder / ck.BEST_DIR)
+    keep = lambda state: state.get("train_fingerprint") == "fp"  # noqa: E731
+    ck.clear_for_attempt(folder, keep, "fp", print)
+    assert (folder / ck.BEST_DIR / ck.CKPT_STATE).is_file()  # this run's: kept
+    state = json.loads((folder / ck.BEST_DIR / ck.CKPT_STATE).read_text())
+    (folder / ck.BEST_DIR / ck.CKPT_STATE).write_text(json.dumps({**state, "train_fingerprint": "other"}))
+    ck.clear_for_attempt(folder, keep, "fp", print)
+    assert not (folder / ck.BEST_DIR).exists() and (folder / "previous" / ck.BEST_DIR).is_dir()
+    assert [n for n, _ in ck.complete_checkpoints(folder / "checkpoints")] == [10, 20]  # the run goes on

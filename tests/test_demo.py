@@ -10,6 +10,7 @@ from draftsmith.demo import (DEMO_BUDGET_S, MIN_PROMPTS, TRAIN_OVERHEAD_S, Calib
 from draftsmith.config import load_config
 from draftsmith.export import run_export
 from draftsmith.rundir import RunDir
+from draftsmith.speedup import choice
 
 REFERENCE = Calibration(batch_tokens_per_s=96.0, single_tokens_per_s=15.1, seconds=7.0)  # the README's demo machine
 
@@ -98,7 +99,8 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch, tiny_ta
     text = explain(run)
     assert '"method": "eagle3", "num_speculative_tokens": 3' in text  # the served line names the kind and K
     assert "1.0 when every guess of the drafter is rejected, 4 when all 3 are accepted" in text
-    assert "local engine: tau 1.26 ± 0.04, 0.70x (slower than plain decoding): a drafting step" in text
+    assert "local engine, K = 3: tau 1.26 ± 0.04, 0.70x (slower than plain decoding): a drafting step" in text
+    assert "K chosen by speed" not in text  # no report has a table
     assert "costs 1.80 plain steps here, so drafting pays only above tau 1.80" in text  # 1.26 / 0.70
     assert "costs 1.38 plain steps" in text  # 1.31 / 0.95
     assert str(run.path / "export") in text and str(run.path / "eval-vllm" / "report.md") in text
@@ -116,6 +118,27 @@ def test_the_last_lines_say_what_the_numbers_mean(tmp_path, monkeypatch, tiny_ta
     assert "Eval's verdict: vllm tau 1.31 is 0.14 under ..." in text
     monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: [])
     assert explain(RunDir(tmp_path / "empty").ensure()) == ""
+
+
+def test_the_last_lines_name_the_k_found_fastest_and_serve_it(tmp_path, monkeypatch, tiny_target,
+                                                              drafter_checkpoint):
+    """eval.num_speculative_tokens auto: the demo's vLLM eval at the trained K predicts K = 1 faster, the pipeline
+    measures K = 1 (eval-vllm-k1), and the closing lines give that measurement and serve at K = 1."""
+    run = RunDir(tmp_path / "run").ensure()
+    monkeypatch.setattr("draftsmith.demo.current_evals", lambda r: ["eval-vllm", "eval-vllm-k1"])
+    for folder, per_pos, tau, speedup in (("eval-vllm", [0.25, 0.05, 0.01], 1.31, 0.95),
+                                          ("eval-vllm-k1", [0.25], 1.25, 1.03)):
+        report = {"engine": "vllm", "num_speculative_tokens": len(per_pos), "acceptance_length": tau,
+                  "speedup": speedup, "acceptance_per_position": per_pos, "machine": "CPU"}
+        (run.path / folder).mkdir()
+        (run.path / folder / "report.json").write_text(json.dumps({**report, "k_choice": choice(report, [], False)}))
+    drafter_checkpoint(run.path / "train" / "final", str(tiny_target))
+    run_export(run, load_config(None, [f"target={tiny_target}"]))
+    text = explain(run)
+    assert "vllm engine, K = 1: tau 1.25" in text and "vllm engine, K = 3: tau 1.31" in text
+    assert ("K chosen by speed (vllm engine): best K = 1: 1.03x plain decoding (measured), measured in "
+            "eval-vllm-k1/. Serve it at K = 1.") in text
+    assert '"num_speculative_tokens": 1' in text
 
 
 def test_a_plan_made_by_another_cost_model_is_made_again(tmp_path, monkeypatch):

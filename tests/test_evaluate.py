@@ -15,7 +15,7 @@ from draftsmith.config import load_config
 from draftsmith.eval.local import SpecDecoder, speculative_verify
 from draftsmith.eval.report import read_train_metrics
 from draftsmith.eval.stage import ENGINES, drafter_source, run_eval
-from draftsmith.export import load_exported, run_export
+from draftsmith.export import exported_k, load_exported, run_export
 from draftsmith.rundir import RunDir
 from draftsmith.target import load_target
 
@@ -257,6 +257,14 @@ def test_run_eval_report_and_resume(exported_run, lively_target, tmp_path, monke
     assert report["acceptance_per_position"][0] == pytest.approx(report["num_accepted_tokens_per_pos"][0] / report["num_drafts"])
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
     assert report["greedy_same_as_baseline"] == [4, 4]
+    # K chosen by speed: the measured K's row is the measurement, the best K has its serve command
+    kc = report["k_choice"]
+    assert [r["k"] for r in kc["table"]] == [1, 2] and kc["measured_k"] == 2
+    assert kc["table"][-1]["speedup"] == pytest.approx(report["speedup"])
+    assert kc["serve"]["num_speculative_tokens"] == kc["best_k"] == max(kc["table"], key=lambda r: r["speedup"])["k"]
+    assert 0 < report["draft_seconds"] < report["seconds"]
+    assert kc["split"]["draft_pass"] > 0 and kc["split"]["verification"] > 0
+    assert "## K chosen by speed" in (d / "report.md").read_text()
     lines = (d / "answers.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["p0", "p1", "p2", "p3"]
     rec = json.loads(lines[0])
@@ -288,6 +296,16 @@ def test_run_eval_report_and_resume(exported_run, lively_target, tmp_path, monke
     assert decoded == ["p0", "p1"]
     report = json.loads((d / "report.json").read_text())
     assert report["num_speculative_tokens"] == 1 and len(report["acceptance_per_position"]) == 1
+    # auto: the drafts the export serves (its trained steps)
+    decoded.clear()
+    run_eval(run, _cfg(lively_target, prompts, "eval.num_speculative_tokens=auto"), warmup=False)
+    report = json.loads((d / "report.json").read_text())
+    trained = exported_k(run.path / "export")
+    assert report["num_speculative_tokens"] == trained == 3
+    assert decoded == ["p0", "p1", "p2", "p3"]
+    decoded.clear()
+    run_eval(run, _cfg(lively_target, prompts, f"eval.num_speculative_tokens={trained}"), warmup=False)
+    assert decoded == []  # auto resolved before the fingerprint: its K given is the same evaluation
 
 
 def test_run_eval_sampling(exported_run, lively_target, tmp_path):

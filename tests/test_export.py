@@ -162,6 +162,12 @@ def test_checkpoint_choice(tmp_path, tiny_target):
     assert m["checkpoint"] == "train/checkpoints/step_40"  # relative to the run: a moved run names itself
     write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV, step=100)
     assert find_checkpoint(run) == (run.path / "train" / "final").resolve()
+    assert find_checkpoint(run, "final") == (run.path / "train" / "final").resolve()
+    with pytest.raises(DraftsmithError, match=r"^export.checkpoint=best: .*train/best: no complete checkpoint"):
+        find_checkpoint(run, "best")
+    write_drafter_checkpoint(run.path / "train" / "best", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV, step=60)
+    assert find_checkpoint(run, "best") == (run.path / "train" / "best").resolve()
+    assert find_checkpoint(run) == (run.path / "train" / "final").resolve()  # final stays the default
 
 def test_reexport_replaces_folder_and_keeps_bookkeeping(trained_run, tiny_target):
     run = trained_run

@@ -153,6 +153,35 @@ def test_extra_engine_evaluates_into_its_own_folder(recipe, tmp_path):
     assert run.read_manifest("eval-local")["finished"] == before
 
 
+def test_auto_k_measures_the_k_found_fastest_in_the_same_engine(recipe, tmp_path):
+    """eval.num_speculative_tokens auto: the last evaluation serves the trained K; when its table finds another K
+    faster, `run` evaluates that K in the same engine into <folder>-k<K> (draftsmith/speedup.py), and a rerun skips
+    both."""
+    from draftsmith.pipeline import confirm_stage, eval_folder
+
+    run = RunDir(tmp_path / "run")
+    cfg = load_config(recipe, ["eval.num_speculative_tokens=auto", "eval.baseline=true"])
+    run_pipeline(run, cfg, extra_engines=("local",))
+    report = json.loads((run.path / "eval-local" / "report.json").read_text())
+    kc = report["k_choice"]
+    assert report["num_speculative_tokens"] == kc["measured_k"] == cfg.train.ttt_steps
+    stages = json.loads((run.path / "pipeline.json").read_text())["stages"]
+    if kc["best_k"] != kc["measured_k"]:
+        confirm = f"eval-local-k{kc['best_k']}"
+        assert stages[-1] == confirm and run.read_manifest(confirm) is not None
+        measured = json.loads((run.path / confirm / "report.json").read_text())
+        assert measured["num_speculative_tokens"] == kc["best_k"] and measured["k_choice"]["measured_k"] == kc["best_k"]
+        assert confirm_stage(run, cfg, confirm) is None  # a confirmation is not confirmed again
+        before = run.read_manifest(confirm)["finished"]
+        run_pipeline(run, cfg, extra_engines=("local",))
+        assert run.read_manifest(confirm)["finished"] == before
+    else:
+        assert stages[-1] == "eval-local" and not list(run.path.glob("eval-local-k*"))
+    assert eval_folder("eval-vllm-k2", "local") == ("vllm", 2) and eval_folder("eval", "vllm") == ("vllm", None)
+    assert eval_folder("eval-k1", "local") == ("local", 1)
+    assert confirm_stage(run, load_config(recipe), "eval-local") is None  # K given: nothing to choose
+
+
 def test_local_generate_reruns_when_the_dtype_changes(recipe, tmp_path):
     """The local backend's greedy answers depend on the dtype it decodes in, so a dtype change is a
     changed setting for generate (and so for every later stage)."""

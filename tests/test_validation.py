@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from draftsmith.config import load_config
+from draftsmith.export import run_export
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.dflash import DFlashDrafter
 from draftsmith.model.init import init_from_target
@@ -19,7 +21,7 @@ from draftsmith.train.objective import TTTObjective, chain_acceptance, ttt_masks
 from draftsmith.train.stage import run_train
 from draftsmith.heldout import group_of, rank_of, split
 from draftsmith.prompts import load_prompts
-from test_train import (DOC, IDS, MASK, POS, _resumed_from_step_10, cfg_for, copy_run, metrics, micro_batch,  # noqa: F401
+from test_train import (DOC, IDS, MASK, POS, _resumed_from_step_10, base_sets, cfg_for, copy_run, metrics, micro_batch,  # noqa: F401
                         synth_run,
                         tiny_drafter)
 
@@ -210,13 +212,32 @@ def test_held_out_samples_never_train_and_every_kind_validates(synth_run, tiny8,
     written = json.loads((run.path / "train" / "validation.json").read_text())
     assert written["samples"] == 6 and written["settings"]["validation"] == 6
     assert {x for g in written["held_out"].values() for x in g["ids"]} == {store_ids[i] for i in validated}
+    # train/best: the pass with the highest tau (the first of equal ones), with the count of passes it beat
+    top = max(rows, key=lambda r: (r["acceptance_length"], -r["step"]))
+    best_state = json.loads((run.path / "train" / "best" / "state.json").read_text())
+    assert best_state["step"] == top["step"] and best_state["validation_passes"] == rows.index(top) + 1
+    assert best_state["validation"] == {k: v for k, v in top.items() if k != "split"}
+    assert m["counts"]["best_validation"]["step"] == top["step"] and m["counts"]["validation_passes"] == 3
+    assert "best/model.safetensors" in m["files"]
     if method == "eagle3":
-        # resumed from step 10: the same weights, so the same validation figures at 16 and 20
+        # resumed from step 10: the same weights, so the same validation figures at 16 and 20, and the same best
         _resumed_from_step_10(run, cfg)
         again = [r for r in metrics(run) if r.get("split") == "validation"]
         assert [r["step"] for r in again] == [8, 16, 20]
         for a, b in zip(rows, again):
             assert a["acceptance_per_position"] == b["acceptance_per_position"] and a["loss"] == b["loss"]
+        assert json.loads((run.path / "train" / "best" / "state.json").read_text())["step"] == top["step"]
+        # export.checkpoint=best exports it, and the card says what its validation figure is of
+        run_export(run, load_config(None, [*base_sets(tiny8), "export.checkpoint=best"]))
+        exported = json.loads((run.path / "export" / "config.json").read_text())["draftsmith"]
+        assert exported["checkpoint"] == "train/best" and exported["step"] == top["step"]
+        assert exported["validation"]["acceptance_length"] == top["acceptance_length"]
+        card = (run.path / "export" / "README.md").read_text()
+        assert f"picked as the best of {exported['validation_passes']} validation passes" in card
+        run_export(run, load_config(None, [*base_sets(tiny8), "export.checkpoint=final"]))
+        exported = json.loads((run.path / "export" / "config.json").read_text())["draftsmith"]
+        assert exported["checkpoint"] == "train/final" and exported["step"] == 20
+        assert "picked as the best" not in (run.path / "export" / "README.md").read_text()
 
 
 def test_the_serving_walk_counts_as_a_greedy_verifier_does():

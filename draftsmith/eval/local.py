@@ -48,6 +48,7 @@ class Decoded:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] drafts whose position j was accepted
+    draft_seconds: float = 0.0  # of `seconds`, in the drafter's passes (the rest: verification, prefill, sampling)
 
 
 def speculative_verify(target_logits, drafts: list[int], draft_probs, temperature: float, gen=None) -> tuple[int, int]:
@@ -167,7 +168,9 @@ class SpecDecoder:
             unread_ids, unread_aux, first_pos = list(prompt_ids[1:]) + [out[-1]], aux, 0
             while reason is None:
                 verified = cache_t.get_seq_length()  # tokens the target has read = position of out[-1]
+                t_draft = time.perf_counter()
                 drafts, q = self._draft(unread_ids, unread_aux, first_pos, cache_d, gen)
+                res.draft_seconds += time.perf_counter() - t_draft
                 logits = self._target([out[-1]] + drafts, cache_t, all_logits=True)  # [K+1, V]
                 aux = self._aux_states()  # [1, K+1, A*H] at positions verified .. verified+K
                 a, nxt = speculative_verify(logits, drafts, q, self.temperature, gen)
@@ -226,7 +229,8 @@ def make_record(index: int, prompt, prompt_ids: list[int], spec: Decoded, base: 
         "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
         "num_accepted_tokens": spec.num_accepted, "accepted_per_pos": spec.accepted_per_pos,
         "acceptance_length": (1 + spec.num_accepted / spec.num_drafts) if spec.num_drafts else None,
-        "seconds": round(spec.seconds, 4), "tokens_per_s": tps, "baseline": None,
+        "seconds": round(spec.seconds, 4), "draft_seconds": round(spec.draft_seconds, 4), "tokens_per_s": tps,
+        "baseline": None,
     }
     if base is not None:
         rec["baseline"] = {

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only, never a window: before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.acceptance import acceptance, fmt as fmt_tau  # noqa: E402
+from draftsmith.speedup import summary as speedup_summary  # noqa: E402
 from draftsmith.rundir import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 ANSWERS, REPORT_JSON, REPORT_MD, PLOT = "answers.jsonl", "report.json", "report.md", "acceptance.png"
@@ -63,6 +64,9 @@ def aggregate(records: list[dict], K: int) -> dict:
         "num_accepted_tokens_per_pos": per_pos,
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
+        # of seconds, the drafter's passes: an engine that times them (local), on every record
+        "draft_seconds": (round(sum(r["draft_seconds"] for r in records), 3)
+                          if records and all("draft_seconds" in r for r in records) else None),
         "baseline_output_tokens": b_tokens if with_base else None,
         "baseline_seconds": round(b_seconds, 3) if with_base else None,
         "greedy_same_as_baseline": (sum(same), len(same)) if same else None,
@@ -187,9 +191,34 @@ def report_markdown(report: dict) -> str:
             args = f", arguments `{' '.join(srv['args'])}`" if srv.get("args") else ""
             log = f", log `{srv['log']}`" if srv.get("log") else ""
             lines += ["", f"{what}: vLLM {srv.get('vllm_version')}, {where}{args}{log}; one request at a time."]
+    lines += k_choice_markdown(report.get("k_choice"))
     lines += agreement_markdown(report.get("agreement"), report["num_speculative_tokens"])
     lines += ["", f"Plot: `{PLOT}`. Per-prompt results: `{ANSWERS}`.", ""]
     return "\n".join(lines)
+
+
+def k_choice_markdown(kc: dict | None) -> list[str]:
+    """report.md's section of the speedup at each K (draftsmith/speedup.py)."""
+    if not kc:
+        return []
+    lines = ["", "## K chosen by speed", "",
+             f"Measured at K = {kc['measured_k']}; smaller K predicted from the same drafts (the first k positions' "
+             "acceptance) and the measured cost of a drafting step, taken to grow linearly from one plain step "
+             "(k = 0) to the measured one (draftsmith/speedup.py; optimistic for small k where verification costs "
+             "the same at any width).", "",
+             "| K | tokens per step (± 1 SE) | step cost (plain steps) | speedup |", "| ---: | ---: | ---: | ---: |"]
+    for r in kc["table"]:
+        mark = "**" if r["k"] == kc["best_k"] else ""
+        lines.append(f"| {mark}{r['k']}{mark} | {fmt_tau(r['tokens_per_step'], r.get('tokens_per_step_se'), '.3f')} "
+                     f"| {r['step_cost']:.3f} | {mark}{r['speedup']:.2f}x{mark} |")
+    lines += ["", speedup_summary(kc) + "."]
+    if kc.get("split"):
+        sp = kc["split"]
+        lines.append(f"Measured split of a drafting step: {sp['draft_pass']:.3f} plain steps per draft pass, "
+                     f"{sp['verification']:.3f} per verification (prefill and sampling included).")
+    if kc.get("serve"):
+        lines += ["", f"Serve at K = {kc['best_k']}: `--speculative-config '{json.dumps(kc['serve'])}'`"]
+    return lines
 
 
 def agreement_markdown(ag: dict | None, K: int) -> list[str]:

@@ -32,9 +32,10 @@ from draftsmith.eval.local import local_engine
 from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggregate, fmt_value, machine_summary,
                                     write_report)
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
-from draftsmith.export import CONFIG_FILE, speculative_config
+from draftsmith.export import CONFIG_FILE, exported_k, speculative_config
 from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.rundir import RunDir, append_json_line, read_json_object, regular_file
+from draftsmith.speedup import choice as k_choice, summary as k_summary
 from draftsmith.stage import StageBook, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
 from draftsmith.target import chat_template_sha256, load_tokenizer, target_info
@@ -57,6 +58,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
     started = time.time()
     export_manifest, export_dir = drafter_source(run, eval_cfg.drafter)
     drafter_config = read_json_object(export_dir / CONFIG_FILE)
+    if eval_cfg.num_speculative_tokens == "auto":  # resolved before the fingerprint: auto and its K share records
+        cfg = cfg.model_copy(deep=True)
+        cfg.eval.num_speculative_tokens = exported_k(export_dir)
+        eval_cfg = cfg.eval
     info = target_info(cfg.target, cfg.trust_remote_code)
     exported_for = drafter_config.get("draftsmith") or {}
     if exported_for.get("target_fingerprint") not in (None, info.fingerprint):
@@ -96,6 +101,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
             _append_answers(ctx, d / ANSWERS, done)
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
+        report["k_choice"] = k_choice(report, records, kinds.of_export(drafter_config, str(export_dir)).block)
+        if report["k_choice"]:
+            report["k_choice"]["serve"] = speculative_config(export_dir, report["k_choice"]["best_k"])
+            report["k_choice"]["split"] = cost_split(report)
         report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
                                          prompts)
         write_report(d, report, run.path / "train" / "metrics.jsonl")
@@ -103,7 +112,7 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
                  f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
                  f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
                  f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
-                 f"(speedup {fmt_value(report['speedup'])})")
+                 f"(speedup {fmt_value(report['speedup'])}); {k_summary(report['k_choice'])}")
         if report["agreement"]["verdict"]:
             prog.log(f"warning: {report['agreement']['verdict']}")
         if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
@@ -208,3 +217,15 @@ def _report(run: RunDir, cfg, d: Path, records: list[dict], info, drafter_config
                        "baseline_server": engine_info.get("baseline_server"),
                        "vllm_version": (engine_info.get("server") or {}).get("vllm_version")})
     return report
+
+
+def cost_split(report: dict) -> dict | None:
+    """Where a drafting step's time goes, in plain decoding steps, when the engine timed its drafter (local):
+    {draft_pass, verification}; None otherwise (vLLM's /metrics do not split it)."""
+    draft_s, drafts, K = report.get("draft_seconds"), report.get("num_drafts"), report["num_speculative_tokens"]
+    b_tps = report.get("baseline_tokens_per_s")
+    if draft_s is None or not drafts or not b_tps:
+        return None
+    plain_s = 1.0 / b_tps  # seconds per plain decoding step (one token each)
+    return {"draft_pass": draft_s / (drafts * K) / plain_s,
+            "verification": (report["seconds"] - draft_s) / drafts / plain_s}

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from draftsmith import DraftsmithError, one_line
-from draftsmith.checkpoint_format import CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE
+from draftsmith.checkpoint_format import (BEST_DIR, CKPT_META, CKPT_OPTIM, CKPT_RNG, CKPT_STATE, CKPT_WEIGHTS,
+                                         FC_INPUT_SCALE, FINAL_DIR)
 from draftsmith.rundir import naming_full_disk, read_json_object, replace_dir
 from draftsmith.train.distributed import Ranks, on_rank0
 
@@ -100,11 +101,12 @@ def clear_for_attempt(folder: Path, continues: Callable[[dict], bool], fingerpri
     """Rank 0, before an attempt: remove a killed attempt's temporary folders; move the
     checkpoints of a run this attempt cannot continue (`continues(state.json)` false: other
     settings or inputs, or a length shorter than the steps made) aside into previous/ (then
-    previous-2/, ...: nothing is deleted), so that training starts over. A final/ of the run it
+    previous-2/, ...: nothing is deleted), so that training starts over (best/ with them). A final/ of the run it
     continues is rewritten at the end of this attempt: removed, unless the run is being lengthened
     (train.max_steps, epochs or max_minutes raised), when the finished drafter is kept aside too."""
-    ck_dir, final_dir = folder / "checkpoints", folder / "final"
-    for stale in list(folder.glob(".step_*")) + list(ck_dir.glob(".step_*")) + list(folder.glob(".final.*")):
+    ck_dir, final_dir, best_dir = folder / "checkpoints", folder / FINAL_DIR, folder / BEST_DIR
+    for stale in [*folder.glob(".step_*"), *ck_dir.glob(".step_*"), *folder.glob(f".{FINAL_DIR}.*"),
+                  *folder.glob(f".{BEST_DIR}.*")]:
         shutil.rmtree(stale, ignore_errors=True)  # temporary folders of a killed attempt (a write, a prune)
     newest = complete_checkpoints(ck_dir)
     # A step_N folder without state.json older than the newest complete checkpoint is what a kill
@@ -122,11 +124,14 @@ def clear_for_attempt(folder: Path, continues: Callable[[dict], bool], fingerpri
             return None  # a damaged state.json: newest_readable passes over that checkpoint
 
     newest_state = state_of(newest[-1][1]) if newest else None
-    final_state = state_of(final_dir)
+    final_state, best_state = state_of(final_dir), state_of(best_dir)
     if any(st is not None and not continues(st) for st in (newest_state, final_state)):
-        aside = _aside(folder, [p for p in (ck_dir, final_dir) if p.exists()])
+        aside = _aside(folder, [p for p in (ck_dir, final_dir, best_dir) if p.exists()])
         say(f"checkpoints of a run with other settings or inputs moved to {aside}; starting over")
-    elif final_state is not None and final_state.get("train_fingerprint") != fingerprint:
+        return
+    if best_state is not None and not continues(best_state):
+        say(f"{best_dir} is of a run with other settings or inputs: moved to {_aside(folder, [best_dir])}")
+    if final_state is not None and final_state.get("train_fingerprint") != fingerprint:
         # continued but not the same fingerprint: only its length changed (train/stage.LENGTH_KEYS)
         aside = _aside(folder, [final_dir])
         say(f"the run is lengthened: its finished drafter (step {final_state.get('step')}) kept in {aside}; "

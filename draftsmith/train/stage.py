@@ -16,9 +16,10 @@ steps weighted gamma**k.
 Validation (validation.py): train.validation holds samples out by a hash of their prompt's id; every
 train.validate_every steps and after the last, their chain acceptance (the acceptance length a greedy
 verifier gets) is measured with the objective's own forward, logged beside the training figures, written
-to metrics.jsonl and kept in every checkpoint.
+to metrics.jsonl and kept in every checkpoint. A pass that beats every earlier one (tau) writes its
+weights to best/ (export.checkpoint=best exports them; the card says its figure is the best of N passes).
 
-Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/ and final/ (checkpoint.py),
+Outputs (docs/run-directory.md, train/): checkpoints/step_{N}/, final/ and best/ (checkpoint.py),
 metrics.jsonl and tb/ (report.py), the manifest. A run killed at any point resumes from its
 newest checkpoint to the same final weights as a run never interrupted.
 
@@ -40,18 +41,19 @@ import torch
 import torch.distributed as dist
 
 from draftsmith import DraftsmithError, heldout, kinds
+from draftsmith.checkpoint_format import BEST_DIR, FINAL_DIR
 from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.prepared_format import iter_prepared, prepared_groups
 from draftsmith.progress import Progress, log
-from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted
+from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted, read_json_object
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
 from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
                                          pick_checkpoint, save_checkpoint)
 from draftsmith.train.data import (DeviceFeeder, Packing, PreparedSource, count_steps, open_source, open_upstream,
                                    served_states, step_stream)
-from draftsmith.train.distributed import Ranks, distribute, process_group, resolve_precision, sum_by_name
+from draftsmith.train.distributed import Ranks, distribute, on_rank0, process_group, resolve_precision, sum_by_name
 from draftsmith.train.drafter import build_drafter, drafter_config, drafter_record, read_init_layers
 from draftsmith.train.launch import launch_ranks, launches
 from draftsmith.train.objective import objective_options, resolve_attention
@@ -115,6 +117,8 @@ class TrainState:
     metrics: dict | None = None  # the last log interval's metrics
     validation: Validation | None = None  # the held-out samples (None: train.validation 0, or too few samples)
     val_metrics: dict | None = None  # the last validation pass's figures (with its step)
+    best_val: dict | None = None  # the figures of the pass with the highest tau so far: those of train/best/
+    val_passes: int = 0  # validation passes made in the run (best/ is the best of them: its figure is a maximum)
     trackers: Trackers | None = None  # train.report_to (rank 0; closed with the stage)
     flex_bound: int | None = None  # flex attention: the most graphs it may compile (FlexShape.graph_bound); else None
     flex_before: int = 0  # graphs flex had compiled in this process before this run (len(FLEX_GRAPHS))
@@ -318,6 +322,9 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     position=(int(state.get("epoch", 0)), int(state.get("micro_batch", 0))),
                     tokens_seen=int(state.get("tokens_seen", 0)), samples_seen=int(state.get("samples_seen", 0)),
                     metrics=state.get("metrics"), validation=validation, val_metrics=state.get("validation"),
+                    # best/ may have been written after the checkpoint resumed from: what it holds is the best
+                    best_val=on_rank0(lambda: _best_on_disk(folder), ranks),
+                    val_passes=int(state.get("validation_passes", 0)),
                     flex_bound=opts.flex.graph_bound if opts.flex is not None else None,
                     flex_before=len(FLEX_GRAPHS), flex_noted=len(FLEX_GRAPHS))
     names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
@@ -488,8 +495,25 @@ def _validate(ts: TrainState, prog: Progress, window: Window | None) -> None:
     if window is not None:
         window.t0 += figs["seconds"]
     ts.val_metrics = {"step": ts.step, **figs}
+    ts.val_passes += 1
     if ts.ranks.rank == 0:
         Window.write_validation(ts.folder, ts.val_metrics, say, ts.trackers)
+    tau, best = figs.get("acceptance_length"), (ts.best_val or {}).get("acceptance_length")
+    if tau is not None and (best is None or tau > best):  # the same figures on every rank: the same decision
+        ts.best_val = ts.val_metrics
+        _save(ts, ts.folder / BEST_DIR)
+        say(f"validation tau {tau:.3f} at step {ts.step}: the best of {ts.val_passes} pass(es), kept in "
+            f"train/{BEST_DIR} (export.checkpoint=best exports it)")
+
+
+def _best_on_disk(folder: Path) -> dict | None:
+    """The validation figures train/best/ was kept for (rank 0 reads them; clear_for_attempt has moved a best/ of
+    another run aside), or None."""
+    path = folder / BEST_DIR / CKPT_STATE
+    try:
+        return (read_json_object(path).get("validation") or None) if path.is_file() else None
+    except DraftsmithError:
+        return None  # damaged: the next pass writes a new one
 
 
 def loss_positions(loss_mask, doc_ids, position_ids, loss_on: str, skip: int):
@@ -668,7 +692,7 @@ def _save(ts: TrainState, dest: Path, keep: int | None = None) -> None:
              "grad_accum": ts.cfg.train.grad_accum, "train_fingerprint": ts.book.fingerprint, "time": now,
              "elapsed_s": round(now - ts.book.started, 3), "metrics": ts.metrics,
              "train_s": round(ts.budget.trained_s(), 3), "warmup_end_s": ts.budget.warmup_end_s,
-             "validation": ts.val_metrics}
+             "validation": ts.val_metrics, "best_validation": ts.best_val, "validation_passes": ts.val_passes}
     save_checkpoint(dest, ts.objective, ts.optimizer, ts.scheduler, rank=ts.ranks.rank, world=ts.ranks.world,
                     device=ts.ranks.device, meta={**ts.meta, "step": ts.step}, state=state, fc_scale=ts.fc_scale,
                     keep=keep)
@@ -686,7 +710,7 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         _validate(ts, prog, None)  # the figures the drafter leaves training with, kept in the checkpoints below
     if ts.step > ts.start_step:
         _save(ts, ts.folder / "checkpoints" / f"step_{ts.step}", keep=ts.cfg.train.keep_checkpoints)
-    final_dir = ts.folder / "final"
+    final_dir = ts.folder / FINAL_DIR
     if ema:
         load_ema(ts.optimizer, ts.params)  # after the last checkpoint, which keeps the raw weights to resume from
         if ts.validation is not None:
@@ -703,11 +727,13 @@ def finish(ts: TrainState, prog: Progress) -> dict | None:
         counts = {"done": ts.step, "total": ts.total_steps, "unit": "steps", "tokens": ts.tokens_seen,
                   "samples": ts.samples_seen, "acceptance_length": m.get("acceptance_length"),
                   "loss": m.get("loss"), "acc": m.get("acc"), "train_minutes": round(ts.budget.trained_s() / 60.0, 2),
-                  "validation": ts.val_metrics, "trained_samples": sum(1 for n in ts.packing.lengths if n > 0),
+                  "validation": ts.val_metrics, "best_validation": ts.best_val, "validation_passes": ts.val_passes,
+                  "trained_samples": sum(1 for n in ts.packing.lengths if n > 0),
                   "held_out": 0 if ts.validation is None else len(ts.validation),
                   "trained_tokens": trained_tokens(ts.run, ts.source, ts.packing.lengths, ts.packing.row_len,
                                                    ts.cfg.train.loss_on, ts.cfg.train.loss_skip_tokens)}
-        outputs = sorted(str(p.relative_to(ts.folder)) for p in final_dir.iterdir()) + ["metrics.jsonl"]
+        kept = [final_dir, *([ts.folder / BEST_DIR] if (ts.folder / BEST_DIR).is_dir() else [])]
+        outputs = sorted(str(p.relative_to(ts.folder)) for d in kept for p in d.iterdir()) + ["metrics.jsonl"]
         # what a GPU run planned from: rank 0's peak of memory allocated by torch (bytes)
         peak = torch.cuda.max_memory_allocated(ts.ranks.device) if ts.ranks.device.type == "cuda" else None
         manifest = ts.book.finish(counts=counts, outputs=outputs,
