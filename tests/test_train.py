@@ -177,6 +177,17 @@ def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
     return d, W[torch.tensor(draft_ids)]
 
 
+def tiny_dflash(d):
+    """A DFlash drafter (block_size 3) on the draft vocabulary of tiny_drafter `d`."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3, kind="dflash")
+    dd = DFlashDrafter(cfg)
+    dd.d2t.copy_(d.d2t)
+    dd.t2d.copy_(d.t2d)
+    return dd
+
+
 # one row: document 0 (5 tokens), document 1 (3 tokens), one padding position
 IDS = torch.tensor([[2, 3, 5, 19, 7, 11, 13, 4, 0]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
@@ -219,12 +230,7 @@ def test_dflash_anchors_respect_documents_and_loss_mask_and_the_host_draw_is_the
     again = draw_blocks(IDS, MASK, DOC, t2d, block_size=3, max_anchors=2)
     assert torch.equal(few.anchors, again.anchors)  # seeded by the tokens: the same draw after a resume
 
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3, kind="dflash")
-    dd = DFlashDrafter(cfg)
-    dd.d2t.copy_(d.d2t)
-    dd.t2d.copy_(d.t2d)
+    dd = tiny_dflash(d)
     obj = DFlashObjective(dd, W_d, 0.8, max_anchors=3)
     aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
     host = obj.layouts()(IDS, MASK, DOC)
@@ -517,6 +523,37 @@ def test_chain_loss_and_its_hand_written_gradient_equal_autograd_on_the_loss_as_
         for n in ref:
             atol = 1e-6 * max(1.0, float(ref[n].abs().max()))
             torch.testing.assert_close(got[2][n], ref[n], rtol=1e-5, atol=atol, msg=n)
+
+
+def test_dflash_chain_loss_weights_a_blocks_slots_by_the_slots_before():
+    """DFlashObjective with chain_weights: slot 2's loss at an anchor weighted by 1 - TV of slot 1 there (0 where
+    slot 1 is not trained), against the same weighting written per anchor; the logged KL unchanged."""
+    d, W_d = tiny_drafter()
+    dd = tiny_dflash(d)
+    ids = torch.tensor([[2, 3, 5, 7, 11, 13, 19, 17, 0, 2, 3, 5]])
+    mask, doc, pos = torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids), torch.arange(12)[None]
+    aux, last = torch.randn(1, 12, 48), torch.randn(1, 12, 16)
+    on, off = (DFlashObjective(dd, W_d, 0.8, max_anchors=12, chain_weights=c) for c in (True, False))
+    batch = micro_batch(ids, mask, doc, pos, aux, last)
+    denom = on.counts(batch).tolist()
+    (l_on, s_on), (l_off, s_off) = on(batch, denom), off(batch, denom)
+    assert torch.equal(s_on, s_off) and l_on < l_off
+    blocks = draw_blocks(ids, mask, doc, dd.t2d, 3, 12)
+    assert not blocks.valid[0, :, 0].all() and (blocks.valid[0, :, 1] & ~blocks.valid[0, :, 0]).any()
+    with torch.no_grad():
+        states = dd.block_forward(ids, aux, blocks.anchors, pos, doc)  # [1, M, 3, H]
+        want = 0.0
+        for m, a in enumerate(blocks.anchors[0].tolist()):
+            w = 1.0
+            for j in range(2):
+                if not blocks.valid[0, m, j]:
+                    w = 0.0
+                    continue
+                logp = torch.log_softmax(W_d @ last[0, a + j], -1)
+                logq = torch.log_softmax(dd.lm_head(dd.norm(states[0, m, j + 1])), -1)
+                want += w * 0.8 ** j / denom[j] * float((logp.exp() * (logp - logq)).sum())
+                w *= float(torch.minimum(logp.exp(), logq.exp()).sum())
+    assert l_on.item() == pytest.approx(want, rel=1e-5)
 
 
 def test_loss_positions_follow_loss_on_and_skip_each_samples_first_tokens():
