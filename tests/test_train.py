@@ -795,6 +795,20 @@ def test_each_drafter_kind_learns_and_exports_what_it_trained(synth_run, tiny8, 
         assert torch.equal(got[name], t), name
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_chain_loss_trains_to_a_finite_loss_and_enters_trains_fingerprint(synth_run, tiny8, tmp_path, method):
+    """train.loss_chain on: a short run of a chain kind and of a block kind ends with a finite loss; the setting is in
+    train's fingerprinted settings when on, and left out at its default (runs made before it stay current)."""
+    from draftsmith.train.stage import _settings
+
+    run = copy_run(synth_run, tmp_path / "run")
+    m = run_train(run, cfg_for(tiny8, max_steps=6, checkpoint_every=1000, method=method, loss_chain="true"))
+    last = metrics(run)[-1]
+    assert m["counts"]["done"] == 6 and last["step"] == 6 and torch.isfinite(torch.tensor(last["loss"])).all()
+    assert m["settings"]["train"]["loss_chain"] is True
+    assert "loss_chain" not in _settings(cfg_for(tiny8, method=method), [2, 4, 5], "fp32")["train"]
+
+
 def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resumes(synth_run, tiny8, tmp_path):
     run = copy_run(synth_run, tmp_path / "run")
     budget_s = 5.0

@@ -177,6 +177,7 @@ class ObjectiveOptions:
     anchors: int  # train.dflash_anchors: blocks drawn per row (block kinds)
     chunk_tokens: int | None  # train.loss_chunk_tokens: teacher positions per chunk of the loss (TTTObjective)
     mix: LossMix  # train.loss_kl / loss_rkl / loss_tv / loss_top1
+    chain_weights: bool  # train.loss_chain: step k's loss at a position weighs the chance drafts 0..k-1 are kept
     attention: str  # the TTT attention path, "sdpa" or "flex" (resolve_attention)
     flex: FlexShape | None  # with flex attention, the run's shape (flex_shape); else None
 
@@ -187,6 +188,7 @@ def objective_options(tc, attention: str) -> ObjectiveOptions:
                             feature_noise=tc.feature_noise, anchors=tc.dflash_anchors,
                             chunk_tokens=tc.loss_chunk_tokens,
                             mix=LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1),
+                            chain_weights=tc.loss_chain,
                             attention=attention, flex=flex_shape(tc) if attention == "flex" else None)
 
 
