@@ -609,6 +609,9 @@ def test_chunked_loss_keeps_no_vocabulary_block_of_the_whole_micro_batch():
         with _VocabBlocks(W_d.shape[0]) as seen:
             _loss_and_grads(d, W_d, chunk, batch)
         assert 0 < seen.rows <= most and (chunk > 0 or seen.rows > 20), (chunk, seen.rows)
+    with _VocabBlocks(W_d.shape[0]) as seen:  # train.loss_chain: its weights are [positions] per step, no wider
+        _chain_loss_and_grads(d, W_d, 4, batch)
+    assert 0 < seen.rows <= 4, seen.rows
     assert TTTObjective(d, W_d, 3, 0.8).chunk_tokens == LOSS_CHUNK_ELEMENTS // W_d.shape[0]
     assert TTTObjective(d, torch.zeros(32000, 16), 3, 0.8).chunk_tokens == 524
 
