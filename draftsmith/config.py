@@ -322,6 +322,14 @@ class TrainConfig(_Section):
         0.0, ge=0.0, description="Weight of the cross-entropy on the target's most likely token: what greedy "
         "(temperature 0) verification accepts. The logged loss stays the forward KL whatever the weights, so runs read "
         "alike.")
+    loss_chain: bool = Field(
+        False, description="Train the chain a verifier accepts, not each draft step apart: draft step k's loss at a "
+        "position is weighted by prod over the steps j < k of 1 - TV_j there (the chance speculative sampling keeps "
+        "their drafts), from the same forward and held fixed, which is the gradient of the expected accepted length "
+        "through step k. A position weighs 0 after a step whose token is not trained there (outside the draft "
+        "vocabulary or the answer); block kinds weigh a block's slots alike. Denominators unchanged: each position's "
+        "term is scaled, the mean is over the same positions. Why: a later draft counts only where the earlier ones "
+        "were kept.")
     loss_on: Literal["assistant", "all"] = Field(
         "assistant", description="Positions the loss is taken at: `assistant` (prepare's loss_mask: what the target "
         "wrote) or `all` tokens of each sample (the target's distribution is the teacher everywhere, so user turns add "

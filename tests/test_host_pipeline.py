@@ -103,15 +103,16 @@ def forward_backward(obj, batch, layout, autocast=False):
     return loss.detach(), stats, {n: p.grad.clone() for n, p in obj.drafter.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("chunk,autocast", [(64, False), (None, True), (0, False)])
-def test_a_micro_batch_with_its_layout_reads_nothing_back_from_the_device(chunk, autocast):
+@pytest.mark.parametrize("chunk,autocast,chain", [(64, False, False), (None, True, False), (0, False, False),
+                                                  (64, False, True), (0, False, True)])
+def test_a_micro_batch_with_its_layout_reads_nothing_back_from_the_device(chunk, autocast, chain):
     """Forward and backward of the objective (SDPA over several query blocks, the chunked loss and
     the whole-batch one) with the layout the data thread computes: not one host read. Without it,
     the objective reads the sizes itself (as it did for every micro-batch before issue 23: 3
     per-block int(min()), 4 nonzero() and, chunked, a tolist() per step: 10); with it the results
-    are the same bits."""
+    are the same bits. train.loss_chain's weights (chain) are built by scatters and gathers: no read either."""
     d, W_d = tiny_drafter(seed=2)
-    obj = TTTObjective(d, W_d, 3, 0.8, chunk_tokens=chunk)
+    obj = TTTObjective(d, W_d, 3, 0.8, chunk_tokens=chunk, chain_weights=chain)
     batch = packed_batch()
     layout = obj.layouts()(*batch[:3])  # on the host, as in the data thread
     with HostReads() as reads:

@@ -36,7 +36,8 @@ from draftsmith.train.dflash import Blocks, DFlashObjective, draw_blocks
 from draftsmith.train import launch
 from draftsmith.train.distributed import Ranks, sum_by_name
 from draftsmith.train.drafter import read_target_weights
-from draftsmith.train.objective import LossMix, TTTObjective, mix_terms, resolve_attention, ttt_masks
+from draftsmith.train.objective import (ChainWeights, ChunkedKL, KLPlan, LossMix, TTTObjective, mix_terms, overlap,
+                                       resolve_attention, ttt_masks)
 from draftsmith.train.schedule import TimeBudget, ema_decay, lr_lambda
 from draftsmith.vocab import run_vocab
 
@@ -176,6 +177,17 @@ def tiny_drafter(seed=0, V=20, H=16, draft_ids=(0, 2, 3, 5, 7, 11, 13, 17)):
     return d, W[torch.tensor(draft_ids)]
 
 
+def tiny_dflash(d):
+    """A DFlash drafter (block_size 3) on the draft vocabulary of tiny_drafter `d`."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3, kind="dflash")
+    dd = DFlashDrafter(cfg)
+    dd.d2t.copy_(d.d2t)
+    dd.t2d.copy_(d.t2d)
+    return dd
+
+
 # one row: document 0 (5 tokens), document 1 (3 tokens), one padding position
 IDS = torch.tensor([[2, 3, 5, 19, 7, 11, 13, 4, 0]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
@@ -218,12 +230,7 @@ def test_dflash_anchors_respect_documents_and_loss_mask_and_the_host_draw_is_the
     again = draw_blocks(IDS, MASK, DOC, t2d, block_size=3, max_anchors=2)
     assert torch.equal(few.anchors, again.anchors)  # seeded by the tokens: the same draw after a resume
 
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=20, draft_vocab_size=8, mask_token_id=1, block_size=3, kind="dflash")
-    dd = DFlashDrafter(cfg)
-    dd.d2t.copy_(d.d2t)
-    dd.t2d.copy_(d.t2d)
+    dd = tiny_dflash(d)
     obj = DFlashObjective(dd, W_d, 0.8, max_anchors=3)
     aux, last = torch.randn(1, 9, 48), torch.randn(1, 9, 16)
     host = obj.layouts()(IDS, MASK, DOC)
@@ -407,6 +414,148 @@ def test_loss_mixes_chunked_equal_the_whole_batch_and_their_gradients_are_autogr
             torch.testing.assert_close(got[2][n], ref[2][n], rtol=1e-5, atol=atol, msg=n)
 
 
+def _chain_loss_and_grads(d, W_d, chunk, batch, mix=LossMix(), chain=True):
+    """_loss_and_grads with train.loss_chain's weighting (TTTObjective's chain_weights)."""
+    d.zero_grad()
+    obj = TTTObjective(d, W_d, 3, 0.8, teacher_temperature=0.8, chunk_tokens=chunk, mix=mix, chain_weights=chain)
+    loss, stats = obj(micro_batch(*batch), [30.0, 25.0, 20.0], scale=2.0)
+    loss.backward()
+    return loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mix", [LossMix(), MIXES[3]], ids=["kl", "mix"])
+def test_chain_loss_off_or_at_weight_one_is_the_loss_before_it(mix, monkeypatch):
+    """train.loss_chain off leaves the loss as it was (the pre-change code gave the same bits, checked once with
+    HEAD's objective.py at the change); on, with every weight forced to 1, it is that loss again: bit for bit where
+    the loss is summed per position anyway (a mix), to rounding under pure KL (whose chunk sum is one dot product)."""
+    d, W_d = tiny_drafter(seed=3)
+    batch = _packed_case(seed=1)
+    monkeypatch.setattr(ChainWeights, "take", lambda self, k, alpha, s=0, e=None: torch.ones_like(alpha))
+    for chunk in (0, 4, None):
+        off = _chain_loss_and_grads(d, W_d, chunk, batch, mix, chain=False)
+        ones = _chain_loss_and_grads(d, W_d, chunk, batch, mix, chain=True)
+        assert off[2].keys() == ones[2].keys() and "lm_head.weight" in off[2]
+        if not mix.pure_kl or chunk == 0:
+            assert torch.equal(off[0], ones[0]) and torch.equal(off[1], ones[1]), chunk
+            assert all(torch.equal(off[2][n], ones[2][n]) for n in off[2]), chunk
+        else:
+            torch.testing.assert_close(ones[0], off[0], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(ones[1], off[1], rtol=1e-6, atol=1e-6)
+            for n in off[2]:
+                torch.testing.assert_close(ones[2][n], off[2][n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_chain_weights_by_hand_scale_step_ones_gradient_by_one_minus_step_zeros_tv():
+    """ChunkedKL on distributions made by hand (identity heads: the logits are the states): step 0 at position 0 has
+    p = (.4, .4, .1, .1), q = (.5, .3, .1, .1), TV 0.1, so step 1's gradient at position 0 is 0.9 x its unweighted
+    one; position 2, whose step-0 target is outside the draft vocabulary (not a step-0 position), contributes
+    nothing at step 1; step 0's gradient is unweighted."""
+    p0, q0 = torch.tensor([0.4, 0.4, 0.1, 0.1]), torch.tensor([0.5, 0.3, 0.1, 0.1])
+    assert overlap(p0[None], q0[None]).item() == pytest.approx(0.9)  # 1 - TV
+    eye = torch.eye(4)
+    # teacher rows: positions 1, 2, 4 (step 0 at positions 0, 1 reads rows of 1, 2; step 1 at 0, 2 those of 2, 4)
+    teacher = torch.tensor([p0.tolist(), [0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]).log()
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.stack([q0.log(), torch.randn(4, generator=g)])  # step 0's states at positions 0, 1
+    x1 = torch.randn(2, 4, generator=g)  # step 1's at positions 0, 2
+    positions = [torch.tensor([0, 1]), torch.tensor([0, 2])]
+
+    def grads(chain):
+        xs = [x0.clone().requires_grad_(), x1.clone().requires_grad_()]
+        plan = KLPlan(rows=[torch.tensor([0, 1]), torch.tensor([1, 2])],
+                      targets=[torch.zeros(2, dtype=torch.long)] * 2, weights=[1.0, 0.5], bounds=[[0, 2], [0, 2]],
+                      d2t=torch.zeros(4, dtype=torch.long), temperature=1.0, chunk=8, grad_weight=False, grad_states=True,
+                      chain=ChainWeights(positions, 4, "cpu") if chain else None)
+        loss, kl, *_ = ChunkedKL.apply(plan, eye, eye, teacher, *xs)
+        loss.backward()
+        return loss.detach(), kl, [x.grad for x in xs]
+
+    (loss, kl, (g0, g1)), (plain, kl_plain, (u0, u1)) = grads(True), grads(False)
+    # the reported KL is unweighted (summed per position or as one dot product: float32 rounding apart)
+    torch.testing.assert_close(kl, kl_plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g0, u0, rtol=0, atol=0)
+    torch.testing.assert_close(g1[0], 0.9 * u1[0], rtol=1e-6, atol=1e-7)
+    assert u1[1].abs().sum() > 0 and torch.equal(g1[1], torch.zeros(4))
+    # the loss: step 0 whole, step 1 at position 0 only, at 0.9
+    step1 = float((teacher[1].exp() * (teacher[1] - torch.log_softmax(x1[0], -1))).sum())
+    assert loss.item() == pytest.approx(kl[0].item() + 0.5 * 0.9 * step1, rel=1e-5)
+
+
+def _naive_chain_loss(d, W_d, batch, mix, gamma=0.8, temperature=0.8, denom=(30.0, 25.0, 20.0), scale=2.0):
+    """train.loss_chain's loss as written: full logits per step ([R, T, Dv]), step k's per-position loss weighted by
+    the product over j < k of where(valid_j, 1 - TV_j, 0), detached, and divided by the valid positions' count."""
+    ids, lm, doc, pos, aux, last = batch
+    R, T = ids.shape
+    masks = ttt_masks(ids, lm, doc, d.t2d, 3)
+    logits = d.ttt_forward(ids, aux, 3, position_ids=pos, doc_ids=doc)  # 3 x [R, T, Dv]
+    w, loss = torch.ones(R, T), 0.0
+    for k in range(3):
+        nxt = torch.zeros_like(last)
+        nxt[:, :T - 1 - k] = last[:, 1 + k:]  # step k at i: the target's state at i+1+k
+        logp = torch.log_softmax((nxt @ W_d.t()) / temperature, -1)
+        logq = torch.log_softmax(logits[k], -1)
+        p, valid = logp.exp(), masks[k][1]
+        per_pos = mix.kl * (p * (logp - logq)).sum(-1) + mix_terms(mix, p.flatten(0, 1), logp.flatten(0, 1),
+                                                                   logq.flatten(0, 1)).view(R, T)
+        loss = loss + scale * gamma ** k / denom[k] * (per_pos * w * valid).sum()
+        w = w * torch.where(valid, torch.minimum(p, logq.detach().exp()).sum(-1), 0.0)
+    return loss
+
+
+@pytest.mark.parametrize("mix", [LossMix(), MIXES[3]], ids=["kl", "mix"])
+def test_chain_loss_and_its_hand_written_gradient_equal_autograd_on_the_loss_as_written(mix):
+    """train.loss_chain: the chunked loss (ChunkedKL's backward scaling each position's row by its weight) and the
+    whole-batch one against autograd through the weighted loss written out plainly, loss and every gradient to
+    float32 rounding; the weights change the loss, not the logged KL."""
+    d, W_d = tiny_drafter(seed=3)
+    batch = _packed_case(seed=1)
+    d.zero_grad()
+    ref_loss = _naive_chain_loss(d, W_d, batch, mix)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+    off = _chain_loss_and_grads(d, W_d, 0, batch, mix, chain=False)
+    assert ref_loss.item() < off[0].item()  # later steps' terms shrink by weights <= 1
+    for chunk in (0, 1, 4, None):
+        got = _chain_loss_and_grads(d, W_d, chunk, batch, mix)
+        torch.testing.assert_close(got[0], ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], off[1], rtol=1e-5, atol=1e-5)
+        assert got[2].keys() == ref.keys()
+        for n in ref:
+            atol = 1e-6 * max(1.0, float(ref[n].abs().max()))
+            torch.testing.assert_close(got[2][n], ref[n], rtol=1e-5, atol=atol, msg=n)
+
+
+def test_dflash_chain_loss_weights_a_blocks_slots_by_the_slots_before():
+    """DFlashObjective with chain_weights: slot 2's loss at an anchor weighted by 1 - TV of slot 1 there (0 where
+    slot 1 is not trained), against the same weighting written per anchor; the logged KL unchanged."""
+    d, W_d = tiny_drafter()
+    dd = tiny_dflash(d)
+    ids = torch.tensor([[2, 3, 5, 7, 11, 13, 19, 17, 0, 2, 3, 5]])
+    mask, doc, pos = torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids), torch.arange(12)[None]
+    aux, last = torch.randn(1, 12, 48), torch.randn(1, 12, 16)
+    on, off = (DFlashObjective(dd, W_d, 0.8, max_anchors=12, chain_weights=c) for c in (True, False))
+    batch = micro_batch(ids, mask, doc, pos, aux, last)
+    denom = on.counts(batch).tolist()
+    (l_on, s_on), (l_off, s_off) = on(batch, denom), off(batch, denom)
+    assert torch.equal(s_on, s_off) and l_on < l_off
+    blocks = draw_blocks(ids, mask, doc, dd.t2d, 3, 12)
+    assert not blocks.valid[0, :, 0].all() and (blocks.valid[0, :, 1] & ~blocks.valid[0, :, 0]).any()
+    with torch.no_grad():
+        states = dd.block_forward(ids, aux, blocks.anchors, pos, doc)  # [1, M, 3, H]
+        want = 0.0
+        for m, a in enumerate(blocks.anchors[0].tolist()):
+            w = 1.0
+            for j in range(2):
+                if not blocks.valid[0, m, j]:
+                    w = 0.0
+                    continue
+                logp = torch.log_softmax(W_d @ last[0, a + j], -1)
+                logq = torch.log_softmax(dd.lm_head(dd.norm(states[0, m, j + 1])), -1)
+                want += w * 0.8 ** j / denom[j] * float((logp.exp() * (logp - logq)).sum())
+                w *= float(torch.minimum(logp.exp(), logq.exp()).sum())
+    assert l_on.item() == pytest.approx(want, rel=1e-5)
+
+
 def test_loss_positions_follow_loss_on_and_skip_each_samples_first_tokens():
     from draftsmith.train.stage import loss_positions
 
@@ -460,6 +609,9 @@ def test_chunked_loss_keeps_no_vocabulary_block_of_the_whole_micro_batch():
         with _VocabBlocks(W_d.shape[0]) as seen:
             _loss_and_grads(d, W_d, chunk, batch)
         assert 0 < seen.rows <= most and (chunk > 0 or seen.rows > 20), (chunk, seen.rows)
+    with _VocabBlocks(W_d.shape[0]) as seen:  # train.loss_chain: its weights are [positions] per step, no wider
+        _chain_loss_and_grads(d, W_d, 4, batch)
+    assert 0 < seen.rows <= 4, seen.rows
     assert TTTObjective(d, W_d, 3, 0.8).chunk_tokens == LOSS_CHUNK_ELEMENTS // W_d.shape[0]
     assert TTTObjective(d, torch.zeros(32000, 16), 3, 0.8).chunk_tokens == 524
 
@@ -644,6 +796,20 @@ def test_each_drafter_kind_learns_and_exports_what_it_trained(synth_run, tiny8, 
     got = model.state_dict()
     for name, t in sd.items():
         assert torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_chain_loss_trains_to_a_finite_loss_and_enters_trains_fingerprint(synth_run, tiny8, tmp_path, method):
+    """train.loss_chain on: a short run of a chain kind and of a block kind ends with a finite loss; the setting is in
+    train's fingerprinted settings when on, and left out at its default (runs made before it stay current)."""
+    from draftsmith.train.stage import _settings
+
+    run = copy_run(synth_run, tmp_path / "run")
+    m = run_train(run, cfg_for(tiny8, max_steps=6, checkpoint_every=1000, method=method, loss_chain="true"))
+    last = metrics(run)[-1]
+    assert m["counts"]["done"] == 6 and last["step"] == 6 and torch.isfinite(torch.tensor(last["loss"])).all()
+    assert m["settings"]["train"]["loss_chain"] is True
+    assert "loss_chain" not in _settings(cfg_for(tiny8, method=method), [2, 4, 5], "fp32")["train"]
 
 
 def test_max_minutes_ends_the_run_at_the_time_budget_and_counts_time_across_resumes(synth_run, tiny8, tmp_path):

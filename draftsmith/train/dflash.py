@@ -6,8 +6,10 @@ and block_size - 1 mask slots (DFlashDrafter.block_forward); slot k (1 <= k < bl
 its target is the target's distribution there, softmax(W_d @ last_hidden[a+k-1]) over the draft vocabulary, as
 TTT step k-1's is. The loss is train.loss_*'s mix of distances (forward KL by default), summed per slot, weighted
 gamma**(k-1) (DFlash's exponential decay: exp(-(k-1)/4) is gamma 0.78) and divided by the slot's positions over
-the whole optimizer step, as TTTObjective does per step; accuracy per slot is what TTT reports per step, so the
-logs, the manifest and `status` read alike for every kind.
+the whole optimizer step, as TTTObjective does per step (with train.loss_chain, slot k's loss at an anchor is
+weighted by prod over the slots j < k of 1 - TV_j there, held fixed: a block is accepted as a chain, ChainWeights as
+TTT's steps); accuracy per slot is what TTT reports per step, so the logs, the manifest and `status` read alike for
+every kind.
 
 The anchors are drawn from a generator seeded by the micro-batch's tokens, so the draw is the same after a resume.
 The loop draws them once per micro-batch in its data thread, on the host (`layouts`: the seed is read from host
@@ -21,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from draftsmith.train.data import Batch
-from draftsmith.train.objective import LossMix, mix_terms
+from draftsmith.train.objective import ChainWeights, LossMix, mix_terms, overlap
 
 
 @dataclass
@@ -68,7 +70,8 @@ class DFlashObjective(nn.Module):
     interface: `steps` = block_size - 1 slots, `counts`, `layouts`)."""
 
     def __init__(self, drafter, target_head, gamma: float, max_anchors: int, fc_input_scale=None,
-                 teacher_temperature: float = 1.0, feature_noise: float = 0.0, mix: LossMix = LossMix()):
+                 teacher_temperature: float = 1.0, feature_noise: float = 0.0, mix: LossMix = LossMix(),
+                 chain_weights: bool = False):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
@@ -76,6 +79,7 @@ class DFlashObjective(nn.Module):
         self.steps = drafter.config.block_size - 1
         self.gamma, self.max_anchors = gamma, max_anchors
         self.teacher_temperature, self.feature_noise, self.mix = teacher_temperature, feature_noise, mix
+        self.chain_weights = chain_weights  # train.loss_chain: slot k's loss weighted as TTT step k-1's (ChainWeights)
         # validation sets keep_runs: every candidate is an anchor, and forward keeps (starts, runs) [R, T] in `runs`
         self.keep_runs, self.runs = False, None
 
@@ -134,6 +138,10 @@ class DFlashObjective(nn.Module):
         prev = batch.input_ids[rows, at - 1]  # the token before each predicted one (slot 1's: the anchor)
         teacher_h = batch.last_hidden[rows, at - 1]  # the target's state before the predicted token
         losses, kls, correct = [], [], []
+        # train.loss_chain: a block's slots are a chain at its anchor; positions: [R*M] flat anchors (boolean
+        # indexing's order), the valid ones of each slot
+        cw = (ChainWeights([blocks.valid[:, :, j].flatten().nonzero().squeeze(1) for j in range(S - 1)], R * M,
+                           states.device) if self.chain_weights else None)
         hits = torch.zeros_like(blocks.valid)  # [R, M, S-1] slot j's draft is right (valid slots only)
         for j in range(S - 1):
             v = blocks.valid[:, :, j]
@@ -151,6 +159,8 @@ class DFlashObjective(nn.Module):
             extra, drafted = self.slot_extra(x, logits, prev[:, :, j][v], targets[:, :, j][v])
             if extra is not None:
                 obj = obj + extra
+            if cw is not None:  # the slot's alpha from the distribution its loss trains, held fixed
+                obj = obj * cw.take(j, overlap(p, logq.detach().exp()))
             w = scale * self.gamma ** j / denom[j] if denom[j] > 0 else 0.0
             losses.append(obj.sum() * w)
             kls.append(kl_pos.detach().sum().double())

@@ -17,6 +17,14 @@ objective also counts, per step k, the positions whose drafts 0..k are all right
 positions where step 0 is trained); acceptance per position is that count over those positions and
 the acceptance length 1 + their sum (`chain_acceptance`), as vLLM counts it on the target's own
 greedy answers.
+`train.loss_chain` trains that chain rather than each step apart: under speculative sampling the
+expected accepted length at position i is sum_k prod_{j<=k} alpha_j(i), alpha_j(i) = sum_x min(p, q)
+= 1 - TV at step j, so step k's loss at i is scaled by w_k(i) = prod_{j<k} alpha_j(i), taken from the
+same forward's earlier steps and held fixed (ChainWeights: step k is pushed where its draft would
+be reached; step 0 weighs 1, and a position weighs 0 after a step not trained there). The
+denominators stay the positions counted, so the loss is the unweighted one with each position's term
+scaled (the logged loss stays the unweighted forward KL); the weights are [positions] scalars per
+step, built by scatters and gathers (no [tokens, Dv] block, no host read).
 
 Memory at the recipes' scale (docs/scaling.md): the loss is taken a chunk of teacher positions at
 a time (ChunkedKL), so no [tokens, draft vocab] float32 block of a whole micro-batch lives at once;
@@ -169,6 +177,7 @@ class ObjectiveOptions:
     anchors: int  # train.dflash_anchors: blocks drawn per row (block kinds)
     chunk_tokens: int | None  # train.loss_chunk_tokens: teacher positions per chunk of the loss (TTTObjective)
     mix: LossMix  # train.loss_kl / loss_rkl / loss_tv / loss_top1
+    chain_weights: bool  # train.loss_chain: step k's loss at a position weighs the chance drafts 0..k-1 are kept
     attention: str  # the TTT attention path, "sdpa" or "flex" (resolve_attention)
     flex: FlexShape | None  # with flex attention, the run's shape (flex_shape); else None
 
@@ -179,6 +188,7 @@ def objective_options(tc, attention: str) -> ObjectiveOptions:
                             feature_noise=tc.feature_noise, anchors=tc.dflash_anchors,
                             chunk_tokens=tc.loss_chunk_tokens,
                             mix=LossMix(kl=tc.loss_kl, rkl=tc.loss_rkl, tv=tc.loss_tv, top1=tc.loss_top1),
+                            chain_weights=tc.loss_chain,
                             attention=attention, flex=flex_shape(tc) if attention == "flex" else None)
 
 
@@ -195,6 +205,39 @@ def mix_terms(mix: LossMix, p, logp, logq, q=None):
     if mix.top1:
         out -= mix.top1 * logq.gather(1, p.argmax(-1, keepdim=True)).squeeze(1)
     return out
+
+
+def overlap(p, q):
+    """[n, Dv] float32 the target's p, the drafter's q -> [n] sum_x min(p, q) = 1 - TV(p, q): the chance that
+    speculative sampling keeps a draft sampled from q where the target samples from p."""
+    return torch.minimum(p, q).sum(-1)
+
+
+class ChainWeights:
+    """train.loss_chain: the weight of step k's loss at drafting position i, w_k(i) = prod_{j<k} alpha_j(i), where
+    alpha_j(i) = overlap(p, q) of step j at i (the chance its draft is kept) from the same forward, held fixed (no
+    gradient flows through it: the gradient of the expected accepted length sum_k prod_{j<=k} alpha_j through
+    step k's alpha, the earlier steps held). Step 0's weight is 1; a position where an earlier step is not trained
+    (its target outside the draft vocabulary or the answer: a chain the drafter cannot continue) weighs 0.
+
+    Steps are taken in order at each position (take(j) before take(k) for j < k: the chunked loss reaches step j's
+    position i no later than step k's, since the teacher row of i+1+j precedes that of i+1+k, and takes the steps
+    of a chunk in order), each recording alpha * its weight for the next step: scatters and gathers of fixed
+    shape, no device->host read.
+    positions: per step k, [N_k] int64 the flat drafting positions where its loss is taken; size: all of them."""
+
+    def __init__(self, positions: list, size: int, device):
+        self.positions = positions
+        # [steps, size] float32: row k, step k's weight at each position (0 until step k-1 records it there)
+        self.w = torch.zeros(len(positions), size, device=device)
+
+    def take(self, k: int, alpha, s: int = 0, e: int | None = None):
+        """alpha [n]: step k's at its positions s:e (of positions[k]) -> [n] step k's weights there."""
+        pos = self.positions[k][s:e]
+        w = self.w[k, pos] if k else torch.ones_like(alpha)
+        if k + 1 < len(self.positions):
+            self.w[k + 1].index_copy_(0, pos, w * alpha)
+        return w
 
 
 def mix_grad(mix: LossMix, p, logp, logq, q):
@@ -230,11 +273,13 @@ class KLPlan:
     grad_weight: bool  # compute the gradient of the drafter's head
     grad_states: bool  # ... and of the states it reads
     mix: LossMix = LossMix()  # the loss's distances; its forward KL is what `kl` reports either way
+    chain: ChainWeights | None = None  # train.loss_chain: scales each position's loss and gradient; None: all 1
 
 
 class ChunkedKL(torch.autograd.Function):
     """The loss sum_k weights[k] * KL_k and its gradient, a chunk of teacher rows at a time (with
-    plan.mix other than pure KL, KL_k is that mix of distances summed over step k's positions).
+    plan.mix other than pure KL, KL_k is that mix of distances summed over step k's positions; with
+    plan.chain, each position's term and its row of d/dlogits scaled by its chain weight [n]).
 
     KL_k sums, over step k's positions, KL(p || q): p = softmax(teacher_hidden[row] @ teacher_head^T
     / T) the teacher's distribution, q = softmax(x_k @ weight^T) the drafter's. Each chunk's
@@ -255,7 +300,9 @@ class ChunkedKL(torch.autograd.Function):
     def forward(ctx, plan: KLPlan, weight, teacher_head, teacher_hidden, *xs):
         steps, N = len(xs), teacher_hidden.shape[0]
         kl = weight.new_zeros(steps, dtype=torch.float64)
-        mixed = kl if plan.mix.pure_kl else weight.new_zeros(steps, dtype=torch.float64)  # the objective's sums
+        # pure KL unweighted: the chunk's sum is one dot product; else the loss is summed per position
+        per_pos = plan.chain is not None or not plan.mix.pure_kl
+        mixed = weight.new_zeros(steps, dtype=torch.float64) if per_pos else kl  # the objective's sums
         correct = weight.new_zeros(steps, dtype=torch.float64)
         hits = [torch.zeros(x.shape[0], dtype=torch.bool, device=x.device) for x in xs]
         gw = torch.zeros_like(weight, dtype=torch.float32) if plan.grad_weight else None
@@ -281,14 +328,18 @@ class ChunkedKL(torch.autograd.Function):
                 p = t_p[r]
                 # KL(p || q) summed over the chunk's positions = sum p log p - sum p log q; a mix
                 # needs it per position, pure KL only the chunk's sum (one dot product)
-                if plan.mix.pure_kl:
+                if not per_pos:
                     kl[k] += t_negent[r].sum().double() - torch.dot(p.flatten(), logq.flatten()).double()
                 else:
                     kl_pos = t_negent[r] - (p * logq).sum(-1)  # [n]
                     kl[k] += kl_pos.sum().double()
                     logp = t_logp[r] if plan.mix.rkl else None
                     q = logq.exp()
-                    mixed[k] += (plan.mix.kl * kl_pos + mix_terms(plan.mix, p, logp, logq, q)).sum().double()
+                    obj = plan.mix.kl * kl_pos + mix_terms(plan.mix, p, logp, logq, q)  # [n]
+                    if plan.chain is not None:
+                        cw = plan.chain.take(k, overlap(p, q), s, e)  # [n] chain weights
+                        obj = obj * cw
+                    mixed[k] += obj.sum().double()
                 pred = logits.argmax(-1)
                 hit = (pred + plan.d2t[pred]) == plan.targets[k][s:e]
                 hits[k][s:e] = hit
@@ -297,10 +348,13 @@ class ChunkedKL(torch.autograd.Function):
                     continue
                 # d loss / d logits (pure KL: weights[k] * (q - p), p sums to 1, in place), then in the
                 # logits' dtype as the unchunked backward casts it (under autocast: the same bf16 values)
-                if plan.mix.pure_kl:
+                if not per_pos:
                     g = logq.exp_().sub_(p).mul_(plan.weights[k]).to(logits.dtype)
                 else:
-                    g = mix_grad(plan.mix, p, logp, logq, q).mul_(plan.weights[k]).to(logits.dtype)
+                    g = mix_grad(plan.mix, p, logp, logq, q).mul_(plan.weights[k])
+                    if plan.chain is not None:
+                        g.mul_(cw[:, None])  # each position's row scaled by its chain weight
+                    g = g.to(logits.dtype)
                     del q, logp
                 del logq, p
                 if gxs:
@@ -335,11 +389,13 @@ class TTTObjective(nn.Module):
     blocks kept for backward; the reference the chunked loss is tested against).
     flex_shape: with flex attention, the rows and length buckets every micro-batch is padded to in
     it (flex_shape(tc)); None: each micro-batch's own (one-off use).
+    chain_weights: train.loss_chain, each step's loss at a position weighted by ChainWeights.
     """
 
     def __init__(self, drafter, target_head, steps: int, gamma: float, fc_input_scale=None,
                  teacher_temperature: float = 1.0, feature_noise: float = 0.0, attention: str = "sdpa",
-                 chunk_tokens: int | None = None, mix: LossMix = LossMix(), flex_shape: FlexShape | None = None):
+                 chunk_tokens: int | None = None, mix: LossMix = LossMix(), flex_shape: FlexShape | None = None,
+                 chain_weights: bool = False):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
@@ -351,6 +407,7 @@ class TTTObjective(nn.Module):
         self.attention = attention
         self.flex_shape = flex_shape
         self.mix = mix
+        self.chain_weights = chain_weights
         self.chunk_tokens = (max(1, LOSS_CHUNK_ELEMENTS // target_head.shape[0]) if chunk_tokens is None
                              else chunk_tokens)
         # validation sets keep_runs: forward then keeps (starts [R, T] bool, runs [R, T] int64) in `runs`
@@ -409,15 +466,17 @@ class TTTObjective(nn.Module):
         vis = [fixed_positions(valid.flatten(), n) for (_, valid), n in zip(masks, layout.counts)]
         xs = [d.norm(states[k].reshape(-1, H)[vi]) for k, vi in enumerate(vis)]  # [N_k, H]
         teacher = batch.last_hidden.reshape(-1, H)[need_idx]  # [N, H]
+        cw = ChainWeights(vis, R * T, input_ids.device) if self.chain_weights else None
         if self.chunk_tokens == 0:
-            kl, correct, loss, hits = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights)
+            kl, correct, loss, hits = self._unchunked(xs, vis, row_of, teacher, input_ids.flatten(), weights, cw)
         else:
             plan = KLPlan(rows=[row_of[vi + 1 + k] for k, vi in enumerate(vis)],
                           targets=[input_ids.flatten()[vi + 2 + k] for k, vi in enumerate(vis)], weights=weights,
                           bounds=layout.bounds, d2t=d.d2t, temperature=self.teacher_temperature,
                           chunk=self.chunk_tokens,
                           grad_weight=torch.is_grad_enabled() and d.lm_head.weight.requires_grad,
-                          grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs), mix=self.mix)
+                          grad_states=torch.is_grad_enabled() and any(x.requires_grad for x in xs), mix=self.mix,
+                          chain=cw)
             loss, kl, correct, *hits = ChunkedKL.apply(plan, d.lm_head.weight, self.target_head, teacher, *xs)
         counts = torch.stack([valid.sum() for _, valid in masks]).double()  # on the device: no host->device copy
         masked = torch.stack([m.sum() for m, _ in masks]).double()
@@ -434,9 +493,9 @@ class TTTObjective(nn.Module):
             self.runs = (masks[0][0], run.view(R, T))
         return loss, torch.stack([kl.detach().double(), counts, correct.double(), masked, chain], dim=1)
 
-    def _unchunked(self, xs, vis, row_of, teacher, flat_ids, weights):
+    def _unchunked(self, xs, vis, row_of, teacher, flat_ids, weights, chain=None):
         """The loss as one autograd graph over the whole micro-batch: (kl [steps], correct [steps], loss,
-        hits: per step [N_k] bool)."""
+        hits: per step [N_k] bool); chain: the ChainWeights that scale each position's term, or None."""
         d = self.drafter
         with torch.no_grad():
             t_logits = teacher @ self.target_head.t()  # [N, Dv]
@@ -451,8 +510,14 @@ class TTTObjective(nn.Module):
             # forward KL(p || q) summed over positions = sum p log p - sum p log q; the
             # cross term as one dot product (no [N_k, Dv] temporary in the forward)
             kl = t_negent[rows].sum() - torch.dot(t_p[rows].flatten(), logq.flatten())
-            obj = (kl if self.mix.pure_kl
-                   else self.mix.kl * kl + mix_terms(self.mix, t_p[rows], t_logp[rows], logq).sum())
+            if chain is None:
+                obj = (kl if self.mix.pure_kl
+                       else self.mix.kl * kl + mix_terms(self.mix, t_p[rows], t_logp[rows], logq).sum())
+            else:  # per position [N_k], each scaled by its (detached) chain weight
+                p = t_p[rows]
+                kl_pos = t_negent[rows] - (p * logq).sum(-1)
+                w = chain.take(k, overlap(p, logq.detach().exp()))
+                obj = ((self.mix.kl * kl_pos + mix_terms(self.mix, p, t_logp[rows], logq)) * w).sum()
             # every step's term stays in the graph (weight 0 when it has no position anywhere),
             # so every parameter gets a gradient on every rank
             loss = loss + weights[k] * obj

@@ -80,7 +80,8 @@ ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl":
                         "loss_tv": 0.0, "loss_top1": 0.0, "lr_schedule": "cosine", "cooldown_share": 0.2,
                         "ema": 0.0, "loss_skip_tokens": 0, "optimizer": "adamw", "method": "eagle3",
                         "norm_before_fc": False, "fc_norm": False, "norm_output": False, "mask_token_id": None,
-                        "dflash_anchors": 64, "block_size": None, "drafter_options": {}}
+                        "dflash_anchors": 64, "block_size": None, "drafter_options": {},
+                        "loss_chain": False}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 

@@ -15,7 +15,8 @@ __all__ = ["Drafter", "objective", "propose", "block_logits"]
 
 def objective(drafter, target_head, scale, o: ObjectiveOptions, cls=DFlashObjective):
     """The anchored-block objective (its own attention mask: o.attention and o.flex are the chain's)."""
-    return cls(drafter, target_head, o.gamma, o.anchors, scale, o.teacher_temperature, o.feature_noise, o.mix)
+    return cls(drafter, target_head, o.gamma, o.anchors, scale, o.teacher_temperature, o.feature_noise, o.mix,
+               o.chain_weights)
 
 
 def block_logits(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):

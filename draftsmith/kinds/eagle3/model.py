@@ -14,7 +14,7 @@ __all__ = ["Drafter", "objective", "propose"]
 def objective(drafter, target_head, scale, o: ObjectiveOptions):
     """The TTT objective over o.steps unrolled draft steps (flex attention over the run's FlexShape)."""
     return TTTObjective(drafter, target_head, o.steps, o.gamma, scale, o.teacher_temperature, o.feature_noise,
-                        o.attention, o.chunk_tokens, o.mix, o.flex)
+                        o.attention, o.chunk_tokens, o.mix, o.flex, o.chain_weights)
 
 
 def read_verified(dec, unread_ids: list[int], unread_aux, first_pos: int, cache):
