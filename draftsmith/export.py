@@ -7,7 +7,7 @@ The output, RUN/export/, is in the layout export.format names; the kind's packag
   (vllm/transformers_utils/configs/speculators/) for eagle3, peagle and the block kinds;
 - `eagle3` (an EAGLE-3 drafter with one Llama layer, three aux layers, no EAGLE-3.1 norm): the EAGLE-3 layout of the
   EAGLE authors and SpecForge, `LlamaForCausalLMEagle3`, that SGLang loads (python/sglang/srt/models/
-  llama_eagle3.py) and vLLM too; peagle, dflash, dspark and dflash2 are refused in one line (docs/kinds.md);
+  llama_eagle3.py) and vLLM too; the kinds it cannot hold are refused in one line (docs/kinds.md);
 - an MLA drafter, under either: its native EAGLE-3 folder (Eagle3DeepseekV3ForCausalLM), which vLLM reads.
 
     config.json        speculators: `speculators_model_type`, `transformer_layer_config` (the drafter's
