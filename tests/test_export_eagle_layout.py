@@ -44,9 +44,8 @@ from draftsmith.eval.stage import run_eval
 from draftsmith.export import load_exported, run_export
 from draftsmith.rundir import RunDir
 from draftsmith.target import target_info
+from test_export import AUX, DV, cfg_for, trained_run  # noqa: F401 (a fixture): the speculators tests' drafter
 
-AUX = [1, 3, 4]  # not the default ids, so that the test sees them travel (and their SGLang count, each - 1)
-DV = 64
 
 # The keys of SpecForge's draft config (configs/llama3-8B-eagle3.json) a drafter's config.json must have, bar those
 # of the target's tokenizer (bos/eos/pad ids) and transformers' own (initializer_range, use_cache, its version).
@@ -99,25 +98,14 @@ def sglang_load(names_shapes: dict[str, tuple], params: dict[str, list]) -> tupl
     return got, special, dropped
 
 
-def cfg_for(target, *sets):
-    return load_config(None, [f"target={target}", *sets])
-
-
-@pytest.fixture
-def checkpoint_run(tmp_path, tiny_target):
-    run = RunDir(tmp_path / "run").ensure()
-    write_drafter_checkpoint(run.path / "train" / "final", str(tiny_target), aux_layers=AUX, draft_vocab_size=DV)
-    return run
-
-
 def tensors(folder) -> dict[str, tuple[tuple, str]]:
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
 
 
-def test_the_eagle_layout_is_what_sglangs_loader_and_specforges_export_read(checkpoint_run, tiny_target):
-    run_export(checkpoint_run, cfg_for(tiny_target, "export.format=eagle3"))
-    out = checkpoint_run.path / "export"
+def test_the_eagle_layout_is_what_sglangs_loader_and_specforges_export_read(trained_run, tiny_target):
+    run_export(trained_run, cfg_for(tiny_target, "export.format=eagle3"))
+    out = trained_run.path / "export"
     cj = json.loads((out / "config.json").read_text())
     info = target_info(str(tiny_target))
     # the config keys SGLang reads (LlamaConfig through AutoConfig, then llama_eagle3's own) and SpecForge writes
@@ -146,32 +134,32 @@ def test_the_eagle_layout_is_what_sglangs_loader_and_specforges_export_read(chec
 
 
 @pytest.mark.parametrize("fmt", kinds.FORMATS)
-def test_each_format_reads_back_to_the_same_tensors_and_drafter_config(checkpoint_run, tiny_target, fmt):
+def test_each_format_reads_back_to_the_same_tensors_and_drafter_config(trained_run, tiny_target, fmt):
     """Round trip: the checkpoint exported in each format and imported gives its tensors (after the export dtype)
     and the same DrafterConfig, whichever format it went through."""
-    ckpt = load_file(str(checkpoint_run.path / "train" / "final" / "model.safetensors"))
-    run_export(checkpoint_run, cfg_for(tiny_target, f"export.format={fmt}"))
-    model, info = load_exported(checkpoint_run.path / "export", target_info=target_info(str(tiny_target)))
+    ckpt = load_file(str(trained_run.path / "train" / "final" / "model.safetensors"))
+    run_export(trained_run, cfg_for(tiny_target, f"export.format={fmt}"))
+    model, info = load_exported(trained_run.path / "export", target_info=target_info(str(tiny_target)))
     assert info["format"] == fmt and info["aux_layers"] == AUX and info["num_speculative_tokens"] == 3
     sd = model.state_dict()
     for name, t in ckpt.items():
         want = t if name in ("d2t", "t2d") else t.to(torch.bfloat16).float()
         assert torch.equal(sd[name], want), name
-    run_export(checkpoint_run, cfg_for(tiny_target, "export.format=speculators"))
-    _, ref = load_exported(checkpoint_run.path / "export")
+    run_export(trained_run, cfg_for(tiny_target, "export.format=speculators"))
+    _, ref = load_exported(trained_run.path / "export")
     assert info["config"] == ref["config"] and info["verifier"] == ref["verifier"]
-    assert kinds.of_export(json.loads((checkpoint_run.path / "export" / "config.json").read_text()),
+    assert kinds.of_export(json.loads((trained_run.path / "export" / "config.json").read_text()),
                            "config.json").name == "eagle3"
 
 
-def test_the_format_reexports_and_its_default_keeps_old_exports_current(checkpoint_run, tiny_target):
-    m1 = run_export(checkpoint_run, cfg_for(tiny_target))
+def test_the_format_reexports_and_its_default_keeps_old_exports_current(trained_run, tiny_target):
+    m1 = run_export(trained_run, cfg_for(tiny_target))
     assert m1["settings"]["export"].get("format") is None  # the default is left out: exports before it stay current
-    m2 = run_export(checkpoint_run, cfg_for(tiny_target, "export.format=eagle3"))
+    m2 = run_export(trained_run, cfg_for(tiny_target, "export.format=eagle3"))
     assert m2["fingerprint"] != m1["fingerprint"] and m2["format"] == "eagle3"
-    assert json.loads((checkpoint_run.path / "export" / "config.json").read_text())["architectures"] == [
+    assert json.loads((trained_run.path / "export" / "config.json").read_text())["architectures"] == [
         "LlamaForCausalLMEagle3"]
-    assert run_export(checkpoint_run, cfg_for(tiny_target, "export.format=eagle3")) == m2  # up to date
+    assert run_export(trained_run, cfg_for(tiny_target, "export.format=eagle3")) == m2  # up to date
 
 
 @pytest.mark.parametrize("method", [n for n in kinds.names() if "eagle3" not in kinds.get(n).formats])
@@ -198,9 +186,9 @@ def test_a_drafter_the_layout_cannot_hold_is_refused_at_export_start(tmp_path, t
     assert not (run.path / "export" / "config.json").exists()
 
 
-def test_the_two_aux_counts_must_agree_and_the_card_gives_sglangs_line(checkpoint_run, tiny_target):
-    run_export(checkpoint_run, cfg_for(tiny_target, "export.format=eagle3", "export.repo_id=acme/d"))
-    out = checkpoint_run.path / "export"
+def test_the_two_aux_counts_must_agree_and_the_card_gives_sglangs_line(trained_run, tiny_target):
+    run_export(trained_run, cfg_for(tiny_target, "export.format=eagle3", "export.repo_id=acme/d"))
+    out = trained_run.path / "export"
     card = (out / "README.md").read_text()
     assert "sglang" in card.split("---")[1] and "`export.format=eagle3`" in card
     assert ("python -m sglang.launch_server --model tiny --speculative-algorithm EAGLE3 "
