@@ -49,6 +49,8 @@ CARD = "README.md"
 PROVENANCE = "provenance.json"
 # what `hf upload` publishes of RUN/export (the rest is the stage's bookkeeping, which names this machine)
 PUBLISHED = ("config.json", "model.safetensors", CARD, PROVENANCE)
+# the export.format SGLang loads (the EAGLE-3 layout): its card gives an SGLang line beside vLLM's
+SGLANG_FORMAT = kinds.FORMATS[1]
 REPO_PLACEHOLDER = "YOUR-ORG/YOUR-DRAFTER"  # the card's serve and upload lines until export.repo_id names the repo
 
 
@@ -180,7 +182,9 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     chosen = chosen_k(found)  # draftsmith/speedup.py
     return {
         "target": target, "base_model": base_model(target, base_model_id),
-        "kind": _kind(cj), "sizes": _sizes(cj), "parameters": parameter_count(export_dir / "model.safetensors"),
+        "kind": _kind(cj), "format": kinds.layout_of(cj), "sizes": _sizes(cj),
+        "format_name": found.format_name(cj) if (found := kinds.format_of(cj)) else None,
+        "parameters": parameter_count(export_dir / "model.safetensors"),
         "aux_layers": kinds.export_aux(cj),
         "draft_vocab_size": cj.get("draft_vocab_size"), "vocab_size": layer.get("vocab_size"),
         "coverage": (man["vocab"].get("counts") or {}).get("coverage", man["vocab"].get("coverage")),
@@ -283,8 +287,10 @@ def card_front(f: dict) -> dict:
     # it brings would serve the drafter as a model. Left out, a repo created after August 2024 gets no library
     # guessed from its config.json (hub-docs docs/hub/model-cards.md, "Specifying a library"); the tags `vllm` and
     # `speculators` say what loads it, as on the speculators drafters RedHatAI publishes.
+    # An export in the EAGLE-3 layout says `sglang` instead of `speculators`: SGLang loads it (and vLLM too).
+    loads = ["sglang", "vllm"] if f["format"] == SGLANG_FORMAT else ["speculators", "vllm"]
     return {**({"base_model": f["base_model"]} if f["base_model"] else {}), "pipeline_tag": "text-generation",
-            "tags": ["speculative-decoding", f["kind"], "draftsmith", "speculators", "vllm"]}
+            "tags": ["speculative-decoding", f["kind"], "draftsmith", *loads]}
 
 
 def render_card(f: dict) -> str:
@@ -296,10 +302,12 @@ def render_card(f: dict) -> str:
     d, t, v = f["data"], f["train"], f["validation"] or {}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
              f"# {kinds.get(kind).label if kind in kinds.names() else kind} drafter for {_code(f['target'])}", "",
-             f"A draft model for speculative decoding of {_code(f['target'])} in vLLM, trained with draftsmith "
+             f"A draft model for speculative decoding of {_code(f['target'])} in "
+             f"{'SGLang and vLLM' if f['format'] == SGLANG_FORMAT else 'vLLM'}, trained with draftsmith "
              f"{__version__}. It proposes tokens that the target verifies; the output is the target's own.", "",
              "| | |", "| --- | --- |",
              f"| kind | `{kind}` |",
+             f"| format | {_cell(f['format_name'] or f['format'])} (`export.format={f['format']}`) |",
              f"| size | {sizes}; {_num(f['parameters'], ',d') if f['parameters'] else 'n/a'} parameters besides the "
              "target's embeddings, which it shares |",
              f"| target layers it reads (aux layer ids) | {f['aux_layers']} |",
@@ -339,6 +347,12 @@ def render_card(f: dict) -> str:
                   "one standard error)."]
     serve = shlex.join(["vllm", "serve", _shown(f["target"]), "--speculative-config",
                         json.dumps(f["serve"], sort_keys=True)])
+    if f["format"] == SGLANG_FORMAT:  # a chain of K drafts: one candidate per step, K + 1 tokens verified
+        k = int(f["serve"].get("num_speculative_tokens") or 3)
+        serve += "\n" + shlex.join(["python", "-m", "sglang.launch_server", "--model", _shown(f["target"]),
+                                    "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                                    _shown(f["repo"]), "--speculative-num-steps", str(k), "--speculative-eagle-topk",
+                                    "1", "--speculative-num-draft-tokens", str(k + 1)])
     upload = shlex.join(["hf", "upload", _shown(f["repo"]), "RUN/export",
                          *(a for p in PUBLISHED for a in ("--include", p))])
     lines += ["", "## Serve it", ""]

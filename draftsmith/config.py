@@ -544,6 +544,13 @@ class ExportConfig(_Section):
         "so in one line.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Dtype of the exported weights (d2t/t2d keep int64/bool).")
+    format: Literal[kinds.FORMATS] = Field(
+        "speculators", description="Layout of RUN/export (docs/kinds.md, \"Export formats\"): `speculators`, the "
+        "speculators format vLLM reads, for every kind; `eagle3`, the EAGLE-3 layout of the EAGLE authors and "
+        "SpecForge (`LlamaForCausalLMEagle3` config.json, `midlayer.*` weights) that SGLang loads, and vLLM too, for "
+        "an EAGLE-3 drafter with one decoder layer, three aux layers and no EAGLE-3.1 norm (the other kinds, refused "
+        "in one line as the config loads). An MLA drafter is written as its native Eagle3DeepseekV3ForCausalLM "
+        "folder under either.")
 
     @field_validator("base_model", "repo_id")
     @classmethod
@@ -645,6 +652,14 @@ class Config(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    @model_validator(mode="after")
+    def _an_export_format_the_kind_has(self) -> "Config":
+        try:  # the kind that training writes, in the layout export is asked for
+            kinds.get(self.train.method).check_format(self.export.format)
+        except DraftsmithError as e:
+            raise ValueError(str(e)) from None
+        return self
+
     def section(self, stage: str) -> dict[str, Any]:
         """Settings a stage's fingerprint depends on: the global keys plus its own section."""
         d = self.model_dump(mode="json")
@@ -676,6 +691,8 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
             field, sep, rest = msg.partition(": ")
             if sep and isinstance(inp, dict) and field in inp:
                 loc, msg = f"{loc}.{field}", rest  # a section's check across fields names the field it rejects
+            elif sep and not err["loc"] and "." in field and field.split(".")[0] in (inp or {}):
+                loc, msg = field, rest  # a check across sections names its key, `section.field`
         if err["loc"][-1:] == ("api_key_env",):
             # a key pasted here by mistake must not reach the terminal or a log
             msg = "must be the name of an environment variable (letters, digits, _), not the key itself"

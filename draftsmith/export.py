@@ -1,23 +1,36 @@
-"""`export`: turn a training checkpoint into a drafter folder that vLLM serves as is.
+"""`export`: turn a training checkpoint into a drafter folder that vLLM (or SGLang) serves as is.
 
-The output, RUN/export/, is in the format vLLM reads for the drafter's kind; the kind's package writes and reads
-it (kinds/<kind>/__init__.py): the speculators format (vllm/transformers_utils/configs/speculators/) for eagle3,
-peagle and the block kinds, the native EAGLE-3 folder (Eagle3DeepseekV3ForCausalLM) for an MLA drafter:
+The output, RUN/export/, is in the layout export.format names; the kind's package writes and reads it
+(kinds/<kind>/__init__.py: write_export, read_config, layout_keys):
 
-    config.json        the kind's config: `speculators_model_type`, `transformer_layer_config` (the drafter's
+- `speculators` (the default, every kind): the speculators format vLLM reads
+  (vllm/transformers_utils/configs/speculators/) for eagle3, peagle and the block kinds;
+- `eagle3` (an EAGLE-3 drafter with one Llama layer, three aux layers, no EAGLE-3.1 norm): the EAGLE-3 layout of the
+  EAGLE authors and SpecForge, `LlamaForCausalLMEagle3`, that SGLang loads (python/sglang/srt/models/
+  llama_eagle3.py) and vLLM too; the kinds it cannot hold are refused in one line (docs/kinds.md);
+- an MLA drafter, under either: its native EAGLE-3 folder (Eagle3DeepseekV3ForCausalLM), which vLLM reads.
+
+    config.json        speculators: `speculators_model_type`, `transformer_layer_config` (the drafter's
                        layers: shapes, eps, plain RoPE), `draft_vocab_size`, the target layer ids it reads,
                        `speculators_config` (proposal length and verifier = the target's Hub id or its name in
-                       the config, never this machine's path), plus a `draftsmith` block (the kind, the target
-                       name as given, architecture, config.json sha256 and folder fingerprint, checkpoint relative
-                       to the run, step, validation figures)
-    model.safetensors  the kind's tensors by vLLM's names, d2t, t2d (no embed_tokens: vLLM then shares the
-                       target's embeddings, which is what the drafter trained with)
+                       the config, never this machine's path); eagle3: a LlamaConfig's keys at the top level with
+                       `architectures: [LlamaForCausalLMEagle3]`, `draft_vocab_size`, `target_hidden_size`,
+                       `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang's count: each id - 1) and
+                       `eagle_aux_hidden_state_layer_ids` (vLLM's); both with a `draftsmith` block (the kind, the
+                       target name as given, architecture, config.json sha256 and folder fingerprint, checkpoint
+                       relative to the run, step, validation figures; outside speculators also the proposal length
+                       and the verifier)
+    model.safetensors  the kind's tensors by vLLM's names (eagle3: `layers.0.` as `midlayer.`), d2t, t2d (no
+                       embed_tokens: the engines then share the target's embeddings, which is what the drafter
+                       trained with)
     README.md          the model card (card.py), provenance.json beside it
 
     vllm serve TARGET --speculative-config "$(speculative_config(RUN/export, K))"
+    python -m sglang.launch_server --model TARGET --speculative-algorithm EAGLE3 \\
+        --speculative-draft-model-path RUN/export --speculative-num-steps K ...      (export.format=eagle3)
 
 The folder is built beside RUN/export/ and renamed into place, so RUN/export/ always holds a
-complete export or none. `load_exported(folder)` reads it back with every file and key checked.
+complete export or none. `load_exported(folder)` reads either layout back with every file and key checked.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from draftsmith.card import CARD, PROVENANCE, base_model, write_card
 from draftsmith.checkpoint_format import BEST_DIR, CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE, FINAL_DIR
 from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import log
-from draftsmith.rundir import RunDir, check_files, file_sha256, read_json_object, replace_dir
+from draftsmith.rundir import RunDir, check_files, file_sha256, fingerprinted, read_json_object, replace_dir
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import config_sha256, target_info, verifier_name
 
@@ -52,10 +65,11 @@ WEIGHTS_FILE = "model.safetensors"
 BOOKKEEPING = ("config.yaml", "progress.jsonl", "progress.prev.jsonl", "stage.log")
 
 
-def export_keys(config) -> dict[str, str]:
-    """Model parameter name -> name in the exported safetensors, for a DrafterConfig: its kind's
-    (kinds/<kind>/__init__.py: Kind.export_keys)."""
-    return kinds.get(config.kind).export_keys(config)
+def export_keys(config, fmt: str = kinds.FORMATS[0]) -> dict[str, str]:
+    """Model parameter name -> name in the exported safetensors, for a DrafterConfig in layout `fmt` (export.format):
+    its kind's (kinds/<kind>/__init__.py: Kind.export_keys, renamed by Kind.layout_keys)."""
+    kind = kinds.get(config.kind)
+    return kind.layout_keys(kind.export_keys(config), config, fmt)
 
 
 # optional in an export (vLLM uses the target's embeddings when it is absent)
@@ -142,12 +156,12 @@ def _meta_target(meta: dict) -> tuple[str | None, str | None]:
 # Shapes and checks shared by export and load_exported
 
 
-def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Export name -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
+def expected_shapes(config, fmt: str = kinds.FORMATS[0]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Export name (in layout `fmt`) -> (shape, kind) for a drafter config; kind is "float", "int64" or "bool".
     Built on the meta device: no memory, always in step with model/eagle3.py."""
     with torch.device("meta"):
         model = kinds.drafter_class(config)(config)
-    out, names = {}, export_keys(config)
+    out, names = {}, export_keys(config, fmt)
     for name, t in model.state_dict().items():
         kind = "int64" if t.dtype == torch.long else "bool" if t.dtype == torch.bool else "float"
         out[names.get(name) or OPTIONAL_KEYS[name]] = (tuple(t.shape), kind)
@@ -155,8 +169,8 @@ def expected_shapes(config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], config, *,
-                  allow_extra: tuple[str, ...] = ()) -> None:
-    """Check the names, shapes and dtypes of a safetensors file against `expected_shapes` without
+                  allow_extra: tuple[str, ...] = (), fmt: str = kinds.FORMATS[0]) -> None:
+    """Check the names, shapes and dtypes of a safetensors file in layout `fmt` against `expected_shapes` without
     loading it; a missing, extra or misshapen tensor is a one-line error naming file and key."""
     if not path.is_file():
         raise DraftsmithError(f"{path}: missing")
@@ -166,7 +180,7 @@ def check_tensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], Any]], co
             found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in keys}
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         raise DraftsmithError(f"{path}: not a readable safetensors file ({e})") from None
-    names = export_keys(config)
+    names = export_keys(config, fmt)
     for key in names.values():
         if key not in keys:
             raise DraftsmithError(f"{path}: missing tensor '{key}'")
@@ -253,6 +267,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     config_json = read_json_object(cpath)
     config, aux, spec_tokens, verifier = _config_from_export(config_json, str(cpath))
+    fmt = kinds.layout_of(config_json)
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
         target_info.check_layers(aux, field=where)
@@ -261,8 +276,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
             if mine != theirs:
                 raise DraftsmithError(f"{cpath}: the drafter's {name} is {mine} but the target "
                                       f"{target_info.name} has {theirs}")
-    shapes = expected_shapes(config)
-    check_tensors(wpath, shapes, config)
+    check_tensors(wpath, expected_shapes(config, fmt), config, fmt=fmt)
     sd = load_file(str(wpath))
     check_vocab_maps(sd["d2t"], sd["t2d"], str(wpath))
 
@@ -276,7 +290,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
             sd["embed_tokens.weight"] = embed_weight.detach().to("cpu", torch.float32)
         else:
             sd["embed_tokens.weight"] = model.embed_tokens.weight.detach().zero_()
-    param_sd = {name: sd[export] for name, export in {**export_keys(config), **OPTIONAL_KEYS}.items()}
+    param_sd = {name: sd[export] for name, export in {**export_keys(config, fmt), **OPTIONAL_KEYS}.items()}
     model.load_state_dict(param_sd, strict=True)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     # to(dtype) casts floating tensors only: d2t (int64) and t2d (bool) keep theirs
@@ -290,6 +304,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         "num_speculative_tokens": spec_tokens,
         "verifier": verifier,
         "has_embed_tokens": has_embed,
+        "format": fmt,
         "dtype": stored_dtype,
         "draftsmith": config_json.get("draftsmith") or {},
     }
@@ -364,9 +379,9 @@ def _read_checkpoint(run: RunDir, cfg, checkpoint: str | None) -> _Checkpoint:
     return _Checkpoint(ckpt, meta, state, config, kinds.get(config.kind), aux, info)
 
 
-def _served_tensors(weights_path: Path, config, kind, out_dtype) -> dict:
-    """The checkpoint's weights under vLLM's names in `out_dtype` (the vocabulary maps as they are), with
-    train.fc_input_norm's scale folded into fc."""
+def _served_tensors(weights_path: Path, config, kind, out_dtype, fmt: str) -> dict:
+    """The checkpoint's weights under the names of layout `fmt` (export.format) in `out_dtype` (the vocabulary maps
+    as they are), with train.fc_input_norm's scale folded into fc."""
     check_tensors(weights_path, expected_shapes(config), config, allow_extra=(FC_INPUT_SCALE,))
     sd = load_file(str(weights_path))
     check_vocab_maps(sd["d2t"], sd["t2d"], str(weights_path))
@@ -378,7 +393,7 @@ def _served_tensors(weights_path: Path, config, kind, out_dtype) -> dict:
         sd["fc.weight"] = sd["fc.weight"].float() * s[None, :]
         kind.fold_fc_scale(sd, s)
     return {export_name: (sd[name] if name in INDEX_KEYS else sd[name].to(out_dtype)).contiguous()
-            for name, export_name in export_keys(config).items()}
+            for name, export_name in export_keys(config, fmt).items()}
 
 
 @stage_run(STAGE)
@@ -388,12 +403,15 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     run.ensure()
     ck = _read_checkpoint(run, cfg, checkpoint)
     ckpt, meta, state, config, kind, aux, info = ck.folder, ck.meta, ck.state, ck.config, ck.kind, ck.aux, ck.info
+    fmt = cfg.export.format
+    kind.check_format(fmt, config, aux)  # what the layout cannot hold of this drafter, before anything is written
     meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
     ck_sha = file_sha256(weights_path)
     train_manifest = run.read_manifest("train")
     settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
-    # the card's alone: rewritten below
-    settings[STAGE] = {k: v for k, v in settings[STAGE].items() if k not in ("repo_id", "base_model")}
+    # repo_id and base_model: the card's alone, rewritten below; format at its default: the exports made before it
+    # existed stay up to date
+    settings[STAGE] = fingerprinted(settings[STAGE], ("repo_id", "base_model"), {"format": kinds.FORMATS[0]})
     # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
     inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha,
               "drafter_json_sha256": file_sha256(meta_path),
@@ -423,9 +441,9 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     with book.progress(total=1, unit="exports") as prog:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
                  f"dtype {dtype_name}")
-        tensors = _served_tensors(weights_path, config, kind, out_dtype)
-        config_json = kind.write_config(
-            config, aux, target_name=published, target_arch=info.architecture,
+        tensors = _served_tensors(weights_path, config, kind, out_dtype, fmt)
+        config_json = kind.write_export(
+            fmt, config, aux, target_name=published, target_arch=info.architecture,
             num_speculative_tokens=kinds.served_tokens(meta), dtype=dtype_name,
             # what identifies the target wherever the drafter is deployed: the name it is published as, its
             # architecture, the hash of its config.json, and the folder print training checked; what training
@@ -464,7 +482,8 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     _swap_into_place(built, home)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
-                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name},
+                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name,
+                              "format": fmt},
                        checked=[CONFIG_FILE, WEIGHTS_FILE])  # the card is rewritten by eval: not the drafter
 
 

@@ -30,6 +30,12 @@ KINDS = {
 }
 
 
+# export.format: the layouts an export folder can be written in (config.ExportConfig.format). "speculators": the
+# speculators format every kind has (vLLM); "eagle3": the EAGLE-3 layout of the EAGLE authors and SpecForge
+# (LlamaForCausalLMEagle3: config.json with eagle_config, midlayer.* weights) that SGLang loads, and vLLM too.
+FORMATS = ("speculators", "eagle3")
+
+
 def names() -> tuple[str, ...]:
     return tuple(KINDS)
 
@@ -54,6 +60,13 @@ def export_aux(config_json: dict) -> list[int] | None:
     """The target layer ids an export says it reads (each format keeps them under its own key)."""
     kind = format_of(config_json)
     return kind.aux_ids(config_json) if kind else None
+
+
+def layout_of(config_json: dict) -> str:
+    """The export.format an exported config.json is in: its kind's reading of it (the speculators format when no
+    kind reads it)."""
+    kind = format_of(config_json)
+    return kind.layout(config_json) if kind else FORMATS[0]
 
 
 def of_export(config_json: dict, where: str) -> "Kind":
@@ -111,6 +124,10 @@ class Kind:
     # at most OPTION_MAX, as every size a model has: bounds.py)
     options: dict[str, tuple[Any, str]] = {}
     OPTION_MAX = 1 << 20
+    formats = ("speculators",)  # the export.format values (FORMATS) its export can be written in
+    # why the EAGLE-3 layout (SGLang's LlamaForCausalLMEagle3: one causal Llama midlayer drafting a chain) cannot
+    # hold this kind: the line export.format=eagle3 is refused with
+    not_in_eagle_layout = ""
 
     # -- config --------------------------------------------------------------------------------
     def drafts(self, tc) -> int:
@@ -151,6 +168,26 @@ class Kind:
         """Raise ValueError when a DrafterConfig of this kind lacks what the kind needs."""
 
     # -- export --------------------------------------------------------------------------------
+    def check_format(self, fmt: str, config=None, aux_layers=None) -> None:
+        """Refuse, in one line naming export.format, a layout this kind's export cannot be written in; with a
+        DrafterConfig (and its aux layer ids), also what the layout cannot hold of that drafter."""
+        if fmt not in self.formats:
+            raise DraftsmithError(f"export.format: {fmt} cannot hold train.method={self.name}: "
+                                  f"{self.not_in_eagle_layout}; set export.format=speculators")
+
+    def layout(self, config_json: dict) -> str:
+        """The export.format of an exported config.json this kind reads."""
+        return FORMATS[0]
+
+    def write_export(self, fmt: str, config, aux_layers: list[int], **kw) -> dict:
+        """config.json of an export in layout `fmt` (write_config's keywords)."""
+        self.check_format(fmt, config, aux_layers)
+        return self.write_config(config, aux_layers, **kw)
+
+    def layout_keys(self, keys: dict[str, str], config, fmt: str) -> dict[str, str]:
+        """export_keys(config) renamed as layout `fmt` names the tensors in its file."""
+        return keys
+
     def reads(self, config_json: dict) -> bool:
         """Whether an exported config.json is in this kind's format."""
         return config_json.get("speculators_model_type") == self.speculators_type

@@ -23,6 +23,8 @@ class DFlash(Kind):
     vllm_method = "dflash"
     block = True
     architecture = "DFlashDraftModel"
+    not_in_eagle_layout = ("a block drafter (Qwen3 layers drafting a whole block in one non-causal pass from the "
+                           "target's context states), which a causal midlayer drafting a chain cannot hold")
 
     # -- config --------------------------------------------------------------------------------
     def block_size(self, tc) -> int:

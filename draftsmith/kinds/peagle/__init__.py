@@ -32,6 +32,9 @@ class PEagle(Eagle3):
     name = "peagle"
     label = "P-EAGLE"
     speculators_type = "peagle"
+    formats = ("speculators",)
+    not_in_eagle_layout = ("its later drafts read mask slots (mask_hidden, parallel drafting), which SGLang's "
+                           "LlamaForCausalLMEagle3 neither loads nor runs")
     parallel_drafting = True
     attentions = ("gqa",)
     architecture = "PEagleSpeculator"
