@@ -183,7 +183,7 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
     return {
         "target": target, "base_model": base_model(target, base_model_id),
         "kind": _kind(cj), "format": kinds.layout_of(cj), "sizes": _sizes(cj),
-        "format_name": found.format_name(cj) if (found := kinds.format_of(cj)) else None,
+        "format_name": reader.format_name(cj) if (reader := kinds.format_of(cj)) else None,
         "parameters": parameter_count(export_dir / "model.safetensors"),
         "aux_layers": kinds.export_aux(cj),
         "draft_vocab_size": cj.get("draft_vocab_size"), "vocab_size": layer.get("vocab_size"),

@@ -1510,3 +1510,14 @@ def test_each_kind_takes_the_targets_shape_and_refuses_what_vllm_cannot_serve(tm
         assert "\n" not in str(e.value)
     assert drafter_config(ds_info, cfg_for(ds, method="peagle", drafter_attention="gqa"), 64, 3).attention == "gqa"
     assert drafter_config(ds_info, cfg_for(ds, method="dflash"), 64, 3).attention == "gqa"
+
+
+def test_an_export_format_that_cannot_hold_the_drafter_is_refused_before_training(synth_run, tiny8, tmp_path):
+    """export.format=eagle3 holds one decoder layer: a two-layer drafter is refused as train starts, in one line
+    naming the field, not after the hours of training at export."""
+    run = copy_run(synth_run, tmp_path / "run")
+    cfg = cfg_for(tiny8, max_steps=2, num_layers=2, **{"export.format": "eagle3"})
+    with pytest.raises(DraftsmithError, match=r"^export.format: eagle3 cannot hold this drafter: the drafter has 2 "
+                                              r"decoder layers"):
+        run_train(run, cfg)
+    assert not (run.path / "train" / "checkpoints").exists() and run.read_manifest("train") is None

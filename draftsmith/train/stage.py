@@ -250,6 +250,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     # the init layer and the data are read and checked before anything in train/ is touched: a bad
     # value must not move a good run's checkpoints aside
     dcfg = drafter_config(info, cfg, int(d2t.numel()), len(layers))
+    # what export.format cannot hold of this drafter, said before hours of training rather than at export
+    kinds.get(dcfg.kind).check_format(cfg.export.format, dcfg, layers)
     init_layers = read_init_layers(info, tc, dcfg)
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
