@@ -102,11 +102,13 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
         split = cost_split(report)
-        report["k_choice"] = k_choice(report, records, kinds.of_export(drafter_config, str(export_dir)).block,
+        reader = kinds.format_of(drafter_config)  # None: a drafter from elsewhere of a type draftsmith has no kind for
+        report["k_choice"] = k_choice(report, records, bool(reader and reader.block),
                                       split["draft_pass"] if split else None)
         if report["k_choice"]:
-            report["k_choice"]["serve"] = speculative_config(export_dir, report["k_choice"]["best_k"])
             report["k_choice"]["split"] = split
+            report["k_choice"]["serve"] = (speculative_config(export_dir, report["k_choice"]["best_k"])
+                                           if reader is not None else None)
         report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
                                          prompts)
         write_report(d, report, run.path / "train" / "metrics.jsonl")
