@@ -179,3 +179,33 @@ def test_a_tracker_that_does_not_answer_or_cannot_write_is_dropped_within_its_bo
     assert any("mlflow: cannot start (TimeoutError: no answer in 6 s)" in x for x in lines), lines
     assert any("trackio: cannot start" in x and "a-file" in x for x in lines), lines
     assert not any("reporting to" in x for x in lines) and took < 60, (took, lines)
+
+
+def test_a_call_that_ends_after_its_bound_leaves_the_streams_it_finds(monkeypatch):
+    """A tracker call given up on (Worker.call's bound) that ends later, once the streams were handed back and
+    replaced (pytest closes each test's capture; CI once found sys.stdout closed a test later, when an unanswered
+    mlflow start ended its retries), leaves the streams as it finds them instead of putting back the old ones."""
+    import io
+    import threading
+
+    from draftsmith.train.trackers import Worker, _quiet
+
+    monkeypatch.setenv("DRAFTSMITH_TRACKER_WAIT_S", "0.2")
+    release = threading.Event()
+    ended = threading.Event()
+
+    def slow():
+        with _quiet():
+            release.wait(10)
+        ended.set()
+    before = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", before)
+    with pytest.raises(TimeoutError):
+        Worker("slow", say=lambda line: None).call(slow)
+    assert sys.stdout is before  # handed back at the bound
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", later)  # the next test's capture
+    before.close()
+    release.set()
+    assert ended.wait(10)
+    assert sys.stdout is later and not sys.stdout.closed

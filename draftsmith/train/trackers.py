@@ -107,9 +107,22 @@ class Worker:
 
 @contextlib.contextmanager
 def _quiet():
-    """Trackers print banners and hints on stdout and through logging; draftsmith's log says what matters."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    """Trackers print banners and hints on stdout and through logging; draftsmith's log says what matters.
+
+    Gotcha: this runs on a Worker's thread, and a call Worker.call gave up on can end minutes later (mlflow's
+    retries). By then the streams were handed back and may since have been replaced (pytest's per-test capture,
+    which it closes after the test): putting back the streams seen at entry would leave a closed file as
+    sys.stdout. So a stream is put back only while it is still this call's sink."""
+    sink_out, sink_err = io.StringIO(), io.StringIO()
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = sink_out, sink_err
+    try:
         yield
+    finally:
+        if sys.stdout is sink_out:
+            sys.stdout = out
+        if sys.stderr is sink_err:
+            sys.stderr = err
 
 
 class TensorBoard:
