@@ -209,3 +209,41 @@ def test_without_init_from_no_fingerprint_changes(tiny8):
     assert not {"init_from", "init_vocab"} & set(plain["train"]) and "init_from" not in plain
     # the same settings when init_vocab is written at its default, and a run from a released drafter differs
     assert _settings(cfg(tiny8, init_vocab="remap"), [2, 4, 5], "fp32") == plain
+
+
+def test_an_mla_drafter_for_a_deepseek_target_starts_whole(tmp_path):
+    """The MLA EAGLE-3 drafter (Eagle3DeepseekV3ForCausalLM, export's native folder for an MLA target) read back and
+    built: every weight the checkpoint's."""
+    from families import make_tiny
+    from draftsmith.released import vocab_maps
+
+    target = make_tiny("deepseek_v3", tmp_path / "ds")
+    run = RunDir(tmp_path / "run").ensure()
+    ckpt = write_drafter_checkpoint(run.path / "train/final", str(target), draft_vocab_size=64, seed=2)
+    run_export(run, load_config(None, [f"target={target}", "export.dtype=float32"]))
+    cj = json.loads((run.path / "export/config.json").read_text())
+    assert cj["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
+    c = load_config(None, [f"target={target}", f"train.init_from={run.path / 'export'}", "train.init_vocab=keep"])
+    info = target_info(str(target))
+    rel = open_released(c, info)
+    assert rel.config.attention == "mla" and rel.aux_layers == info.default_aux_layers()
+    d2t = torch.from_numpy(vocab_maps(rel, info)[0])
+    dcfg = drafter_config(info, c, int(d2t.numel()), 3, rel)
+    drafter, _, _ = build_drafter(dcfg, info, d2t, c.train, None, None, rel.aux_layers, lambda m: None, None, rel)
+    got, want = drafter.state_dict(), load_file(str(ckpt / "model.safetensors"))
+    assert set(got) - {"embed_tokens.weight"} == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_a_drafter_made_for_another_named_target_is_a_note(foreign, tiny8, tmp_path):
+    folder = shutil.copytree(foreign, tmp_path / "named")
+    cj = json.loads((folder / "config.json").read_text())
+    cj["speculators_config"]["verifier"]["name_or_path"] = "meta-llama/Llama-3.1-8B-Instruct"
+    (folder / "config.json").write_text(json.dumps(cj))
+    said = []
+    open_released(cfg(tiny8, init_from=str(folder)), target_info(str(tiny8)), said.append)
+    assert len(said) == 1 and "made for meta-llama/Llama-3.1-8B-Instruct" in said[0] and "shapes fit" in said[0]
+    said.clear()
+    open_released(cfg(tiny8, init_from=str(foreign)), target_info(str(tiny8)), said.append)
+    assert said == []  # made for this target: nothing to say
