@@ -40,8 +40,7 @@ CONFIG_FILE = "config.json"  # export.CONFIG_FILE (export imports torch)
 # The train settings that shape the drafter -> the DrafterConfig field the released drafter has for each: one set
 # (model_fields_set) to another value is refused, one left at its default follows the drafter.
 SHAPING = {"num_layers": "num_hidden_layers", "norm_before_fc": "norm_before_fc", "fc_norm": "fc_norm",
-           "norm_output": "norm_output", "mask_token_id": "mask_token_id", "block_size": "block_size",
-           "drafter_options": "options"}
+           "norm_output": "norm_output", "mask_token_id": "mask_token_id", "drafter_options": "options"}
 MAX_LAYERS = 32  # the most decoder layers a drafter may have (TrainConfig.num_layers' bound)
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -160,7 +159,7 @@ def preflight(cfg, say: Callable[[str], None] | None = None) -> None:
 
 def check_train(rel: Released, tc) -> None:
     """train.method must be the drafter's kind; a setting that shapes the drafter (SHAPING, drafter_attention) set to
-    another value than the drafter has is refused, naming both."""
+    another value than the drafter has is refused, naming both; a block kind's block must be the drafter's."""
     where = f"{FIELD} ({rel.folder.name})"
     c = rel.config
     if tc.method != c.kind:
@@ -173,6 +172,11 @@ def check_train(rel: Released, tc) -> None:
         if key in tc.model_fields_set and mine != theirs:
             raise DraftsmithError(f"train.{key}: {mine}, but {where} has {attr} {theirs}; unset it (the released "
                                   "drafter's architecture is the run's)")
+    block = kinds.get(c.kind).block_size(tc)  # a block kind's drafts a step: what drafter.json and the export say
+    if block != c.block_size:
+        raise DraftsmithError(f"train.block_size: the run drafts blocks of {block} tokens (train.block_size, else "
+                              f"ttt_steps + 1), but {where} drafts blocks of {c.block_size}; set "
+                              f"train.block_size={c.block_size}")
     if tc.drafter_attention not in ("auto", c.attention):
         raise DraftsmithError(f"train.drafter_attention: {tc.drafter_attention}, but {where} has {c.attention} "
                               "attention; unset it")

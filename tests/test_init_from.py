@@ -151,6 +151,16 @@ def test_the_drafter_fixes_extract_layers_kind_and_shape(foreign, tiny8):
         with pytest.raises(DraftsmithError, match=match):
             rel = open_released(c, info)
             aux_layers(c, info, rel)
+    # a block kind: the run's block must be the drafter's (its drafts a step are written in every artifact)
+    run = RunDir(foreign.parent / "dflash-run").ensure()
+    write_drafter_checkpoint(run.path / "train/final", str(tiny8), draft_vocab_size=64, kind="dflash", block_size=4,
+                             mask_token_id=1)
+    run_export(run, load_config(None, [f"target={tiny8}", "train.method=dflash"]))
+    c = cfg(tiny8, init_from=str(run.path / "export"), method="dflash", ttt_steps=5)
+    with pytest.raises(DraftsmithError, match=r"train.block_size: the run drafts blocks of 6 tokens .* drafts blocks "
+                                              r"of 4; set train.block_size=4"):
+        open_released(c, info)
+    assert open_released(cfg(tiny8, init_from=str(run.path / "export"), method="dflash"), info).config.block_size == 4
     for bad, match in [({"init_layer": 3}, "init_layer: not with init_from"),
                        ({"init_vocab": "keep"}, "init_vocab: keep keeps the vocabulary of train.init_from, which is "
                         "unset")]:
