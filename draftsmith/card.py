@@ -208,6 +208,7 @@ def card_facts(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, 
                   "loss_on": train_settings.get("loss_on", "assistant"),
                   "loss_skip_tokens": train_settings.get("loss_skip_tokens", 0)},
         "validation": ds.get("validation"), "checkpoint": ds.get("checkpoint"),
+        "init_from": ds.get("init_from") if isinstance(ds.get("init_from"), dict) else None,
         "validation_passes": ds.get("validation_passes"),
         "reports": found, "k_choice": chosen,
         "serve": {**serve, "model": repo, **({"num_speculative_tokens": chosen["best_k"]} if chosen else {})},
@@ -278,6 +279,17 @@ def _trained(t: dict) -> str:
             f"(the loss on {on}{skip}{part}), ")
 
 
+def _started_from(init: dict | None) -> list[str]:
+    """The card's row naming the released drafter training started from (train.init_from), if any."""
+    if not init:
+        return []
+    how = ("its draft vocabulary kept" if init.get("vocab") == "keep"
+           else "its LM head rows remapped to this run's draft vocabulary")
+    return [f"| started from (train.init_from) | {_cell(init.get('source'))} ({init.get('format')} format, sha256 "
+            f"`{str(init.get('sha256'))[:12]}`), every weight but the target's embeddings, {how}; fine-tuned from "
+            "there with a fresh optimizer |"]
+
+
 def card_front(f: dict) -> dict:
     """The card's YAML front matter from card_facts."""
     # No `library_name`: the Hub knows a library only by a key of huggingface.js packages/tasks/src/model-libraries.ts
@@ -324,6 +336,7 @@ def render_card(f: dict) -> str:
              f"{_num(t['minutes'], '.1f')} min of steps "
              f"({_num((t['wall_s'] or 0) / 60 if t['wall_s'] else None, '.1f')} min wall) on {t['world_size']} "
              "rank(s) |",
+             *_started_from(f["init_from"]),
              f"| validation (held-out samples, T=0, K={len(v.get('acceptance_per_position') or []) or 'n/a'}) | "
              + (f"acceptance length {_tau(v)}, per position "
                 f"{', '.join(_num(a, '.3f') for a in v.get('acceptance_per_position') or [])} over "
@@ -397,9 +410,10 @@ def provenance(run: RunDir, export_dir: Path) -> dict:
         inputs[f"export/{name}"] = _sha256(export_dir / name)
     for stage, name in (("generate", "samples.jsonl"), ("prepare", "samples.jsonl"), ("vocab", "vocab.safetensors")):
         inputs[f"{stage}/{name}"] = _sha256(run.path / stage / name)
+    started = {"init_from": ds["init_from"]} if isinstance(ds.get("init_from"), dict) else {}
     return scrub_paths({"draftsmith": __version__, "target": ds.get("target_id") or target,
-                        "target_fingerprint": ds.get("target_fingerprint"), "configs": configs, "sha256": inputs},
-                       run.path)
+                        "target_fingerprint": ds.get("target_fingerprint"), **started, "configs": configs,
+                        "sha256": inputs}, run.path)
 
 
 def write_card(run: RunDir, export_dir: Path, serve: dict, repo_id: str | None, reports: bool = True,

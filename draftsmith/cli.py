@@ -96,6 +96,9 @@ def run_stage(record: stages.Stage, values: dict) -> None:
     opts = [o for o in record.options if o not in stages.COMMON]
     cfg = stage_config(values[stages.CONFIG.name], values[stages.SETS.name],
                        **{o.key: o.override(values[o.name]) for o in opts if o.key})
+    from draftsmith.released import preflight  # pydantic, read with the config above; `status` must not pay for it
+
+    preflight(cfg, log)  # a released drafter (train.init_from) that does not fit: one line before any stage runs
     run_function = record.run_function()
     if record.threads(cfg):
         torch_threads(cfg)

@@ -371,6 +371,27 @@ class TrainConfig(_Section):
         "with train.num_layers > 1 the layers start from the target's layers N-num_layers+1..N (the later ones whole); "
         "None: random init. Why: with little data a random layer spends its first epochs relearning what the target's "
         "layers compute.")
+    init_from: str | None = Field(
+        None, min_length=1, description="Start training from a released drafter instead of from the target's weights: "
+        "a drafter folder (the speculators format: vLLM's, the peer's, draftsmith's own export; the EAGLE-3 layout of "
+        "the EAGLE authors and SpecForge, LlamaForCausalLMEagle3 with midlayer.* weights; an MLA drafter's "
+        "Eagle3DeepseekV3ForCausalLM folder), or a Hugging Face Hub id `org/name`, read through the Hugging Face "
+        "cache (fetched into it unless HF_HUB_OFFLINE=1, which reads the cache alone). Checked against the target "
+        "before any stage runs (hidden size, vocabulary, aux layer ids, layer count; a note when it names another "
+        "target). It fixes the drafter's kind (train.method must name it), layers, norms and attention (a train "
+        "setting set to another value is refused), and the aux layers extract stores (extract.layers: unset or the "
+        "same ids); the optimizer starts fresh and the embeddings stay the target's. Why: a released drafter has "
+        "learnt from more answers than most runs have; fine-tuned on your own (a lower train.lr and a short warm-up: "
+        "docs/pipeline.md, \"Starting from a released drafter\") it starts where it is, not from nothing. Not with "
+        "init_layer or fc_input_norm.")
+    init_vocab: Literal["remap", "keep"] = Field(
+        "remap", description="With train.init_from, the draft vocabulary. `keep`: the released drafter's own (vocab "
+        "writes its d2t/t2d, of its size, and reports their coverage of this run's answers; every weight starts as "
+        "released); `remap`: the run's own, counted by vocab as without init_from, the LM head rows of the tokens "
+        "both vocabularies hold copied from the released drafter and the others the target's head rows. Why both: "
+        "keep loses nothing the drafter learnt, remap fits the vocabulary to your answers' tokens. remap is the "
+        "default until a measurement (a released drafter fine-tuned on answers of other prompts, issue 70) picks "
+        "one.")
     freeze_lm_head: bool = Field(
         False, description="Keep the draft LM head at the target's own rows (no gradient): the drafter then has to "
         "produce a state the target's head reads as the target would, 4.7M fewer parameters to fit from little data "
@@ -510,6 +531,12 @@ class TrainConfig(_Section):
         if self.fc_input_norm and (self.fc_norm or self.norm_before_fc):
             raise ValueError("fc_input_norm: not with fc_norm or norm_before_fc (they norm fc's input already, and "
                              "a per-dimension scale before a norm cannot be folded into fc)")
+        if self.init_from is not None and self.init_layer is not None:
+            raise ValueError("init_layer: not with init_from (the released drafter's layers are the start)")
+        if self.init_from is not None and self.fc_input_norm:
+            raise ValueError("fc_input_norm: not with init_from (the released drafter's fc reads the states unscaled)")
+        if self.init_from is None and self.init_vocab != "remap":
+            raise ValueError(f"init_vocab: {self.init_vocab} keeps the vocabulary of train.init_from, which is unset")
         if self.optimizer == "muon" and self.fsdp:
             raise ValueError("optimizer: muon does not run under fsdp (its Newton-Schulz step needs whole matrices, "
                              "FSDP holds shards); use adamw, or DDP (fsdp: false)")

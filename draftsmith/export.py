@@ -54,7 +54,8 @@ from draftsmith.card import CARD, PROVENANCE, base_model, write_card
 from draftsmith.checkpoint_format import BEST_DIR, CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE, FINAL_DIR
 from draftsmith.model.config import DrafterConfig
 from draftsmith.progress import log
-from draftsmith.rundir import RunDir, check_files, file_sha256, fingerprinted, read_json_object, replace_dir
+from draftsmith.rundir import (RunDir, check_files, file_sha256, fingerprinted, published_path, read_json_object,
+                               replace_dir)
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import config_sha256, target_info, verifier_name
 
@@ -217,23 +218,13 @@ def check_vocab_maps(d2t, t2d, where: str) -> None:
 # The config.json vLLM reads: each kind's format (kinds/<kind>/__init__.py)
 
 
-def _config_from_export(config_json: dict, where: str):
-    """(DrafterConfig, aux ids, speculative tokens, verifier) from an exported config.json, checking what
-    vLLM and draftsmith need."""
-    # every size within what a model has, whatever the kind (bounds.py): an edited config.json is refused here
-    check_model_numbers(config_json, where, drafter=True)
-    if isinstance(config_json.get("transformer_layer_config"), dict):
-        check_model_numbers(config_json["transformer_layer_config"], f"{where}: transformer_layer_config", drafter=True)
-    return kinds.of_export(config_json, where).read_config(config_json, where)
-
-
 def speculative_config(folder: str | os.PathLike, num_speculative_tokens: int) -> dict:
     """The --speculative-config that serves the export in `folder` beside its target (its kind's: eagle3's
     method; P-EAGLE's with parallel_drafting, since vLLM 0.32 knows no method "peagle"; a block kind's with
     exactly block_size - 1 drafts)."""
     where = str(Path(folder) / CONFIG_FILE)
     cj = read_json_object(Path(folder) / CONFIG_FILE)
-    config, *_ = _config_from_export(cj, where)
+    config, *_ = kinds.read_export(cj, where)
     return kinds.get(config.kind).speculative_config(str(folder), config, int(num_speculative_tokens))
 
 
@@ -241,7 +232,7 @@ def exported_k(folder: str | os.PathLike) -> int:
     """The drafts per step the export in `folder` was made to be served with (its trained steps; a block
     drafter's block_size - 1): what `eval.num_speculative_tokens: auto` serves."""
     where = str(Path(folder) / CONFIG_FILE)
-    _, _, spec_tokens, _ = _config_from_export(read_json_object(Path(folder) / CONFIG_FILE), where)
+    _, _, spec_tokens, _ = kinds.read_export(read_json_object(Path(folder) / CONFIG_FILE), where)
     return int(spec_tokens)
 
 
@@ -266,7 +257,7 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
         raise DraftsmithError(f"{folder}: no such export folder")
     cpath, wpath = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     config_json = read_json_object(cpath)
-    config, aux, spec_tokens, verifier = _config_from_export(config_json, str(cpath))
+    config, aux, spec_tokens, verifier = kinds.read_export(config_json, str(cpath))
     fmt = kinds.layout_of(config_json)
     if target_info is not None:
         where = f"{cpath}: eagle_aux_hidden_state_layer_ids"
@@ -313,15 +304,6 @@ def load_exported(folder: str | os.PathLike, *, target_info=None, embed_weight=N
 
 # -------------------------------------------------------------------------------------------------
 # The stage
-
-
-def _relative(path: Path, root: Path) -> str:
-    """`path` relative to `root` when inside it, else its last two parts: what an export may record of a
-    local path (never the absolute one: the folder is published)."""
-    try:
-        return str(Path(path).resolve().relative_to(Path(root).resolve()))
-    except ValueError:
-        return str(Path(*Path(path).parts[-2:]))
 
 
 def _swap_into_place(built: Path, dest: Path) -> None:
@@ -413,7 +395,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     # existed stay up to date
     settings[STAGE] = fingerprinted(settings[STAGE], ("repo_id", "base_model"), {"format": kinds.FORMATS[0]})
     # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
-    inputs = {"checkpoint": _relative(ckpt, run.path), "checkpoint_sha256": ck_sha,
+    inputs = {"checkpoint": published_path(ckpt, run.path), "checkpoint_sha256": ck_sha,
               "drafter_json_sha256": file_sha256(meta_path),
               "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
     # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
@@ -452,11 +434,13 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
             draftsmith={"version": __version__, "kind": kind.name, "target": info.name,
                         "target_id": published, "target_architecture": info.architecture,
                         "target_config_sha256": config_sha256(info), "target_fingerprint": info.fingerprint,
-                        "checkpoint": _relative(ckpt, run.path), "step": state.get("step"),
+                        "checkpoint": published_path(ckpt, run.path), "step": state.get("step"),
                         "ttt_steps": kinds.served_tokens(meta), "aux_layers_trained": aux,
                         "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
                         # of how many validation passes (train/best: the figure is their maximum)
                         "validation_passes": state.get("validation_passes"),
+                        # the released drafter training started from (train.init_from; no local path in it)
+                        **({"init_from": meta["init_from"]} if meta.get("init_from") else {}),
                         "exported": time.time()},
         )
         home.parent.mkdir(parents=True, exist_ok=True)
@@ -482,7 +466,7 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     _swap_into_place(built, home)
     return book.finish(counts={"done": 1, "total": 1, "unit": "exports", "bytes": size, "step": state.get("step")},
                        outputs=[CONFIG_FILE, WEIGHTS_FILE, CARD, PROVENANCE], inputs=inputs,
-                       extra={"checkpoint": _relative(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name,
+                       extra={"checkpoint": published_path(ckpt, run.path), "aux_layers": aux, "dtype": dtype_name,
                               "format": fmt},
                        checked=[CONFIG_FILE, WEIGHTS_FILE])  # the card is rewritten by eval: not the drafter
 

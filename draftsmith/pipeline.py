@@ -23,6 +23,7 @@ from draftsmith import stages as registry
 from draftsmith.estimate import DEFAULT_PROMPT_TOKENS, HARDWARE, RUN_ESTIMATE, estimate_config, save_run_estimate
 from draftsmith.generate.samples import SAMPLES, measured_lengths
 from draftsmith.progress import error_line, log
+from draftsmith.released import preflight
 from draftsmith.host import gpu_names, release_device_memory, thread_policy
 from draftsmith.rundir import RunDir, atomic_write_json
 from draftsmith.store_format import format_name
@@ -52,6 +53,7 @@ def run_pipeline(run: RunDir, cfg, from_stage: str | None = None, until_stage: s
 
     One `run` per run folder, and none while a stage of it runs in another process: refused in
     one line before pipeline.json or any journal of the live one is touched."""
+    preflight(cfg, functools.partial(log, stage="run"))  # train.init_from refused in one line before any stage
     with run.run_lock():
         run.refuse_if_busy()
         return _run_stages(run, cfg, from_stage, until_stage, extra_engines, on_stage_done, retake_threads)

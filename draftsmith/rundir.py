@@ -467,6 +467,27 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def folder_sha256(files: list[Path]) -> str:
+    """sha256 over `files` (each its name, a NUL, its bytes), in the order given: what identifies a drafter folder
+    from elsewhere (its config.json, then its weight files: eval.drafter, train.init_from)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(regular_file(f), "rb") as fh:  # a FIFO would hang this read
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def published_path(path: str | os.PathLike, root: str | os.PathLike) -> str:
+    """`path` relative to `root` when inside it, else its last two parts: what a published file (an export, its
+    provenance) may record of a local path, never the absolute one."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(root).resolve()))
+    except ValueError:
+        return str(Path(*Path(path).parts[-2:]))
+
+
 # ---------------------------------------------------------------------------------------------
 # The run directory
 

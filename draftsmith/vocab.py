@@ -14,6 +14,10 @@ Outputs (docs/run-directory.md), both written atomically:
   [target_vocab_size], `counts` int64 [target_vocab_size]; its metadata carries the fingerprint.
 - `vocab/vocab.json`: sizes, coverage, counts, the target and prepare fingerprints.
 
+With train.init_from and train.init_vocab=keep (draftsmith/released.py) the vocabulary is the released drafter's
+own d2t/t2d, of its size, not counted: the stage still counts the answers' tokens and reports the coverage those
+maps reach on them, and vocab.json names the drafter (`init_from`).
+
 Later stages read it with `load_vocab`, which refuses a vocabulary built for another target, size
 or prepared data.
 """
@@ -31,6 +35,7 @@ from draftsmith import DraftsmithError, heldout
 from draftsmith.journal import fmt_count
 from draftsmith.prepared_format import iter_prepared, prepared_groups
 from draftsmith.progress import log
+from draftsmith.released import draft_vocab_size, open_released, vocab_maps
 from draftsmith.rundir import RunDir, atomic_path, atomic_write_json
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.target import target_info
@@ -110,16 +115,19 @@ def run_vocab(run: RunDir, cfg) -> dict:
     prep = upstream(run, "prepare", by="draftsmith vocab")
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
     check_target(run, "prepare", prep, info)
-    size = cfg.vocab.draft_vocab_size
+    rel = open_released(cfg, info)
+    kept = rel if rel is not None and rel.keeps_vocab else None  # train.init_vocab=keep: the drafter's own
+    size = draft_vocab_size(cfg, rel)
     if size > info.vocab_size:
         raise DraftsmithError(
             f"vocab.draft_vocab_size: {size} is larger than the vocabulary of target {info.name} "
             f"({info.vocab_size} tokens)")
     tc = cfg.train
     # the held-out split's settings are vocab's too: the samples it leaves out of the counts
-    book = StageBook(run, STAGE, cfg, settings={**cfg.section(STAGE), "version": VOCAB_VERSION,
-                                                "held_out": heldout.settings(tc)},
-                     upstream={"prepare": prep}, target=info)
+    settings = {**cfg.section(STAGE), "version": VOCAB_VERSION, "held_out": heldout.settings(tc)}
+    if kept is not None:  # its maps are the output: their contents in the print (a run without one keeps its own)
+        settings["init_from"] = kept.settings()
+    book = StageBook(run, STAGE, cfg, settings=settings, upstream={"prepare": prep}, target=info)
     fp = book.fingerprint
     d = run.stage_dir(STAGE)
     st_path, json_path = d / "vocab.safetensors", d / "vocab.json"
@@ -141,11 +149,12 @@ def run_vocab(run: RunDir, cfg) -> dict:
         if total == 0:
             raise DraftsmithError(f"{prep_path.parent / 'samples.jsonl'}: no loss-masked tokens to count")
         distinct = int((counts > 0).sum())
-        d2t, t2d = select_draft_vocab(counts, size)
+        d2t, t2d = select_draft_vocab(counts, size) if kept is None else vocab_maps(kept, info)
         covered = int(counts[t2d].sum())
         coverage = covered / total
-        filled = max(0, size - distinct)
-        prog.log(f"draft vocab {size} of {info.vocab_size} covers {coverage:.1%} of {fmt_count(total)} "
+        filled = max(0, size - distinct) if kept is None else 0
+        whose = "" if kept is None else f" (kept from the released drafter {kept.source}, train.init_vocab=keep)"
+        prog.log(f"draft vocab {size} of {info.vocab_size}{whose} covers {coverage:.1%} of {fmt_count(total)} "
                  f"loss-masked tokens ({distinct} distinct tokens seen"
                  + (f"; {filled} unseen ids fill the rest" if filled else "")
                  + (f"; the {len(held)} samples validation holds out not counted" if held else "") + ")")
@@ -157,6 +166,8 @@ def run_vocab(run: RunDir, cfg) -> dict:
             "target_fingerprint": info.fingerprint,
             "prepare_fingerprint": prep.get("fingerprint"), "fingerprint": fp,
         }
+        if kept is not None:
+            vocab_info["init_from"] = kept.record(run.path)
         meta = {k: str(vocab_info[k])
                 for k in ("fingerprint", "prepare_fingerprint", "target_fingerprint", "draft_vocab_size")}
         with atomic_path(st_path) as tmp:

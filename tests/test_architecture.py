@@ -163,9 +163,11 @@ def test_every_name_the_code_reads_is_defined():
 # where a key acts). A key that another module starts to read fails here until its reason is written down.
 SHARED_TRAIN_KEYS = {
     "block_size": ("kinds/__init__.py", "kinds/dflash/__init__.py"),  # refused for chain kinds; a block's size
-    "drafter_attention": ("estimate.py", "train/drafter.py"),  # sized without torch; built
+    # sized without torch; built; set against a released drafter's (train.init_from) refused before any stage
+    "drafter_attention": ("estimate.py", "released.py", "train/drafter.py"),
     "max_minutes": ("demo.py", "train/schedule.py"),  # the demo's prompts around training's minutes; the budget
-    "method": ("estimate.py", "train/drafter.py"),  # the kind's drafter sized without torch; built
+    # the kind's drafter sized without torch; a released drafter's kind held to it before any stage; built
+    "method": ("estimate.py", "released.py", "train/drafter.py"),
     "mode": ("stages.py", "train/data.py"),  # extract runs for offline training; the source of the states
     "seed": ("train/data.py", "train/drafter.py"),  # the data's order; the drafter's first weights
     "validation": ("heldout.py", "train/stage.py"),  # the split vocab and train make; train's line that it is off

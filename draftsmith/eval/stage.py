@@ -16,7 +16,6 @@ was found different. Evaluating the run's own export rewrites its model card (ca
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +33,7 @@ from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggre
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
 from draftsmith.export import CONFIG_FILE, exported_k, speculative_config
 from draftsmith.prompts import Prompt, load_prompts
-from draftsmith.rundir import RunDir, append_json_line, read_json_object, regular_file
+from draftsmith.rundir import RunDir, append_json_line, folder_sha256, read_json_object
 from draftsmith.speedup import choice as k_choice, summary as k_summary
 from draftsmith.stage import StageBook, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
@@ -166,13 +165,7 @@ def drafter_source(run: RunDir, drafter: str | None) -> tuple[dict, Path]:
     weights = sorted(folder.glob("*.safetensors"))
     if not (folder / CONFIG_FILE).is_file() or not weights:
         raise DraftsmithError(f"eval.drafter={drafter}: not a drafter folder (needs {CONFIG_FILE} and *.safetensors)")
-    h = hashlib.sha256()
-    for f in [folder / CONFIG_FILE, *weights]:
-        h.update(f.name.encode() + b"\0")
-        with open(regular_file(f), "rb") as fh:  # a FIFO would hang this read
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-    return {"fingerprint": h.hexdigest(), "drafter": str(folder)}, folder
+    return {"fingerprint": folder_sha256([folder / CONFIG_FILE, *weights]), "drafter": str(folder)}, folder
 
 
 def _append_answers(ctx: EngineContext, answers: Path, done: dict[str, dict]) -> None:

@@ -28,6 +28,7 @@ from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, M
 from draftsmith.journal import env_rank
 from draftsmith.prepared_format import Prepared, index_prepared, prepared_path
 from draftsmith.progress import log
+from draftsmith.released import aux_layers, open_released
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
@@ -52,8 +53,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
     prep = upstream(run, "prepare", by="draftsmith extract")
     info = target.info if target is not None else target_info(cfg.target, cfg.trust_remote_code)
     check_target(run, "prepare", prep, info)
-    layers = info.check_layers(list(extract_cfg.layers) if extract_cfg.layers is not None
-                               else info.default_aux_layers())
+    layers = aux_layers(cfg, info, open_released(cfg, info))  # a released drafter's (train.init_from), if any
     prepared_path(run, by="draftsmith extract")  # refuses a missing prepare/samples.jsonl before anything starts
     compute_dtype = _compute_dtype(cfg, target)
     settings = {"target": cfg.target, "layers": layers, "shard_size": extract_cfg.shard_size,

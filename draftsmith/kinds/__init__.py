@@ -19,6 +19,7 @@ import importlib
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.bounds import check_model_numbers
 
 # name -> the package that owns the kind
 KINDS = {
@@ -84,6 +85,16 @@ def of_export(config_json: dict, where: str) -> "Kind":
         raise DraftsmithError(f"{where}: draftsmith.kind says {written!r} but the file is a {found.name} export "
                               f"({found.format_name(config_json)})")
     return found
+
+
+def read_export(config_json: dict, where: str):
+    """(DrafterConfig, aux ids, speculative tokens, verifier) from an exported config.json in any layout, checking
+    what vLLM and draftsmith need: its sizes bounded (bounds.py: an edited config.json is refused here), then its
+    kind's reading (of_export)."""
+    check_model_numbers(config_json, where, drafter=True)
+    if isinstance(config_json.get("transformer_layer_config"), dict):
+        check_model_numbers(config_json["transformer_layer_config"], f"{where}: transformer_layer_config", drafter=True)
+    return of_export(config_json, where).read_config(config_json, where)
 
 
 def of_meta(meta: dict) -> str:

@@ -32,6 +32,7 @@ from draftsmith.extract.store import ExtractStore
 from draftsmith.extract.vllm_backend import open_client, server_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.prepared_format import iter_prepared
+from draftsmith.released import Released, aux_layers, check_store_layers
 from draftsmith.stage import recorded_target_fingerprint, upstream
 from draftsmith.store_format import BF16
 from draftsmith.target import load_target
@@ -284,9 +285,9 @@ def pack_rows(rows: list[list[dict]], arena: HostArena | None = None, *, codec: 
 # Upstream: what the mode reads, checked against the target and the config
 
 
-def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
-    """The aux layers of the extract store, refusing a store of another target, other layers,
-    another hidden size or other prepared data than the current ones."""
+def _check_store(run, cfg, info, store: ExtractStore, rel: Released | None) -> list[int]:
+    """The aux layers of the extract store, refusing a store of another target, other layers (than extract.layers, or
+    than the released drafter `rel` reads), another hidden size or other prepared data than the current ones."""
     meta = store.meta
     where = run.stage_dir("extract", create=False) / "meta.json"
     fp = recorded_target_fingerprint(meta)
@@ -298,6 +299,7 @@ def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
     if cfg.extract.layers is not None and list(cfg.extract.layers) != layers:
         raise DraftsmithError(f"extract.layers: {list(cfg.extract.layers)} differs from the layers {layers} that "
                               f"{where} was extracted with; rerun `draftsmith extract --run {run.path}`")
+    check_store_layers(rel, layers, where)
     if int(meta.get("hidden_size", info.hidden_size)) != info.hidden_size:
         raise DraftsmithError(f"{where}: hidden_size {meta.get('hidden_size')} but target {info.name} has "
                               f"{info.hidden_size}")
@@ -313,18 +315,17 @@ def _check_store(run, cfg, info, store: ExtractStore) -> list[int]:
     return layers
 
 
-def open_upstream(run, cfg, info) -> tuple[list[int], dict[str, dict], ExtractStore | None]:
-    """(aux layers, upstream manifests by stage, the extract store or None) for train.mode,
-    refusing missing or mismatched inputs."""
+def open_upstream(run, cfg, info, rel: Released | None = None
+                  ) -> tuple[list[int], dict[str, dict], ExtractStore | None]:
+    """(aux layers, upstream manifests by stage, the extract store or None) for train.mode, refusing missing or
+    mismatched inputs; `rel`: the released drafter the run starts from, whose aux layers it reads."""
     if cfg.train.mode == "offline":
         extract_manifest = upstream(run, "extract", by="draftsmith train (train.mode=offline; or use --mode online)",
                                     target=info)
         store = ExtractStore(run)
-        return _check_store(run, cfg, info, store), {"extract": extract_manifest}, store
+        return _check_store(run, cfg, info, store, rel), {"extract": extract_manifest}, store
     prepare_manifest = upstream(run, "prepare", by="draftsmith train (train.mode=online)", target=info)
-    layers = info.check_layers(list(cfg.extract.layers) if cfg.extract.layers is not None
-                               else info.default_aux_layers())
-    return layers, {"prepare": prepare_manifest}, None
+    return aux_layers(cfg, info, rel), {"prepare": prepare_manifest}, None
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """The drafter before its first step: its config from the target's, its weights from the target's
 (embeddings, the LM head's rows at the draft ids, the final norm; with train.init_layer also
-decoder layers), and with train.fc_input_norm the factor its fc input is scaled by."""
+decoder layers), and with train.fc_input_norm the factor its fc input is scaled by. A run that starts from a
+released drafter (train.init_from: draftsmith/released.py) takes its config and every weight but the embeddings
+from it (with train.init_vocab=remap the LM head's rows of the tokens both vocabularies hold)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -9,6 +12,7 @@ import torch
 from draftsmith import DraftsmithError, kinds
 from draftsmith.model.config import DrafterConfig
 from draftsmith.model.init import check_target_layer, init_from_target, init_layer_from_target
+from draftsmith.released import Released, load as load_released
 from draftsmith.target import language_model_names, load_target, read_tensor
 from draftsmith.train.distributed import Ranks, from_rank0, on_rank0
 from draftsmith.train.objective import fc_input_scale
@@ -71,10 +75,14 @@ def read_target_layer(info, n: int) -> dict:
 # The drafter
 
 
-def drafter_config(info, cfg, draft_vocab_size: int, num_aux_layers: int) -> DrafterConfig:
+def drafter_config(info, cfg, draft_vocab_size: int, num_aux_layers: int,
+                   rel: Released | None = None) -> DrafterConfig:
     """The drafter's shape from the target's (text) config, with train.num_layers decoder layers and fc over
     num_aux_layers target states (the store's layers), and what its kind (train.method) sets
-    (kinds/<kind>/__init__.py: Kind.config_options)."""
+    (kinds/<kind>/__init__.py: Kind.config_options); from a released drafter `rel`, its own config (released.py
+    checked it against the target and the train settings) with the run's draft vocabulary."""
+    if rel is not None:
+        return replace(rel.config, draft_vocab_size=draft_vocab_size)
     hf_cfg = info.identity.view()
     tc = cfg.train
     attention, options = kinds.get(tc.method).config_options(tc, hf_cfg, tc.drafter_attention)
@@ -125,13 +133,14 @@ def read_init_layers(info, tc, dcfg: DrafterConfig) -> list[dict] | None:
 
 
 def build_drafter(dcfg: DrafterConfig, info, d2t, tc, first_batch, init_layers: list[dict] | None,
-                  aux_layers: list[int], say, ranks: Ranks | None = None):
+                  aux_layers: list[int], say, ranks: Ranks | None = None, rel: Released | None = None):
     """(drafter, target_head, fc input scale) before the first step, seeded with train.seed.
 
     target_head: W_d [Dv, H] float32, the target lm_head's rows at the draft ids (the objective's
     teacher). The scale ([3H], or None without train.fc_input_norm) comes from `first_batch()`,
     the first micro-batch of epoch 0: the same on every rank and after a resume. With several
-    `ranks`, rank 0 alone reads the target's tensors (read_target_weights).
+    `ranks`, rank 0 alone reads the target's tensors (read_target_weights). `rel`: the released drafter whose
+    weights it starts from (start_from_released).
     """
     embed, head, norm = read_target_weights(info, log=say, ranks=ranks)
     torch.manual_seed(tc.seed)
@@ -140,6 +149,8 @@ def build_drafter(dcfg: DrafterConfig, info, d2t, tc, first_batch, init_layers: 
     init_from_target(drafter, embed.float(), head.float(), None if norm is None else norm.float(), draft_ids)
     target_head = head[draft_ids].float()  # W_d [Dv, H]
     del embed, head
+    if rel is not None:
+        start_from_released(drafter, rel, info, draft_ids, say)
     scale = None
     if tc.fc_input_norm:
         scale = fc_input_scale(first_batch())
@@ -153,3 +164,36 @@ def build_drafter(dcfg: DrafterConfig, info, d2t, tc, first_batch, init_layers: 
         drafter.lm_head.weight.requires_grad_(False)  # stays the target's rows; still saved and exported
         say("draft LM head frozen at the target's rows")
     return drafter, target_head, scale
+
+
+def start_from_released(drafter, rel: Released, info, draft_ids, say) -> None:
+    """Every weight of `drafter` (built from the target: embeddings, head rows, final norm) but embed_tokens, which
+    stay the target's, from the released drafter `rel`. init_vocab keep: d2t, t2d and the LM head as released (the
+    run's vocabulary must be the drafter's); remap: the run's vocabulary (draft_ids [Dv], its target ids), the LM
+    head's rows of the tokens the released vocabulary also holds copied from it, the others left at the target's."""
+    src, _ = load_released(rel, info)
+    theirs = src.state_dict()
+    own = drafter.state_dict()
+    where = f"train.init_from ({rel.folder.name})"
+    if rel.keeps_vocab and not torch.equal(theirs["d2t"], own["d2t"]):
+        raise DraftsmithError(f"vocab/vocab.safetensors: not the draft vocabulary of {where}, which "
+                              "train.init_vocab=keep trains with; rerun `draftsmith vocab`")
+    vocab_part = () if rel.keeps_vocab else ("lm_head.weight", "d2t", "t2d")
+    with torch.no_grad():
+        for name, t in own.items():
+            if name != "embed_tokens.weight" and name not in vocab_part:
+                t.copy_(theirs[name])
+        if rel.keeps_vocab:
+            say(f"started from {where}: every weight as released but the embeddings (the target's), its draft "
+                f"vocabulary of {draft_ids.numel()} tokens kept")
+            return
+        # remap: the released row of each run draft token it holds; [V] target id -> released row, -1 for none
+        row_of = torch.full((info.vocab_size,), -1, dtype=torch.long)
+        released_ids = theirs["d2t"] + torch.arange(theirs["d2t"].numel())
+        row_of[released_ids] = torch.arange(released_ids.numel())
+        rows = row_of[draft_ids]
+        shared = rows >= 0
+        own["lm_head.weight"][shared] = theirs["lm_head.weight"][rows[shared]]
+    say(f"started from {where}: every weight as released but the embeddings (the target's) and the LM head, whose "
+        f"rows of the {int(shared.sum())} of {draft_ids.numel()} draft tokens the released vocabulary of "
+        f"{released_ids.numel()} also holds are copied from it (the others: the target's head rows)")

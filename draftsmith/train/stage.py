@@ -46,6 +46,7 @@ from draftsmith.journal import env_rank
 from draftsmith.model.ttt import FLEX_GRAPHS
 from draftsmith.prepared_format import iter_prepared, prepared_groups
 from draftsmith.progress import Progress, log
+from draftsmith.released import Released, draft_vocab_size, open_released
 from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted, read_json_object
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
@@ -81,7 +82,7 @@ ADDED_LATER_DEFAULTS = {"freeze_lm_head": False, "max_minutes": None, "loss_kl":
                         "ema": 0.0, "loss_skip_tokens": 0, "optimizer": "adamw", "method": "eagle3",
                         "norm_before_fc": False, "fc_norm": False, "norm_output": False, "mask_token_id": None,
                         "dflash_anchors": 64, "block_size": None, "drafter_options": {},
-                        "loss_chain": False}
+                        "loss_chain": False, "init_from": None, "init_vocab": "remap"}
 
 say = functools.partial(log, stage=STAGE)  # console on rank 0, and stage.log
 
@@ -185,6 +186,10 @@ def _train_in_group(run, cfg, ranks: Ranks, started: float, cpu0: float) -> dict
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
         with ts.book.progress(total=ts.total_steps, unit="steps", done=ts.start_step, console=False,
                               shared=True) as prog, DeferredStop(say) as stop:
+            if inputs.released is not None and ts.validation is not None and ts.step == 0:
+                # the released drafter on this run's held-out answers before any step: what it does as released
+                say(f"validating the released drafter ({inputs.released.source}) before the first step")
+                _validate(ts, prog, None)
             fit(ts, prog, stop)  # a SIGTERM/SIGINT: the step's checkpoint, then raised (train/stop.py)
             manifest = finish(ts, prog)
             if stop.requested:  # it came during the last step or finish: the run is complete, and still stops
@@ -210,6 +215,7 @@ class Inputs:
     precision: str  # train.precision resolved: "bf16" or "fp32"
     attention: str  # train.attention resolved: "sdpa" or "flex"
     book: StageBook  # fingerprint, settings and upstream manifests
+    released: Released | None = None  # the released drafter training starts from (train.init_from), else None
 
 
 def read_inputs(run, cfg, ranks: Ranks, started: float) -> Inputs:
@@ -217,19 +223,20 @@ def read_inputs(run, cfg, ranks: Ranks, started: float) -> Inputs:
     ones, and the stage's book (its fingerprint). Writes nothing."""
     tc = cfg.train
     info = target_info(cfg.target, cfg.trust_remote_code, log=say)
-    layers, upstream, store = open_upstream(run, cfg, info)
+    rel = open_released(cfg, info, say)
+    layers, upstream, store = open_upstream(run, cfg, info, rel)
     d2t, t2d, vocab_info = load_vocab(run, expect_target_fingerprint=info.fingerprint,
-                                      expect_size=cfg.vocab.draft_vocab_size, by="draftsmith train")
+                                      expect_size=draft_vocab_size(cfg, rel), by="draftsmith train")
     if t2d.numel() != info.vocab_size:
         raise DraftsmithError(f"vocab/vocab.safetensors: t2d has {t2d.numel()} entries but target {info.name} "
                               f"has a vocabulary of {info.vocab_size}")
     upstream["vocab"] = run.read_manifest("vocab")
     precision = resolve_precision(tc.precision, ranks.device)
     attention = resolve_attention(tc.attention, ranks.device)
-    book = StageBook(run, STAGE, cfg, settings=_settings(cfg, layers, precision), upstream=upstream, target=info,
-                     started=started)
+    book = StageBook(run, STAGE, cfg, settings=_settings(cfg, layers, precision, rel), upstream=upstream,
+                     target=info, started=started)
     return Inputs(info=info, layers=layers, store=store, d2t=d2t, vocab_info=vocab_info, precision=precision,
-                  attention=attention, book=book)
+                  attention=attention, book=book, released=rel)
 
 
 def finished_run(run, inputs: Inputs) -> dict | None:
@@ -249,7 +256,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
 
     # the init layer and the data are read and checked before anything in train/ is touched: a bad
     # value must not move a good run's checkpoints aside
-    dcfg = drafter_config(info, cfg, int(d2t.numel()), len(layers))
+    dcfg = drafter_config(info, cfg, int(d2t.numel()), len(layers), inputs.released)
     # what export.format cannot hold of this drafter, said before hours of training rather than at export
     kinds.get(dcfg.kind).check_format(cfg.export.format, dcfg, layers)
     init_layers = read_init_layers(info, tc, dcfg)
@@ -286,7 +293,7 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                                                 # on the host in float32: the stored states decoded
                                                 lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
                                                     torch.device("cpu"), torch.float32),
-                                                init_layers, layers, say, ranks)
+                                                init_layers, layers, say, ranks, inputs.released)
     kind, opts = kinds.get(dcfg.kind), objective_options(tc, attention)
     objective = kind.runtime().objective(drafter, target_head, scale, opts).to(ranks.device)
     meta = {
@@ -295,6 +302,8 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
         "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
         "ttt_steps": opts.steps, "train_fingerprint": fp, "precision": precision, **drafter_record(tc),
     }
+    if inputs.released is not None:  # what it started from: export's config.json, provenance and card name it
+        meta["init_from"] = inputs.released.record(run.path)
 
     # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
     # the other ranks the weights) once the optimizer exists
@@ -396,12 +405,15 @@ def _resume_fingerprint(book: StageBook) -> str:
     return replace(book, settings=settings).fingerprint
 
 
-def _settings(cfg, layers: list[int], precision: str) -> dict:
+def _settings(cfg, layers: list[int], precision: str, rel: Released | None = None) -> dict:
     """What the manifest records and the fingerprint covers: the train section (less
-    NOT_FINGERPRINTED, less ADDED_LATER_DEFAULTS at their defaults), the aux layers, the precision used."""
+    NOT_FINGERPRINTED, less ADDED_LATER_DEFAULTS at their defaults), the aux layers, the precision used, and the
+    released drafter's contents when the run starts from one."""
     section = cfg.section(STAGE)
     section[STAGE] = fingerprinted(section[STAGE], NOT_FINGERPRINTED, ADDED_LATER_DEFAULTS)
     settings = {**section, "aux_layers": layers, "precision_used": precision, "version": TRAIN_VERSION}
+    if rel is not None:
+        settings["init_from"] = rel.settings()
     if (served := served_states(cfg)) is not None:
         settings["online_states"] = served
     return settings
