@@ -63,6 +63,8 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     if _zygote is not None:
         _zygote.close()
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller times the whole suite
+        return
     budget = _suite_budget(session.config)
     t0 = session.config.stash.get(_T0, None)
     if budget is None or t0 is None or time.monotonic() - t0 <= budget:
