@@ -821,6 +821,9 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
     if prompt_tokens < 0 or (answer_tokens is not None and answer_tokens < 1):
         raise DraftsmithError(f"--prompt-tokens {prompt_tokens} / --answer-tokens {answer_tokens}: the mean tokens "
                               "of a prompt (0 or more) and of an answer (1 or more)")
+    from draftsmith.released import as_trained  # pydantic: `status`, which imports this module, must not pay for it
+
+    cfg = as_trained(cfg)  # a released drafter (train.init_from) fixes the drafter's shape and the store's layers
     if target_config is None:
         from draftsmith.target import resolve_target  # may convert the embedded GGUF target (torch)
 

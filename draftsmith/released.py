@@ -153,6 +153,22 @@ def preflight(cfg, say: Callable[[str], None] | None = None) -> None:
     open_released(cfg, target_info(cfg.target, cfg.trust_remote_code), say)
 
 
+def as_trained(cfg):
+    """`cfg` as the run trains it from the released drafter train.init_from names (`cfg` itself when unset): the
+    drafter's layers, attention and kind options, its aux layer ids as extract.layers, and with init_vocab=keep its
+    vocabulary's size. What `estimate` sizes: the drafter and the store are the released drafter's, whatever
+    train.num_layers and vocab.draft_vocab_size say (open_released refused a setting that contradicts it)."""
+    rel = open_released(cfg)
+    if rel is None:
+        return cfg
+    c = rel.config
+    train = cfg.train.model_copy(update={"num_layers": c.num_hidden_layers, "drafter_attention": c.attention,
+                                         "drafter_options": dict(c.options)})
+    extract = cfg.extract.model_copy(update={"layers": list(rel.aux_layers)})
+    vocab = cfg.vocab.model_copy(update={"draft_vocab_size": draft_vocab_size(cfg, rel)})
+    return cfg.model_copy(update={"train": train, "extract": extract, "vocab": vocab})
+
+
 # -------------------------------------------------------------------------------------------------
 # Checks
 

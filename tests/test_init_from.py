@@ -257,3 +257,22 @@ def test_a_drafter_made_for_another_named_target_is_a_note(foreign, tiny8, tmp_p
     said.clear()
     open_released(cfg(tiny8, init_from=str(foreign)), target_info(str(tiny8)), said.append)
     assert said == []  # made for this target: nothing to say
+
+
+def test_estimate_sizes_the_released_drafter_not_the_train_settings(tiny8, tmp_path):
+    """A released drafter of two layers with its own aux layers and vocabulary: `estimate` sizes what train will build
+    from it (released.as_trained), as if those were the settings, not train.num_layers' one layer."""
+    from draftsmith.estimate import estimate_config
+
+    run = RunDir(tmp_path / "run").ensure()
+    write_drafter_checkpoint(run.path / "train/final", str(tiny8), aux_layers=[1, 3, 6], draft_vocab_size=64,
+                             num_layers=2)
+    run_export(run, load_config(None, [f"target={tiny8}", "export.dtype=float32"]))
+
+    def est(*sets):
+        return estimate_config(load_config(None, [f"target={tiny8}", "generate.limit=1000", *sets]), "h100", 1, None,
+                               100, 200)
+    released = est(f"train.init_from={run.path / 'export'}", "train.init_vocab=keep")
+    spelled = est("train.num_layers=2", "extract.layers=[1, 3, 6]", "vocab.draft_vocab_size=64")
+    assert released == spelled
+    assert released != est("extract.layers=[1, 3, 6]", "vocab.draft_vocab_size=64")  # one layer: sized smaller
