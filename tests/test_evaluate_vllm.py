@@ -276,6 +276,33 @@ def test_vllm_engine_warns_when_counters_are_shared(exported_run, fake_vllm):
     assert "is another client using the server?" in log
 
 
+def test_a_server_of_our_own_that_dies_mid_eval_is_said_with_its_reason(fake_vllm):
+    """A request to a server eval started that fails because the server is gone (its API server exited, or its engine
+    died behind it: VLLMServer.exited) is one line with that reason and the log's last lines, not the request's
+    connection error; a server given by eval.server, whose process eval cannot see, keeps the request's error."""
+    from draftsmith.eval.vllm import VLLMChat
+
+    srv = fake_vllm()
+    url = srv.url + "/v1"
+    srv.close()  # the server has gone away
+    why = ("vLLM server's engine process (EngineCore) is gone (3s) while its API server (pid 7) still runs; "
+           "log eval/vllm.log: EngineCore died | RuntimeError: out of memory")
+    ours, theirs = VLLMChat(url, 30.0, gone=lambda: why), VLLMChat(url, 30.0)
+    for client in (ours, theirs):
+        client.model = "/models/target"
+    for call in (ours.connect, ours.counters, lambda: ours.chat([{"role": "user", "content": "hi"}], 4, 0.0, 0, "p1")):
+        with pytest.raises(DraftsmithError) as e:
+            call()
+        assert str(e.value) == f"eval: {why}"
+    with pytest.raises(DraftsmithError, match=r"^eval.server=.*: not reachable as a vLLM server"):
+        theirs.connect()
+    with pytest.raises(DraftsmithError, match=r"^eval: .*/metrics: no answer$"):
+        theirs.counters()
+    with pytest.raises(DraftsmithError, match=r"^eval: prompt p1: ") as e:
+        theirs.chat([{"role": "user", "content": "hi"}], 4, 0.0, 0, "prompt p1")
+    assert "EngineCore" not in str(e.value)
+
+
 def test_vllm_settings_do_not_change_the_local_fingerprint(exported_run):
     run, target, prompts = exported_run
     base = [f"target={target}", "dtype=float32", f"eval.prompts={prompts}", "eval.limit=1", "eval.max_tokens=4"]

@@ -19,7 +19,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from draftsmith import DraftsmithError, kinds
 from draftsmith.eval.engine import EngineContext, prompt_seed, read_engine_info, resume_records, write_engine_info
@@ -95,17 +95,25 @@ class VLLMChat:
     chat completions one at a time, timed, and the speculative-decoding counters around them.
     Nothing is retried: a request sent twice would move the counters for two."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, gone: Callable[[], str | None] | None = None):
         self.server = normalize_server(url, "eval.server")
         self.url = root_url(self.server)  # root: /metrics, /version, /health
         self.http = OpenAIClient([self.server], timeout_s=timeout_s)
         self.model: str | None = None
+        # a server of our own: why it is gone (VLLMServer.exited: its exit code, or a dead engine behind a live API
+        # server, with its log's last lines), asked when a request fails so that the error says that instead
+        self.gone = gone
+
+    def _failed(self, message: str) -> DraftsmithError:
+        """The error of a failed request: `message`, or why our server is gone when it is."""
+        why = self.gone() if self.gone is not None else None
+        return DraftsmithError(f"eval: {why}" if why else message)
 
     def connect(self) -> "VLLMChat":
         try:
             models, _ = self.http.request("GET", "/models", server=self.server, parse=served_models)
         except SampleFailed as e:
-            raise DraftsmithError(f"eval.server={self.url}: not reachable as a vLLM server ({e.error})") from None
+            raise self._failed(f"eval.server={self.url}: not reachable as a vLLM server ({e.error})") from None
         if not models:
             raise DraftsmithError(f"eval.server={self.url}: serves no model (/v1/models is empty)")
         self.model = models[0]["id"]
@@ -121,8 +129,7 @@ class VLLMChat:
     def counters(self) -> SpecCounters:
         r = self.http.get_root(self.server, "/metrics")
         if r is None or r.status_code != 200:
-            raise DraftsmithError(f"eval: {self.url}/metrics: "
-                                  + ("no answer" if r is None else f"HTTP {r.status_code}"))
+            raise self._failed(f"eval: {self.url}/metrics: " + ("no answer" if r is None else f"HTTP {r.status_code}"))
         return spec_counters(r.text)
 
     def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int,
@@ -134,7 +141,7 @@ class VLLMChat:
         try:
             data, _ = self.http.request("POST", "/chat/completions", body, server=self.server)
         except SampleFailed as e:
-            raise DraftsmithError(f"eval: {what}: {e.error}") from None
+            raise self._failed(f"eval: {what}: {e.error}") from None
         seconds = time.perf_counter() - t0
         return {**data["choices"][0], "usage": data.get("usage") or {}}, seconds
 
@@ -217,7 +224,7 @@ def vllm_engine(ctx: EngineContext) -> Iterator[dict]:
         return
     spec = speculative_config(ctx.export_dir, K)
     with _server(ctx, target_dir, vllm_server_args(cfg, spec), SERVER_LOG, python, f"drafter, K={K}") as srv:
-        yield from _decode_on(VLLMChat(srv.url, timeout_s), srv, ctx, info, baseline)
+        yield from _decode_on(VLLMChat(srv.url, timeout_s, gone=srv.exited), srv, ctx, info, baseline)
 
 
 def _decode_on(client: VLLMChat, srv: VLLMServer | None, ctx: EngineContext, info: dict,
@@ -250,7 +257,7 @@ def _vllm_baseline(ctx: EngineContext, missing: list, target_dir: str, python, t
     eval_cfg, prog, d = ctx.cfg.eval, ctx.prog, ctx.stage_dir
     with _server(ctx, target_dir, vllm_server_args(ctx.cfg, None), BASELINE_LOG, python,
                  "baseline, no drafting") as srv:
-        client = VLLMChat(srv.url, timeout_s).connect()
+        client = VLLMChat(srv.url, timeout_s, gone=srv.exited).connect()
         about = {"args": srv.command()[1:], "vllm_version": client.version(),
                  "startup_s": round(srv.startup_s, 1), "log": BASELINE_LOG}
         try:
