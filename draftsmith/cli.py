@@ -197,6 +197,9 @@ def estimate_cmd(
     load_rate: Annotated[Optional[float], typer.Option(
         help="GB/s the target's weights are read at on each server start (default: the profile's, printed with "
         "its source).")] = None,
+    disk_rate: Annotated[Optional[float], typer.Option(
+        help="GB/s the run directory's disk reads and writes (default: the profile's local disk; a network volume "
+        "can be far slower, and offline training reads the whole store every epoch).")] = None,
     from_run: Annotated[Optional[Path], typer.Option(
         "--from", help="A run directory (a pilot on the same hardware): take each finished stage's measured rate "
         "from its manifests and scale it to this recipe; the rest stays modelled.")] = None,
@@ -205,7 +208,7 @@ def estimate_cmd(
     """Estimate disk, memory per device and time of each stage, before running it."""
     cfg = stage_config(config, sets)
     rates = run_rates(from_run) if from_run is not None else None  # a bad --from fails before any work
-    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens, load_rate)
+    e = estimate_config(cfg, hardware, devices, target_config, prompt_tokens, answer_tokens, load_rate, disk_rate)
     if rates is not None:
         e = apply_run_rates(e, rates)
     print(json.dumps(e) if json_out else render(e))

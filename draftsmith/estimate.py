@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -716,9 +716,11 @@ def cost_train(c: CostContext) -> StageCost:
     train_compute, data_thread = train_tps, None
     if tr.mode == "offline":  # the slowest of the drafter's compute, the disk and the ranks' data threads
         data_thread = ranks * DATA_THREAD_BYTES_PER_S / c.bytes_per_token
-        train_tps = min(train_tps, hw.disk_bw / c.bytes_per_token, data_thread)
+        bounds = {"compute": train_tps, "disk": hw.disk_bw / c.bytes_per_token, "data_threads": data_thread}
+        bound = min(bounds, key=bounds.__getitem__)
+        train_tps = bounds[bound]
     else:  # the target's forward runs beside the drafter on every batch
-        train_tps = 1 / (1 / train_tps + 1 / c.prefill)
+        train_tps, bound = 1 / (1 / train_tps + 1 / c.prefill), "compute_and_prefill"
     epochs = (tr.epochs if tr.max_steps is None
               else tr.max_steps * tr.batch_tokens * tr.grad_accum * ranks / max(c.tokens, 1))
     if tr.max_minutes is not None:  # the clock stops training first when its minutes hold fewer passes
@@ -728,7 +730,7 @@ def cost_train(c: CostContext) -> StageCost:
     row = {"tokens": c.tokens * epochs, "disk": c.checkpoint_bytes * (tr.keep_checkpoints + 1),
            "memory": memory["total"], "seconds": c.tokens * epochs / train_tps}
     return StageCost(row, rates={"train": train_tps, "train_compute": train_compute, "train_data_thread": data_thread},
-                     report={"train_memory": {**memory, "device": hw.mem,
+                     report={"train_bound": bound, "train_memory": {**memory, "device": hw.mem,
                                               "fits_with": fit_knobs(tr, t, hw, c.gpus, draft_vocab, c.num_aux)},
                              "train_notes": train_notes(tr)},
                      own_fit_line=True)
@@ -760,10 +762,13 @@ def cost_eval(c: CostContext) -> StageCost:
 
 
 def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, answer_tokens: int,
-             load_rate: float | None = None) -> dict[str, Any]:
+             load_rate: float | None = None, disk_rate: float | None = None) -> dict[str, Any]:
     """Per-stage tokens, disk bytes, peak memory per device and seconds (a served stage's seconds include its
-    servers' starts: `load_s`); `load_rate`: bytes/s the target's weights are read at (None: the profile's).
+    servers' starts: `load_s`); `load_rate`: bytes/s the target's weights are read at (None: the profile's);
+    `disk_rate`: bytes/s the run directory's disk reads and writes (None: the profile's; a network volume can be 15x
+    below a local NVMe disk, and offline training reads the whole store every epoch).
     Each stage `run` runs under `cfg` is costed by its record's `estimate` (stages.py), in the registry's order."""
+    hw = hw if disk_rate is None else replace(hw, disk_bw=disk_rate)
     c = cost_context(cfg, t, hw, gpus, prompt_tokens, answer_tokens, load_rate)
     costs = {s.name: registry.load(s.estimate)(c) for s in registry.REGISTRY.values() if s.runs(cfg)}
     stages = {name: cost.row for name, cost in costs.items()}
@@ -795,6 +800,8 @@ def estimate(cfg, t: TargetShape, hw: Hardware, gpus: int, prompt_tokens: int, a
                  "starts": {name: round(s.get("load_s", 0.0) / c.start) if c.start else 0
                             for name, s in stages.items() if s.get("load_s")}},
         "device_memory": hw.mem,
+        "disk_source": "--disk-rate" if disk_rate else "assumption: the profile's local disk",
+        "train_bound": None,  # the train stage's report: which rate decides its tokens/s
         "train_notes": [],  # the train stage's report
         "assumptions": {"prompt_tokens": prompt_tokens, "answer_tokens": c.answer, **asdict(hw)},
     }
@@ -811,7 +818,8 @@ def planned_answer_tokens(cfg) -> int:
 
 
 def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None, prompt_tokens: int,
-                    answer_tokens: int | None, load_rate: float | None = None) -> dict[str, Any]:
+                    answer_tokens: int | None, load_rate: float | None = None,
+                    disk_rate: float | None = None) -> dict[str, Any]:
     """`estimate` for a validated config on a named hardware profile; the target's shape from
     `target_config` (a config.json) or, when None, from the target the config names."""
     if hardware not in HARDWARE:
@@ -834,8 +842,11 @@ def estimate_config(cfg, hardware: str, devices: int, target_config: Path | None
     answer = answer_tokens if answer_tokens is not None else planned_answer_tokens(cfg)
     if load_rate is not None and not (math.isfinite(load_rate) and load_rate > 0):
         raise DraftsmithError(f"--load-rate {load_rate}: GB/s the target's weights are read at, above 0")
+    if disk_rate is not None and not (math.isfinite(disk_rate) and 0 < disk_rate <= 1e4):
+        raise DraftsmithError(f"--disk-rate {disk_rate}: GB/s the run directory's disk reads and writes, above 0 "
+                              "and at most 10,000")
     return estimate(cfg, shape, HARDWARE[hardware], devices, prompt_tokens, answer,
-                    None if load_rate is None else load_rate * 1e9)
+                    None if load_rate is None else load_rate * 1e9, None if disk_rate is None else disk_rate * 1e9)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1057,5 +1068,24 @@ def rate_sources(e: dict) -> list[str]:
                    f"{EXTRACT_HOST_BYTES_PER_S / 1e9:.2f} GB/s of connector file a thread, measured on a 2-core "
                    "EPYC, times the threads estimate.extract_host_tokens_per_s credits)")
     if "train" not in taken:
-        out.append(f"- train: {tps['train']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)")
+        out.append(train_rate_line(e, spec))
     return out
+
+
+TRAIN_BOUNDS = {"compute": "the drafter's compute", "disk": "the disk reading the store",
+                "data_threads": "the ranks' data threads decoding the store",
+                "compute_and_prefill": "the drafter's compute and the target's prefill beside it (online)"}
+
+
+def train_rate_line(e: dict, spec: str) -> str:
+    """The train rate with the bound that decides it named, and the other bounds' rates beside it (offline)."""
+    a, tps = e["assumptions"], e["tokens_per_s"]
+    if e.get("train_bound") is None:  # an estimate.json written before the bound was recorded
+        return f"- train: {tps['train']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)"
+    compute = f"compute {tps['train_compute']:,.0f} tok/s ({spec}; {a['mfu_train']:.0%} MFU: assumption)"
+    line = f"- train: {tps['train']:,.0f} tok/s, bound by {TRAIN_BOUNDS[e['train_bound']]}: {compute}"
+    if tps.get("train_data_thread") is not None:  # offline: the disk and the data threads too
+        disk = a["disk_bw"] / e["bytes_per_token"]
+        line += (f"; disk {disk:,.0f} tok/s ({a['disk_bw'] / 1e9:.2f} GB/s, {e.get('disk_source', 'assumption')}; "
+                 f"{e['bytes_per_token']:,} bytes a token); data threads {tps['train_data_thread']:,.0f} tok/s")
+    return line

@@ -526,3 +526,38 @@ def test_estimate_sizes_the_attention_each_kind_trains(family, tmp_path):
             assert estimated == trainable, (kind, asked)
             checked += 1
     assert checked >= len(kinds.names())  # auto builds every kind beside either target
+
+
+def test_the_disk_rate_bounds_offline_training_and_the_bound_is_named():
+    """Kimi-K2.5's recipe trains offline from a 0.5 TB store: at the profile's 3 GB/s local disk the disk, not the
+    drafter's compute, decides its rate (the issue's "35 % MFU" line was a disk bound), and a network volume's
+    0.21 GB/s (--disk-rate) makes extract and train several times longer; the rate line names the bound and the
+    disk's source."""
+    from draftsmith.estimate import render
+
+    shape = target_shape(REPO / "configs" / "targets" / "kimi-k2.5.json")
+    cfg = load_config(REPO / "configs" / "kimi-k2.5-8xh200.yaml")
+    local = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800)
+    slow = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800, disk_rate=0.21e9)
+    assert local["train_bound"] == slow["train_bound"] == "disk"
+    assert local["tokens_per_s"]["train"] == pytest.approx(3.0e9 / local["bytes_per_token"])
+    assert slow["tokens_per_s"]["train"] == pytest.approx(0.21e9 / slow["bytes_per_token"])
+    assert local["tokens_per_s"]["train"] < local["tokens_per_s"]["train_compute"]
+    for stage in ("extract", "train"):
+        assert slow["stages"][stage]["seconds"] > 1.5 * local["stages"][stage]["seconds"], stage
+    line = next(x for x in render(slow).splitlines() if x.startswith("- train:"))
+    assert "bound by the disk reading the store" in line and "0.21 GB/s, --disk-rate" in line
+    assert "assumption: the profile's local disk" in render(local)
+    # where the drafter's compute is slower than the disk, it is the bound named
+    fast = estimate(cfg, shape, HARDWARE["h200"], 8, prompt_tokens=300, answer_tokens=1800, disk_rate=1e12)
+    assert fast["train_bound"] == "compute" and fast["tokens_per_s"]["train"] == fast["tokens_per_s"]["train_compute"]
+    assert "bound by the drafter's compute" in render(fast)
+
+
+def test_cli_disk_rate(cli):
+    fast = json.loads(cli("estimate", "configs/demo.yaml", "--json", check=True).stdout)
+    slow = json.loads(cli("estimate", "configs/demo.yaml", "--json", "--disk-rate", "0.001", check=True).stdout)
+    assert slow["stages"]["extract"]["seconds"] > fast["stages"]["extract"]["seconds"]
+    for bad in ("0", "-1", "inf", "nan"):
+        p = cli("estimate", "configs/demo.yaml", "--disk-rate", bad)
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--disk-rate" in p.stderr, p.stderr
