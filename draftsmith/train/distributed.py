@@ -171,6 +171,19 @@ def on_rank0(fn: Callable[[], Any], ranks: Ranks) -> Any:
     return box[0]
 
 
+def first_refusal(line: str | None, ranks: Ranks) -> None:
+    """Each rank's own check (`line`: why it refuses, or None) decided together: when any rank refuses, every rank
+    raises the first refusal's line, rank order, as a DraftsmithError (one rank raising alone would leave the others
+    waiting in their next collective)."""
+    lines = [line]
+    if ranks.world > 1:
+        lines = [None] * ranks.world
+        dist.all_gather_object(lines, line)
+    first = next((x for x in lines if x is not None), None)
+    if first is not None:
+        raise DraftsmithError(first)
+
+
 def from_rank0(tensors: list | None, ranks: Ranks) -> list:
     """Rank 0's `tensors` (a list of tensors or None) on every rank, on the CPU: first their
     shapes and dtypes (one broadcast_object_list), then each tensor's bytes (dist.broadcast, on

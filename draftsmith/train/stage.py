@@ -55,6 +55,7 @@ from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete
 from draftsmith.train.data import (DeviceFeeder, Packing, PreparedSource, count_steps, open_source, open_upstream,
                                    served_states, step_stream)
 from draftsmith.train.distributed import Ranks, distribute, on_rank0, process_group, resolve_precision, sum_by_name
+from draftsmith.train.device_memory import check_free_memory
 from draftsmith.train.drafter import build_drafter, drafter_config, drafter_record, read_init_layers
 from draftsmith.train.launch import launch_ranks, launches
 from draftsmith.train.objective import objective_options, resolve_attention
@@ -183,6 +184,8 @@ def _train_in_group(run, cfg, ranks: Ranks, started: float, cpu0: float) -> dict
         inputs = read_inputs(run, cfg, ranks, started)
         if (done := finished_run(run, inputs)) is not None:
             return done
+        # before the data and the drafter are loaded: a GPU another process holds is one line, not an OOM later
+        check_free_memory(cfg, inputs.info, int(inputs.d2t.numel()), len(inputs.layers), ranks, say)
         ts = setup(run, cfg, ranks, inputs, closing, cpu0)
         with ts.book.progress(total=ts.total_steps, unit="steps", done=ts.start_step, console=False,
                               shared=True) as prog, DeferredStop(say) as stop:
