@@ -390,6 +390,39 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_its_gradients(chunk):
         torch.testing.assert_close(got[2][n], ref[2][n], **tol, msg=n)
 
 
+def test_the_chunked_loss_under_bf16_makes_no_float32_copy_of_the_heads_gradient(monkeypatch):
+    """Issue 71: under autocast each chunk's bf16 [Dv, H] product is added into the float32 gradient element by
+    element; a float32 copy of it per chunk (0.9 GB at Kimi's widths) is not made: the one float32 [Dv, H] tensor
+    ChunkedKL makes is the gradient itself, whatever the number of chunks. The values are those of the copy's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made: list[tuple] = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.overloadpacket.__name__.endswith("_"):  # a new tensor, not one changed in place
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and not t._is_view():  # new memory, not a view of a tensor
+                        made.append((tuple(t.shape), t.dtype))
+            return out
+
+    forward = ChunkedKL.forward
+
+    def watched(ctx, plan, weight, *rest):
+        with Outputs():
+            return forward(ctx, plan, weight, *rest)
+    monkeypatch.setattr(ChunkedKL, "forward", staticmethod(watched))
+    d, W_d = tiny_drafter(seed=2)
+    got = _loss_and_grads(d, W_d, 1, _packed_case(), autocast=True)  # a chunk per teacher row: many chunks
+    head = tuple(d.lm_head.weight.shape)
+    assert made.count((head, torch.bfloat16)) > 2  # the chunks' bf16 products
+    assert made.count((head, torch.float32)) == 1  # the gradient, and no copy
+    monkeypatch.setattr(ChunkedKL, "forward", staticmethod(forward))
+    assert torch.equal(_loss_and_grads(d, W_d, 1, _packed_case(), autocast=True)[2]["lm_head.weight"],
+                       got[2]["lm_head.weight"])
+
+
 MIXES = [LossMix(kl=0.5, top1=0.5), LossMix(kl=0.0, tv=1.0), LossMix(kl=0.3, rkl=0.7), LossMix(kl=0.0, rkl=0.2, tv=0.3, top1=1.5)]
 
 
