@@ -488,15 +488,8 @@ def load_prompts(
             if len(stats.invalid_examples) < 5:
                 stats.invalid_examples.append(str(e))
             continue
-        # Ids unique by construction: `#` is draftsmith's own (a renamed duplicate's `#n`, a resampled answer's
-        # `#k@T0.7`), so a source id holding one is escaped (`%23`) and can never equal an id draftsmith makes.
-        p.id = p.id.replace("#", ID_ESCAPED_HASH)
-        # Number duplicate ids (ShareGPT has some) before any filter, so that an id names the same
-        # record whatever the filters keep.
-        n = seen.get(p.id, 0)
-        seen[p.id] = n + 1
-        if n:
-            p.id = f"{p.id}#{n + 1}"
+        # before any filter, so that an id names the same record whatever the filters keep
+        p.id = _unique_id(p.id, seen)
         if first_turn_only:
             p.turns, p.answers = p.turns[:1], p.answers[:1]
         first = p.turns[0]
@@ -522,6 +515,18 @@ def load_prompts(
     if not out:
         raise _no_prompts(label, stats, invalid, require_answers, offset, n_kept)
     return out
+
+
+def _unique_id(pid: str, seen: dict[str, int]) -> str:
+    """A source's id made unique among the records read so far (`seen`: how often each id came, updated here).
+
+    Unique by construction: `#` is draftsmith's own (a renamed duplicate's `#n`, a resampled answer's `#k@T0.7`),
+    so a source id holding one is escaped (`%23`) and can never equal an id draftsmith makes; a duplicate id
+    (ShareGPT has some) is numbered, its second `id#2`."""
+    pid = pid.replace("#", ID_ESCAPED_HASH)
+    n = seen.get(pid, 0)
+    seen[pid] = n + 1
+    return f"{pid}#{n + 1}" if n else pid
 
 
 def _no_prompts(label: str, stats: LoadStats, invalid: list | None, require_answers: bool, offset: int,

@@ -22,6 +22,7 @@ import json
 import shutil
 
 from draftsmith import DraftsmithError
+from draftsmith.config import Config
 from draftsmith.extract import hf, store, vllm_backend
 from draftsmith.extract.store import (FAILURES, FILE_OVERHEAD, FORMAT_VERSION, META, SHARD_RECORD, STAGE,
                                       StoreFormat, shard_name, shard_ranges)
@@ -32,7 +33,7 @@ from draftsmith.released import aux_layers, open_released
 from draftsmith.rundir import RunDir
 from draftsmith.stage import StageBook, check_target, stage_run, upstream
 from draftsmith.host import pick_device, pick_dtype
-from draftsmith.target import target_info
+from draftsmith.target import TargetInfo, target_info
 
 
 @stage_run(STAGE)
@@ -81,15 +82,7 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
 
     # -- the store: this attempt's meta.json; not complete from here unless it already is -----------
     prepared = index_prepared(run, info.vocab_size, by="draftsmith extract")
-    meta = {
-        "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
-        "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-        "vocab_size": info.vocab_size, "store_format": fmt.name, "dtype": fmt.dtype,
-        "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
-        "shard_size": extract_cfg.shard_size, "fields": list(fmt.fields),
-        "backend": extract_cfg.backend, "lengths": prepared.lengths,
-        "ids": prepared.ids,  # train's validation split is drawn by id (train/validation.py)
-    }
+    meta = _store_meta(cfg, info, layers, compute_dtype, prep, prepared)
     d = run.stage_dir(STAGE)
     with store.ranks_lock(d):
         store.check_store(d, meta, extract_cfg.overwrite)
@@ -120,6 +113,23 @@ def run_extract(run: RunDir, cfg, verify: bool = False, force: bool = False, ran
                      "(the last rank to finish writes extract/manifest.json)")
         prog.end(samples=total, complete=manifest is not None)
     return manifest
+
+
+def _store_meta(cfg: Config, info: TargetInfo, layers: list[int], compute_dtype: str, prep: dict,
+                prepared: Prepared) -> dict:
+    """The store's meta.json for this attempt: what its files hold (target, layers, widths, format), of which
+    prepared samples (their count, lengths and ids) and how they are sharded. store.check_store holds an
+    existing store to it (one built differently is refused, or replaced with extract.overwrite)."""
+    extract_cfg, fmt = cfg.extract, cfg.extract.format
+    return {
+        "format": FORMAT_VERSION, "target": info.name, "target_fingerprint": info.fingerprint,
+        "layers": layers, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size, "store_format": fmt.name, "dtype": fmt.dtype,
+        "compute_dtype": compute_dtype, "prepare_fingerprint": prep.get("fingerprint"), "num_samples": len(prepared),
+        "shard_size": extract_cfg.shard_size, "fields": list(fmt.fields),
+        "backend": extract_cfg.backend, "lengths": prepared.lengths,
+        "ids": prepared.ids,  # train's validation split is drawn by id (train/validation.py)
+    }
 
 
 def summary(run: RunDir, manifest: dict | None) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
+from draftsmith.config import Config, GenerateConfig
 from draftsmith.generate import dataset, local, openai, vllm
 from draftsmith.generate.openai import configured_servers
 from draftsmith.generate.samples import (FAILURES, SAMPLES, SAMPLING, STAGE, STATE, UNSELECTED, SampleStore,
@@ -51,7 +52,7 @@ from draftsmith.generate.samples import (FAILURES, SAMPLES, SAMPLING, STAGE, STA
 from draftsmith.generate.vllm import own_server_seeds, served_dtype
 from draftsmith.http import SampleFailed
 from draftsmith.progress import log
-from draftsmith.prompts import LoadStats, load_prompts, source_identity
+from draftsmith.prompts import LoadStats, Prompt, PromptError, load_prompts, source_identity
 from draftsmith.rundir import (RunDir, atomic_write_json, atomic_write_text, fingerprint, fingerprinted,
                                jsonl_text)
 from draftsmith.stage import StageBook, stage_run
@@ -134,13 +135,7 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     # before loading the weights, or any file is written
     if gen.backend in ("local", "vllm", "dataset") and not info.has_chat_template:
         raise DraftsmithError(f"target: {info.path} has no chat template; generate needs one to build prompts")
-    section = cfg.section(STAGE)
-    # Left out of the fingerprint: what changes how the stage runs, not what it writes; for
-    # backend dataset the decoding settings too; offset when 0 (added later: older runs stay current).
-    ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
-    if gen.answers_per_prompt == 1:  # only resampled answers use it
-        ignored += ("resample_temperature",)
-    section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0, "answers_per_prompt": 1})
+    section = _fingerprinted_section(cfg)
     # the answers of the backends that run the target depend on the dtype it decodes in
     # (near-ties under greedy); a server's (backend openai) is its own business
     dtype = {"local": cfg.dtype, "vllm": served_dtype(cfg)}.get(gen.backend)
@@ -149,13 +144,7 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
     if (old := book.skip_or_begin(outputs_ok=(d / SAMPLES).is_file() and not retry_failed,
                                   said=lambda m: f"{m['counts']['done']} samples")) is not None:
         return old
-    stats = LoadStats()
-    invalid: list = []  # records that cannot be prompts: each a failure of its own, the others are generated
-    prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
-                           skip_invalid=gen.skip_invalid, first_turn_only=gen.first_turn_only,
-                           min_chars=gen.min_chars, max_chars=gen.max_chars,
-                           require_answers=gen.backend == "dataset", group_by=gen.group_by, stats=stats,
-                           invalid=invalid)
+    prompts, stats, invalid = _read_prompts(gen)
     n_prompts = len(prompts)
     prompts = expand_answers(prompts, gen, seeded=gen.backend != "vllm" or own_server_seeds(cfg))
     _check_state(d, _sample_settings(gen, info, source, dtype), say)
@@ -167,20 +156,9 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         already = sum(1 for p in prompts if p.id in store.done)
         earlier_failed = sum(1 for p in prompts if p.id in store.failures and p.id not in store.done)
         pending = [p for p in prompts if p.id not in store.done and (retry_failed or p.id not in store.failures)]
-        for e in invalid:  # by where it is (the file's name and line): a record that cannot be read has no id
-            where = str(e).split(": ", 1)[0]
-            store.add_failure({"id": f"record {Path(where.rsplit(':', 1)[0]).name}:{where.rsplit(':', 1)[-1]}",
-                               "error": str(e), "attempts": 0, "time": round(time.time(), 3), "turn": None})
-        say(f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}"
-            + (f", invalid kept as failures {len(invalid)}" if invalid else "") + ", "
-            f"filtered {stats.filtered}"
-            + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
-            + ")"
-            + (f" x {gen.answers_per_prompt} answers = {len(prompts)} samples" if gen.answers_per_prompt > 1
-               else "")
-            + f"; {already} already done, {earlier_failed} failed earlier"
-            + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
-            + f"; {len(pending)} to generate with backend {gen.backend}")
+        _keep_invalid(store, invalid)
+        say(_selection_line(gen, stats, len(invalid), n_prompts, len(prompts), already, earlier_failed,
+                            len(pending), retry_failed=retry_failed))
 
         with book.progress(total=len(prompts), unit="samples", done=already) as prog:
             counts, extra, seconds = decode_pending(run, cfg, info, pending, store, prog)
@@ -211,6 +189,57 @@ def run_generate(run: RunDir, cfg, retry_failed: bool = False) -> dict:
         inputs={"target": {"name": info.name, "fingerprint": info.fingerprint}, "prompts": source,
                 "model": extra.get("model"), "servers": len(servers)})
     return manifest
+
+
+def _fingerprinted_section(cfg: Config) -> dict:
+    """The generate section as the stage's fingerprint sees it. Left out: what changes how the stage
+    runs, not what it writes (OPERATIONAL_KEYS); for backend dataset the decoding settings too;
+    offset and answers_per_prompt at their defaults (added later: older runs stay current)."""
+    gen = cfg.generate
+    section = cfg.section(STAGE)
+    ignored = OPERATIONAL_KEYS + (DATASET_IGNORES if gen.backend == "dataset" else ())
+    if gen.answers_per_prompt == 1:  # only resampled answers use it
+        ignored += ("resample_temperature",)
+    section[STAGE] = fingerprinted(section[STAGE], ignored, {"offset": 0, "answers_per_prompt": 1})
+    return section
+
+
+def _read_prompts(gen: GenerateConfig) -> tuple[list[Prompt], LoadStats, list[PromptError]]:
+    """(the selected prompts, what reading them counted, the records that cannot be prompts): an
+    invalid record is a failure of its own (unless generate.skip_invalid), the others are generated."""
+    stats = LoadStats()
+    invalid: list[PromptError] = []
+    prompts = load_prompts(gen.prompts, limit=gen.limit, seed=gen.seed, offset=gen.offset,
+                           skip_invalid=gen.skip_invalid, first_turn_only=gen.first_turn_only,
+                           min_chars=gen.min_chars, max_chars=gen.max_chars,
+                           require_answers=gen.backend == "dataset", group_by=gen.group_by, stats=stats,
+                           invalid=invalid)
+    return prompts, stats, invalid
+
+
+def _keep_invalid(store: SampleStore, invalid: list[PromptError]) -> None:
+    """Each invalid record as a failure of its own in failures.jsonl, by where it is (the file's name
+    and line): a record that cannot be read has no id."""
+    for e in invalid:
+        where = str(e).split(": ", 1)[0]
+        store.add_failure({"id": f"record {Path(where.rsplit(':', 1)[0]).name}:{where.rsplit(':', 1)[-1]}",
+                           "error": str(e), "attempts": 0, "time": round(time.time(), 3), "turn": None})
+
+
+def _selection_line(gen: GenerateConfig, stats: LoadStats, n_invalid: int, n_prompts: int, n_samples: int,
+                    already: int, earlier_failed: int, n_pending: int, *, retry_failed: bool) -> str:
+    """The line said before decoding: what was read, kept and filtered, and of the selected samples
+    how many are done, failed earlier (retried or not) and still to generate."""
+    return (f"{n_prompts} prompts from {gen.prompts} (read {stats.read}, invalid skipped {stats.skipped_invalid}"
+            + (f", invalid kept as failures {n_invalid}" if n_invalid else "") + ", "
+            f"filtered {stats.filtered}"
+            + (f", without a reply to their first turn {stats.no_answer}" if gen.backend == "dataset" else "")
+            + ")"
+            + (f" x {gen.answers_per_prompt} answers = {n_samples} samples" if gen.answers_per_prompt > 1
+               else "")
+            + f"; {already} already done, {earlier_failed} failed earlier"
+            + (" (retrying)" if retry_failed else " (not retried: use --retry-failed)" if earlier_failed else "")
+            + f"; {n_pending} to generate with backend {gen.backend}")
 
 
 def _sample_settings(gen, info, source: dict, dtype: str | None) -> dict:
