@@ -53,7 +53,7 @@ from draftsmith.bounds import check_model_numbers
 from draftsmith.card import CARD, PROVENANCE, base_model, write_card
 from draftsmith.checkpoint_format import BEST_DIR, CKPT_META, CKPT_STATE, CKPT_WEIGHTS, FC_INPUT_SCALE, FINAL_DIR
 from draftsmith.model.config import DrafterConfig
-from draftsmith.progress import log
+from draftsmith.progress import Progress, log
 from draftsmith.rundir import (RunDir, check_files, file_sha256, fingerprinted, published_path, read_json_object,
                                replace_dir)
 from draftsmith.stage import StageBook, stage_run
@@ -381,25 +381,16 @@ def _served_tensors(weights_path: Path, config, kind, out_dtype, fmt: str) -> di
 @stage_run(STAGE)
 def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     """Export a checkpoint (export.checkpoint, else train/final, else the newest complete one)
-    to RUN/export/. Returns the manifest."""
+    to RUN/export/. Returns the manifest.
+
+        read the checkpoint -> the book (up to date: the card rewritten, done) -> the served tensors and
+        config.json -> the folder built beside RUN/export/ and checked -> swapped into place"""
     run.ensure()
     ck = _read_checkpoint(run, cfg, checkpoint)
-    ckpt, meta, state, config, kind, aux, info = ck.folder, ck.meta, ck.state, ck.config, ck.kind, ck.aux, ck.info
+    ckpt, meta, state, aux, info = ck.folder, ck.meta, ck.state, ck.aux, ck.info
     fmt = cfg.export.format
-    kind.check_format(fmt, config, aux)  # what the layout cannot hold of this drafter, before anything is written
-    meta_path, weights_path = ckpt / CKPT_META, ckpt / CKPT_WEIGHTS
-    ck_sha = file_sha256(weights_path)
-    train_manifest = run.read_manifest("train")
-    settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
-    # repo_id and base_model: the card's alone, rewritten below; format at its default: the exports made before it
-    # existed stay up to date
-    settings[STAGE] = fingerprinted(settings[STAGE], ("repo_id", "base_model"), {"format": kinds.FORMATS[0]})
-    # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
-    inputs = {"checkpoint": published_path(ckpt, run.path), "checkpoint_sha256": ck_sha,
-              "drafter_json_sha256": file_sha256(meta_path),
-              "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": info.fingerprint}
-    # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
-    book = StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs})
+    ck.kind.check_format(fmt, ck.config, aux)  # what the layout cannot hold of this drafter, before anything is written
+    book, inputs = _book(run, cfg, ck)
     dest = run.path / STAGE
     published = verifier_name(cfg.target, info, cfg.target_id)
     if base_model(published, cfg.export.base_model) is None:
@@ -423,42 +414,9 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
     with book.progress(total=1, unit="exports") as prog:
         prog.log(f"exporting {ckpt} (step {state.get('step', '?')}) for {info.name}, aux layers {aux}, "
                  f"dtype {dtype_name}")
-        tensors = _served_tensors(weights_path, config, kind, out_dtype, fmt)
-        config_json = kind.write_export(
-            fmt, config, aux, target_name=published, target_arch=info.architecture,
-            num_speculative_tokens=kinds.served_tokens(meta), dtype=dtype_name,
-            # what identifies the target wherever the drafter is deployed: the name it is published as, its
-            # architecture, the hash of its config.json, and the folder print training checked; what training
-            # left (the kind, the steps it drafts, its validation figures: eval holds them against serving);
-            # no path of this machine (the checkpoint relative to the run)
-            draftsmith={"version": __version__, "kind": kind.name, "target": info.name,
-                        "target_id": published, "target_architecture": info.architecture,
-                        "target_config_sha256": config_sha256(info), "target_fingerprint": info.fingerprint,
-                        "checkpoint": published_path(ckpt, run.path), "step": state.get("step"),
-                        "ttt_steps": kinds.served_tokens(meta), "aux_layers_trained": aux,
-                        "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
-                        # of how many validation passes (train/best: the figure is their maximum)
-                        "validation_passes": state.get("validation_passes"),
-                        # the released drafter training started from (train.init_from; no local path in it)
-                        **({"init_from": meta["init_from"]} if meta.get("init_from") else {}),
-                        "exported": time.time()},
-        )
-        home.parent.mkdir(parents=True, exist_ok=True)
-        built = Path(tempfile.mkdtemp(prefix=f".{home.name}.", suffix=".tmp", dir=home.parent))
-        try:
-            save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
-            (built / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
-            for name in (WEIGHTS_FILE, CONFIG_FILE):
-                with open(built / name, "rb") as f:
-                    os.fsync(f.fileno())
-            # read back through the same checks a user's load goes through
-            load_exported(built, target_info=info)
-            if why := write_card(run, built, speculative_config(built, kinds.served_tokens(meta)), cfg.export.repo_id,
-                                 reports=False, base_model_id=cfg.export.base_model):
-                prog.log(f"warning: {why}")
-        except BaseException:
-            shutil.rmtree(built, ignore_errors=True)
-            raise
+        tensors = _served_tensors(ckpt / CKPT_WEIGHTS, ck.config, ck.kind, out_dtype, fmt)
+        config_json = _export_config(run, ck, fmt, published, dtype_name)
+        built = _build(run, cfg, home, tensors, config_json, ck, prog)
         prog.advance(1)
         size = (built / WEIGHTS_FILE).stat().st_size
         prog.end(checkpoint=str(ckpt), bytes=size)
@@ -474,3 +432,69 @@ def run_export(run: RunDir, cfg, checkpoint: str | None = None) -> dict:
 def summary(run: RunDir, manifest: dict) -> str:
     """The line `draftsmith export` prints when done."""
     return f"exported {manifest['checkpoint']} -> {run.stage_dir(STAGE)}"
+
+
+def _book(run: RunDir, cfg, ck: _Checkpoint) -> tuple[StageBook, dict]:
+    """(the stage's book, the inputs its fingerprint covers): the export settings, and the checkpoint itself (its
+    place in the run and the sha256 of its weights and drafter.json), the train run's fingerprint and the target's,
+    so that a changed checkpoint or target is exported again."""
+    ck_sha = file_sha256(ck.folder / CKPT_WEIGHTS)
+    train_manifest = run.read_manifest("train")
+    settings = {**cfg.section(STAGE), "target_id": cfg.target_id}
+    # repo_id and base_model: the card's alone, which run_export rewrites when up to date; format at its default:
+    # the exports made before it existed stay up to date
+    settings[STAGE] = fingerprinted(settings[STAGE], ("repo_id", "base_model"), {"format": kinds.FORMATS[0]})
+    # the checkpoint relative to the run: a moved run stays up to date (and its manifest names no path of the move)
+    inputs = {"checkpoint": published_path(ck.folder, run.path), "checkpoint_sha256": ck_sha,
+              "drafter_json_sha256": file_sha256(ck.folder / CKPT_META),
+              "train": (train_manifest or {}).get("fingerprint"), "target_fingerprint": ck.info.fingerprint}
+    # No upstream manifest in the print: the checkpoint itself (its path and hashes) is the input.
+    return StageBook(run, STAGE, cfg, settings=settings, fingerprint_extra={"inputs": inputs}), inputs
+
+
+def _export_config(run: RunDir, ck: _Checkpoint, fmt: str, published: str, dtype_name: str) -> dict:
+    """The export's config.json in layout `fmt` (the kind writes it), with its `draftsmith` block: what identifies
+    the target and what training left, for eval, the card and whoever deploys the drafter."""
+    info, meta, state = ck.info, ck.meta, ck.state
+    return ck.kind.write_export(
+        fmt, ck.config, ck.aux, target_name=published, target_arch=info.architecture,
+        num_speculative_tokens=kinds.served_tokens(meta), dtype=dtype_name,
+        # what identifies the target wherever the drafter is deployed: the name it is published as, its
+        # architecture, the hash of its config.json, and the folder print training checked; what training
+        # left (the kind, the steps it drafts, its validation figures: eval holds them against serving);
+        # no path of this machine (the checkpoint relative to the run)
+        draftsmith={"version": __version__, "kind": ck.kind.name, "target": info.name,
+                    "target_id": published, "target_architecture": info.architecture,
+                    "target_config_sha256": config_sha256(info), "target_fingerprint": info.fingerprint,
+                    "checkpoint": published_path(ck.folder, run.path), "step": state.get("step"),
+                    "ttt_steps": kinds.served_tokens(meta), "aux_layers_trained": ck.aux,
+                    "vocab_fingerprint": meta.get("vocab_fingerprint"), "validation": state.get("validation"),
+                    # of how many validation passes (train/best: the figure is their maximum)
+                    "validation_passes": state.get("validation_passes"),
+                    # the released drafter training started from (train.init_from; no local path in it)
+                    **({"init_from": meta["init_from"]} if meta.get("init_from") else {}),
+                    "exported": time.time()},
+    )
+
+
+def _build(run: RunDir, cfg, home: Path, tensors: dict, config_json: dict, ck: _Checkpoint, prog: Progress) -> Path:
+    """The export, built in a new folder beside `home` (one file system: _swap_into_place renames it in): the
+    weights and config.json, fsynced and read back, and the model card. A failure removes the folder, so no
+    half-built export is left behind."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    built = Path(tempfile.mkdtemp(prefix=f".{home.name}.", suffix=".tmp", dir=home.parent))
+    try:
+        save_file(tensors, str(built / WEIGHTS_FILE), metadata={"format": "pt"})
+        (built / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            with open(built / name, "rb") as f:
+                os.fsync(f.fileno())
+        # read back through the same checks a user's load goes through
+        load_exported(built, target_info=ck.info)
+        if why := write_card(run, built, speculative_config(built, kinds.served_tokens(ck.meta)), cfg.export.repo_id,
+                             reports=False, base_model_id=cfg.export.base_model):
+            prog.log(f"warning: {why}")
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
+    return built

@@ -157,19 +157,42 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
         found += _vllm_aux_differences(cfg, stage_dir, engine_info, export_dir, cj, trained or record, exported,
                                        num_layers)
 
-    # the draft vocabulary: the export's maps against the vocab stage's
+    if own_export:  # the vocab stage's maps are this run's: a drafter from elsewhere has none to be held to
+        found += _vocab_differences(run, export_dir)
+    found += _template_differences(run, engine_info, eval_template_sha256)
+    if own_export:  # the extract store is what this run's drafter trained on, not one from elsewhere
+        found += _dtype_differences(run, report, train)
+    found += _kind_differences(cfg, report, cj, train, engine_info)
+
+    # K, temperature
+    trained_k = ds.get("ttt_steps")
+    if trained_k and report.get("num_speculative_tokens", 0) > trained_k:
+        found.append(f"K: {report['num_speculative_tokens']} drafts served, {trained_k} trained")
+    if (report.get("temperature") or 0) > 0:
+        found.append(f"temperature: {report['temperature']} at eval; validation predicts T=0 (greedy) verification")
+    return found + _prompt_differences(run, report, eval_prompts)
+
+
+def _vocab_differences(run: RunDir, export_dir: Path) -> list[str]:
+    """The draft vocabulary: the run's export's d2t/t2d against the vocab stage's (a stale vocabulary map serves
+    other tokens than the drafter trained on)."""
     vocab = run.path / "vocab" / "vocab.safetensors"
     weights = Path(export_dir) / "model.safetensors"
-    if own_export and vocab.is_file() and weights.is_file():
-        try:
-            stale = [k for k in ("d2t", "t2d") if not np.array_equal(_index_map(vocab, k), _index_map(weights, k))]
-        except Exception:  # an unreadable file is export's or vocab's error to report, not this check's
-            stale = []
-        if stale:
-            found.append(f"draft vocabulary: the export's {'/'.join(stale)} differ from vocab/vocab.safetensors "
-                         "(a stale vocabulary map)")
+    if not (vocab.is_file() and weights.is_file()):
+        return []
+    try:
+        stale = [k for k in ("d2t", "t2d") if not np.array_equal(_index_map(vocab, k), _index_map(weights, k))]
+    except Exception:  # an unreadable file is export's or vocab's error to report, not this check's
+        stale = []
+    if stale:
+        return [f"draft vocabulary: the export's {'/'.join(stale)} differ from vocab/vocab.safetensors "
+                "(a stale vocabulary map)"]
+    return []
 
-    # the chat template: at prepare and at eval (a served --chat-template file instead of the target's)
+
+def _template_differences(run: RunDir, engine_info: dict, eval_template_sha256: str | None) -> list[str]:
+    """The chat template: its sha256 at prepare and at eval (a served --chat-template file instead of the
+    target's, whose sha256 is `eval_template_sha256`)."""
     prep = (run.read_manifest("prepare") or {}).get("chat_template_sha256")
     args = ((engine_info or {}).get("server") or {}).get("args") or []
     used_template = eval_template_sha256
@@ -177,22 +200,30 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
         p = Path(args[args.index("--chat-template") + 1])
         used_template = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "?"
     if prep and used_template and prep != used_template:
-        found.append(f"chat template: sha256 {used_template[:12]} at eval, {prep[:12]} at prepare")
+        return [f"chat template: sha256 {used_template[:12]} at eval, {prep[:12]} at prepare"]
+    return []
 
-    # the dtype of the target states: training's against eval's
-    extract_meta = run.path / "extract" / "meta.json"
+
+def _dtype_differences(run: RunDir, report: dict, train: dict) -> list[str]:
+    """The dtype of the target states: what the extract store was computed in, for a drafter trained offline (the
+    run's train manifest `train`), against the dtype eval ran the target in."""
     trained_dtype = None
-    if own_export and (train.get("settings") or {}).get("train", {}).get("mode", "offline") != "online":
+    if (train.get("settings") or {}).get("train", {}).get("mode", "offline") != "online":
         try:
-            trained_dtype = json.loads(extract_meta.read_text()).get("compute_dtype")
+            trained_dtype = json.loads((run.path / "extract" / "meta.json").read_text()).get("compute_dtype")
         except (OSError, ValueError):
             trained_dtype = None
     if trained_dtype and report.get("dtype") and trained_dtype != report["dtype"]:
-        found.append(f"dtype: the drafter trained on {trained_dtype} target states, eval ran the target in "
-                     f"{report['dtype']}")
+        return [f"dtype: the drafter trained on {trained_dtype} target states, eval ran the target in "
+                f"{report['dtype']}"]
+    return []
 
-    # the kind and how it was served
-    kind = ds.get("kind") or ((train.get("settings") or {}).get("train") or {}).get("method")
+
+def _kind_differences(cfg, report: dict, cj: dict, train: dict, engine_info: dict) -> list[str]:
+    """The kind and how it was served: what training recorded (the export's draftsmith block, else the train
+    manifest's method), what the export's config.json says, and the method the vLLM server was started with."""
+    found = []
+    kind = (cj.get("draftsmith") or {}).get("kind") or ((train.get("settings") or {}).get("train") or {}).get("method")
     exported = kinds.format_of(cj)
     exported_kind = exported.name if exported else None
     if kind and exported_kind and kind != exported_kind:
@@ -206,15 +237,13 @@ def differences(run: RunDir, cfg, report: dict, cj: dict, export_dir: Path, stag
                          f"method {want_method}{' with parallel_drafting' if want_parallel else ''}")
     elif report.get("engine") == "vllm" and cfg.eval.server:
         found.append("method: the server's own --speculative-config is unknown (eval.server); check its method")
+    return found
 
-    # K, temperature
-    trained_k = ds.get("ttt_steps")
-    if trained_k and report.get("num_speculative_tokens", 0) > trained_k:
-        found.append(f"K: {report['num_speculative_tokens']} drafts served, {trained_k} trained")
-    if (report.get("temperature") or 0) > 0:
-        found.append(f"temperature: {report['temperature']} at eval; validation predicts T=0 (greedy) verification")
 
-    # the prompts, by content: the eval set against the source generate read, and any prompt trained on
+def _prompt_differences(run: RunDir, report: dict, eval_prompts: list[Prompt]) -> list[str]:
+    """The prompts, by content: the eval set against the source generate read (_distribution), and how many eval
+    prompts were trained on (a user turn of generate/samples.jsonl that train did not hold out)."""
+    found = []
     gen_manifest = run.read_manifest("generate") or {}
     train_source = ((gen_manifest.get("settings") or {}).get("generate") or {}).get("prompts")
     wanted = {turn_hash(p.turns[0]) for p in eval_prompts}

@@ -32,6 +32,7 @@ from draftsmith.eval.report import (ANSWERS, PLOT, REPORT_JSON, REPORT_MD, aggre
                                     write_report)
 from draftsmith.eval.vllm import BASELINE_FILE, BASELINE_LOG, SERVER_LOG, VLLM_ONLY, vllm_engine, vllm_server_args
 from draftsmith.export import CONFIG_FILE, exported_k, speculative_config
+from draftsmith.progress import Progress
 from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.rundir import RunDir, append_json_line, folder_sha256, read_json_object
 from draftsmith.speedup import choice as k_choice, summary as k_summary
@@ -48,7 +49,10 @@ ENGINES: dict[str, Callable[[EngineContext], Iterator[dict]]] = {"local": local_
 def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> dict:
     """Decode eval.prompts with eval.engine and write RUN/eval/ (answers, report, plot).
     Resumes from answers.jsonl when the settings and the export are unchanged. Returns the manifest.
-    `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/)."""
+    `folder` names the stage folder (the demo evaluates a second engine into eval-vllm/).
+
+        the drafter, target and prompts, checked -> the book (up to date: done) -> the answers not yet
+        written -> the report (K's choice, agreement) -> the model card"""
     eval_cfg = cfg.eval
     if eval_cfg.engine not in ENGINES:
         raise DraftsmithError(f"eval.engine={eval_cfg.engine}: not available in this build; "
@@ -62,25 +66,10 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
         cfg.eval.num_speculative_tokens = exported_k(export_dir)
         eval_cfg = cfg.eval
     info = target_info(cfg.target, cfg.trust_remote_code)
-    exported_for = drafter_config.get("draftsmith") or {}
-    if exported_for.get("target_fingerprint") not in (None, info.fingerprint):
-        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target "
-                              f"{exported_for.get('target')} (fingerprint {exported_for.get('target_fingerprint')}), "
-                              f"but target is {info.name} (fingerprint {info.fingerprint})")
-    prompts = load_prompts(eval_cfg.prompts, limit=eval_cfg.limit, offset=eval_cfg.offset, first_turn_only=True)
-    if not prompts:
-        raise DraftsmithError(f"eval.prompts: no prompts in {eval_cfg.prompts} "
-                              f"(offset {eval_cfg.offset}, limit {eval_cfg.limit})")
+    exported_for = _exported_for(export_dir, drafter_config, info)
+    prompts = _eval_prompts(eval_cfg)
 
-    settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
-    if eval_cfg.engine == "local":  # the server settings do not change what the local engine computes
-        settings["eval"] = {k: v for k, v in settings["eval"].items() if k not in VLLM_ONLY}
-    book = StageBook(run, folder, cfg, settings=settings, upstream={"export": export_manifest}, target=info,
-                     started=started)
-    # a per-prompt record stays valid when only the selection of prompts changes (a larger
-    # limit reuses the answers already written)
-    record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
-    record_fp = replace(book, settings=record_settings).fingerprint
+    book, record_fp = _book(run, cfg, folder, export_manifest, info, started)
     if (old := book.skip_or_begin(outputs_ok=(run.path / folder / REPORT_JSON).is_file())) is not None:
         return old  # up to date: same export, target, prompts and settings (`run` skips it)
     d = run.stage_dir(folder)
@@ -100,24 +89,11 @@ def run_eval(run: RunDir, cfg, *, warmup: bool = True, folder: str = STAGE) -> d
             _append_answers(ctx, d / ANSWERS, done)
         records = [done[p.id] for p in prompts]
         report = _report(run, cfg, d, records, info, drafter_config, export_manifest, record_fp)
-        split = cost_split(report)
-        reader = kinds.format_of(drafter_config)  # None: a drafter from elsewhere of a type draftsmith has no kind for
-        report["k_choice"] = k_choice(report, records, bool(reader and reader.block),
-                                      split["draft_pass"] if split else None)
-        if report["k_choice"]:
-            report["k_choice"]["split"] = split
-            report["k_choice"]["serve"] = (speculative_config(export_dir, report["k_choice"]["best_k"])
-                                           if reader is not None else None)
+        report["k_choice"] = _k_choice(report, records, drafter_config, export_dir)
         report["agreement"] = _agreement(run, cfg, report, drafter_config, export_dir, folder, info, record_fp,
                                          prompts)
         write_report(d, report, run.path / "train" / "metrics.jsonl")
-        prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
-                 f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
-                 f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
-                 f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
-                 f"(speedup {fmt_value(report['speedup'])}); {k_summary(report['k_choice'])}")
-        if report["agreement"]["verdict"]:
-            prog.log(f"warning: {report['agreement']['verdict']}")
+        _say_report(prog, report)
         if eval_cfg.drafter is None:  # the run's own export: its model card lists every report
             trained_k = int(exported_for.get("ttt_steps") or eval_cfg.num_speculative_tokens)
             if why := write_card(run, export_dir, speculative_config(export_dir, trained_k), cfg.export.repo_id,
@@ -139,6 +115,67 @@ def summary(run: RunDir, manifest: dict) -> str:
     r = manifest["report"]
     return (f"acceptance length {fmt_value(r['acceptance_length'])}, speedup {fmt_value(r['speedup'])}; "
             f"report: {run.stage_dir(STAGE) / REPORT_JSON}")
+
+
+def _exported_for(export_dir: Path, drafter_config: dict, info) -> dict:
+    """The drafter's config.json `draftsmith` block (export's: what it was trained and exported for; {} for a
+    drafter from elsewhere), refused when it names another target than the configured one: a drafter decodes
+    only for the target whose states it trained on."""
+    exported_for = drafter_config.get("draftsmith") or {}
+    if exported_for.get("target_fingerprint") not in (None, info.fingerprint):
+        raise DraftsmithError(f"{export_dir / CONFIG_FILE}: the drafter was exported for target "
+                              f"{exported_for.get('target')} (fingerprint {exported_for.get('target_fingerprint')}), "
+                              f"but target is {info.name} (fingerprint {info.fingerprint})")
+    return exported_for
+
+
+def _eval_prompts(eval_cfg) -> list[Prompt]:
+    """The prompts eval decodes (eval.prompts from eval.offset, at most eval.limit; first turns only), refused in one
+    line when the selection holds none."""
+    prompts = load_prompts(eval_cfg.prompts, limit=eval_cfg.limit, offset=eval_cfg.offset, first_turn_only=True)
+    if not prompts:
+        raise DraftsmithError(f"eval.prompts: no prompts in {eval_cfg.prompts} "
+                              f"(offset {eval_cfg.offset}, limit {eval_cfg.limit})")
+    return prompts
+
+
+def _book(run: RunDir, cfg, folder: str, export_manifest: dict, info, started: float) -> tuple[StageBook, str]:
+    """(the stage's book, the fingerprint each answers.jsonl record carries): the eval settings, the export and the
+    target make the book's; the records' leave out which prompts are selected."""
+    settings = {**cfg.section(STAGE), "dtype": cfg.dtype, "device": cfg.device}
+    if cfg.eval.engine == "local":  # the server settings do not change what the local engine computes
+        settings["eval"] = {k: v for k, v in settings["eval"].items() if k not in VLLM_ONLY}
+    book = StageBook(run, folder, cfg, settings=settings, upstream={"export": export_manifest}, target=info,
+                     started=started)
+    # a per-prompt record stays valid when only the selection of prompts changes (a larger
+    # limit reuses the answers already written)
+    record_settings = {**settings, "eval": {k: v for k, v in settings["eval"].items() if k not in ("limit", "offset")}}
+    return book, replace(book, settings=record_settings).fingerprint
+
+
+def _k_choice(report: dict, records: list[dict], drafter_config: dict, export_dir: Path) -> dict | None:
+    """report.json's `k_choice` (speedup.py): the K that serves fastest by these records, with where a drafting
+    step's time goes (cost_split) and, for a drafter of a kind draftsmith knows, the --speculative-config serving
+    it; None without a measured speedup."""
+    split = cost_split(report)
+    reader = kinds.format_of(drafter_config)  # None: a drafter from elsewhere of a type draftsmith has no kind for
+    chosen = k_choice(report, records, bool(reader and reader.block), split["draft_pass"] if split else None)
+    if chosen:
+        chosen["split"] = split
+        chosen["serve"] = speculative_config(export_dir, chosen["best_k"]) if reader is not None else None
+    return chosen
+
+
+def _say_report(prog: Progress, report: dict) -> None:
+    """The report in one log line (tau, acceptance per position, throughput against plain decoding, K's choice),
+    and the agreement's verdict as a warning when validation and serving disagree."""
+    prog.log(f"tau {fmt_value(report['acceptance_length'])}, acceptance per position "
+             f"[{', '.join(fmt_value(a) for a in report['acceptance_per_position'])}], "
+             f"{fmt_value(report['tokens_per_s'], '.1f')} tok/s vs "
+             f"{fmt_value(report['baseline_tokens_per_s'], '.1f')} plain "
+             f"(speedup {fmt_value(report['speedup'])}); {k_summary(report['k_choice'])}")
+    if report["agreement"]["verdict"]:
+        prog.log(f"warning: {report['agreement']['verdict']}")
 
 
 def _agreement(run: RunDir, cfg, report: dict, drafter_config: dict, export_dir: Path, folder: str, info,

@@ -35,7 +35,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,15 +50,15 @@ from draftsmith.released import Released, draft_vocab_size, open_released
 from draftsmith.rundir import RunDir, atomic_write_json, fingerprinted, read_json_object
 from draftsmith.stage import StageBook, stage_run
 from draftsmith.target import target_info
-from draftsmith.train.checkpoint import (CKPT_STATE, clear_for_attempt, complete_checkpoints, load_training_state,
-                                         pick_checkpoint, save_checkpoint)
+from draftsmith.train.checkpoint import (CKPT_STATE, Checkpoint, clear_for_attempt, complete_checkpoints,
+                                         load_training_state, pick_checkpoint, save_checkpoint)
 from draftsmith.train.data import (DeviceFeeder, Packing, PreparedSource, count_steps, open_source, open_upstream,
                                    served_states, step_stream)
 from draftsmith.train.distributed import Ranks, distribute, on_rank0, process_group, resolve_precision, sum_by_name
 from draftsmith.train.device_memory import check_free_memory
 from draftsmith.train.drafter import build_drafter, drafter_config, drafter_record, read_init_layers
 from draftsmith.train.launch import launch_ranks, launches
-from draftsmith.train.objective import objective_options, resolve_attention
+from draftsmith.train.objective import ObjectiveOptions, objective_options, resolve_attention
 from draftsmith.train.report import Window
 from draftsmith.train.validation import Validation
 from draftsmith.train.schedule import TimeBudget, load_ema, make_optimizer, make_scheduler, update_ema
@@ -251,11 +251,13 @@ def finished_run(run, inputs: Inputs) -> dict | None:
 
 def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack, cpu0: float) -> TrainState:
     """Everything before the first step of a run that is not up to date (finished_run). The data
-    source is closed by `closing`."""
+    source is closed by `closing`.
+
+        check the drafter and the data -> prepare the folder -> held-out samples -> drafter and objective
+        -> pick the checkpoint -> optimizer -> TrainState, trackers -> load the checkpoint's training state"""
     tc = cfg.train
-    info, layers, d2t, precision, attention, book = (inputs.info, inputs.layers, inputs.d2t, inputs.precision,
-                                                     inputs.attention, inputs.book)
-    fp, folder = book.fingerprint, run.path / STAGE
+    info, layers, d2t, precision, book = inputs.info, inputs.layers, inputs.d2t, inputs.precision, inputs.book
+    folder = run.path / STAGE
 
     # the init layer and the data are read and checked before anything in train/ is touched: a bad
     # value must not move a good run's checkpoints aside
@@ -265,63 +267,21 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
     init_layers = read_init_layers(info, tc, dcfg)
     source = open_source(run, cfg, info, layers, inputs.store, ranks.device, ranks.world, run.stage_dir(STAGE), say)
     closing.callback(source.close)
-    ids = source.sample_ids()
-    held_split = heldout.split_of(tc, ids, prepared_groups(run))
-    held = held_split.indices
-    held_set = set(held)
-    # the held-out samples get length 0 in the training packing: no micro-batch ever holds them
-    packing = Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
-    per_step = ranks.world * tc.grad_accum
-    total_steps = count_steps(tc, packing, per_step)
-    resume_fp = _resume_fingerprint(book)
+    ids, held_split, packing = _packing(run, tc, source)
+    total_steps = count_steps(tc, packing, ranks.world * tc.grad_accum)
+    continues = _continues(book, total_steps)
 
-    def continues(state: dict) -> bool:
-        """Whether this attempt continues the run of a checkpoint's state.json: the same fingerprint,
-        or one that differs only in the run's length and not below the steps it made."""
-        return (state.get("train_fingerprint") == fp
-                or (state.get("resume_fingerprint") == resume_fp and int(state.get("step", 0)) <= total_steps))
-
-    if ranks.rank == 0:  # rank 0 prepares the folder; the others wait
-        book.begin()  # finished_run's book.skip said not up to date; begun only now, the inputs checked above
-        clear_for_attempt(folder, continues, fp, say)
-    if ranks.world > 1:
-        dist.barrier()
+    _prepare_folder(book, ranks, folder, continues)
     validation = _validation(run, cfg, held_split, ids, source.lengths, packing, ranks)
     n_truncated = sum(1 for n in packing.lengths if n > packing.row_len)
     if n_truncated:
         say(f"{n_truncated} of {len(packing.lengths)} samples are longer than a row ({packing.row_len} tokens) "
             "and are cut to it")
 
-    drafter, target_head, scale = build_drafter(dcfg, info, d2t, tc,
-                                                # on the host in float32: the stored states decoded
-                                                lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
-                                                    torch.device("cpu"), torch.float32),
-                                                init_layers, layers, say, ranks, inputs.released)
-    kind, opts = kinds.get(dcfg.kind), objective_options(tc, attention)
-    objective = kind.runtime().objective(drafter, target_head, scale, opts).to(ranks.device)
-    meta = {
-        "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
-        "aux_layers": layers, "target": {"name": info.name, "fingerprint": info.fingerprint},
-        "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(d2t.numel()),
-        "ttt_steps": opts.steps, "train_fingerprint": fp, "precision": precision, **drafter_record(tc),
-    }
-    if inputs.released is not None:  # what it started from: export's config.json, provenance and card name it
-        meta["init_from"] = inputs.released.record(run.path)
-
-    # resume: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
-    # the other ranks the weights) once the optimizer exists
-    resume = pick_checkpoint(folder / "checkpoints", continues, drafter, ranks, say)
-    state = resume.state if resume is not None else {}
+    drafter, objective, scale, opts = _objective(cfg, ranks, inputs, dcfg, init_layers, source, packing)
+    meta = _drafter_meta(run, tc, inputs, dcfg, opts)
+    resume, state, total_steps = _pick_resume(folder, continues, drafter, ranks, tc, book.fingerprint, total_steps)
     start_step = int(state.get("step", 0))
-    lengthened = bool(state) and state.get("train_fingerprint") != fp
-    if lengthened:
-        say(f"train.max_steps / epochs / max_minutes changed: continuing from step {start_step} to {total_steps}; "
-            "the learning-rate schedule is re-planned over the new length (docs/pipeline.md)")
-    elif state and int(state.get("total_steps", -1)) == start_step:
-        total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
-    if state and state.get("world_size", ranks.world) * state.get("grad_accum", tc.grad_accum) != per_step:
-        say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
-            f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
 
     model = distribute(objective, ranks, tc.fsdp, precision)
     named = [(n, p) for n, p in objective.named_parameters() if p.requires_grad]
@@ -342,23 +302,122 @@ def setup(run, cfg, ranks: Ranks, inputs: Inputs, closing: contextlib.ExitStack,
                     val_passes=int(state.get("validation_passes", 0)),
                     flex_bound=opts.flex.graph_bound if opts.flex is not None else None,
                     flex_before=len(FLEX_GRAPHS), flex_noted=len(FLEX_GRAPHS))
-    names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
-    ts.trackers = Trackers(ts.folder, names, tc.tracker_project, cfg.model_dump(mode="json"), start_step, ranks.rank,
-                           say)
+    ts.trackers = _trackers(ts)
     closing.callback(ts.trackers.close)
     if resume is not None:
         load_training_state(resume, objective, optimizer, scheduler, ranks)
         say(f"resumed from {resume.folder} (step {start_step}/{total_steps}, epoch {ts.position[0]}, "
             f"micro-batch {ts.position[1]})")
+    _say_plan(ts, inputs, kinds.get(dcfg.kind))
+    return ts
+
+
+def _packing(run, tc, source) -> tuple[list[str], heldout.Split, Packing]:
+    """(the source's sample ids, the held-out split, the training packing): the held-out samples get length 0 in
+    the packing, so no micro-batch ever holds them."""
+    ids = source.sample_ids()
+    held_split = heldout.split_of(tc, ids, prepared_groups(run))
+    held_set = set(held_split.indices)
+    return ids, held_split, Packing.of([0 if i in held_set else n for i, n in enumerate(source.lengths)], tc)
+
+
+def _continues(book: StageBook, total_steps: int) -> Callable[[dict], bool]:
+    """The test clear_for_attempt and pick_checkpoint apply to a checkpoint's state.json: whether this attempt
+    continues its run. It does with the same fingerprint, or with one that differs only in the run's length
+    (LENGTH_KEYS) when the run is not shorter than the steps the checkpoint made."""
+    fp, resume_fp = book.fingerprint, _resume_fingerprint(book)
+
+    def continues(state: dict) -> bool:
+        return (state.get("train_fingerprint") == fp
+                or (state.get("resume_fingerprint") == resume_fp and int(state.get("step", 0)) <= total_steps))
+    return continues
+
+
+def _prepare_folder(book: StageBook, ranks: Ranks, folder: Path, continues: Callable[[dict], bool]) -> None:
+    """Rank 0 begins the stage and clears train/ for this attempt (a run it cannot continue moved aside, a killed
+    attempt's leftovers removed); the other ranks wait for it, so none reads a folder being cleared."""
+    if ranks.rank == 0:
+        book.begin()  # finished_run's book.skip said not up to date; begun only now, the inputs checked before
+        clear_for_attempt(folder, continues, book.fingerprint, say)
+    if ranks.world > 1:
+        dist.barrier()
+
+
+def _objective(cfg, ranks: Ranks, inputs: Inputs, dcfg: Any, init_layers: list[dict] | None, source: Any,
+               packing: Packing) -> tuple[torch.nn.Module, torch.nn.Module, Any, ObjectiveOptions]:
+    """(the drafter, its kind's objective on the device, the fc input scale or None, the objective's options): the
+    drafter built from the target (and train.init_from's released drafter), seeded, before any checkpoint's
+    weights are loaded into it (_pick_resume)."""
+    tc = cfg.train
+    drafter, target_head, scale = build_drafter(dcfg, inputs.info, inputs.d2t, tc,
+                                                # on the host in float32: the stored states decoded
+                                                lambda: source.batch(packing.plan(0)[0], packing.row_len).to(
+                                                    torch.device("cpu"), torch.float32),
+                                                init_layers, inputs.layers, say, ranks, inputs.released)
+    opts = objective_options(tc, inputs.attention)
+    objective = kinds.get(dcfg.kind).runtime().objective(drafter, target_head, scale, opts).to(ranks.device)
+    return drafter, objective, scale, opts
+
+
+def _drafter_meta(run, tc, inputs: Inputs, dcfg: Any, opts: ObjectiveOptions) -> dict:
+    """The drafter.json of every checkpoint: the drafter's config, the aux layers, the target, vocabulary and
+    settings it was trained with (export and eval read it back), and the released drafter it started from."""
+    meta = {
+        "format": "draftsmith-drafter", "version": TRAIN_VERSION, "config": asdict(dcfg),
+        "aux_layers": inputs.layers, "target": {"name": inputs.info.name, "fingerprint": inputs.info.fingerprint},
+        "vocab_fingerprint": inputs.vocab_info.get("fingerprint"), "draft_vocab_size": int(inputs.d2t.numel()),
+        "ttt_steps": opts.steps, "train_fingerprint": inputs.book.fingerprint, "precision": inputs.precision,
+        **drafter_record(tc),
+    }
+    if inputs.released is not None:  # what it started from: export's config.json, provenance and card name it
+        meta["init_from"] = inputs.released.record(run.path)
+    return meta
+
+
+def _pick_resume(folder: Path, continues: Callable[[dict], bool], drafter: torch.nn.Module, ranks: Ranks, tc,
+                 fp: str, total_steps: int) -> tuple[Checkpoint | None, dict, int]:
+    """(the checkpoint this attempt resumes from or None, its state.json or {}, the step the run ends after).
+    Resume in two parts: rank 0 picks the checkpoint and loads its weights now; optimizer/scheduler/RNG (and on
+    the other ranks the weights) once the optimizer exists (setup: load_training_state). Says when the run's
+    length or its global batch differs from the checkpoint's."""
+    resume = pick_checkpoint(folder / "checkpoints", continues, drafter, ranks, say)
+    state = resume.state if resume is not None else {}
+    start_step = int(state.get("step", 0))
+    lengthened = bool(state) and state.get("train_fingerprint") != fp
+    if lengthened:
+        say(f"train.max_steps / epochs / max_minutes changed: continuing from step {start_step} to {total_steps}; "
+            "the learning-rate schedule is re-planned over the new length (docs/pipeline.md)")
+    elif state and int(state.get("total_steps", -1)) == start_step:
+        total_steps = start_step  # the run had ended there (at its last step, or by train.max_minutes' clock)
+    per_step = ranks.world * tc.grad_accum
+    if state and state.get("world_size", ranks.world) * state.get("grad_accum", tc.grad_accum) != per_step:
+        say(f"note: resuming with {ranks.world} ranks x grad_accum {tc.grad_accum} instead of "
+            f"{state.get('world_size')} x {state.get('grad_accum')}: the global batch changes from here on")
+    return resume, state, total_steps
+
+
+def _trackers(ts: TrainState) -> Trackers:
+    """The trackers of train.report_to (with train.tensorboard's), each named once; rank 0's only (trackers.py),
+    each told the run's config and the step it resumes from."""
+    tc = ts.cfg.train
+    names = list(dict.fromkeys([*tc.report_to, *(["tensorboard"] if tc.tensorboard else [])]))
+    return Trackers(ts.folder, names, tc.tracker_project, ts.cfg.model_dump(mode="json"), ts.start_step,
+                    ts.ranks.rank, say)
+
+
+def _say_plan(ts: TrainState, inputs: Inputs, kind: kinds.Kind) -> None:
+    """The line that opens training: samples, steps (and time budget), batch, kind, precision, attention, ranks,
+    device, draft vocabulary and aux layers."""
+    budget, packing = ts.budget, ts.packing
     budget_note = ("" if budget.budget_s is None
                    else f" or {budget.budget_s / 60:g} min of steps ({budget.done_s / 60:.1f} done)")
     trained = sum(1 for n in packing.lengths if n > 0)
-    say(f"{source.mode} training: {trained} samples, {total_steps} steps{budget_note} of {per_step} "
+    say(f"{ts.source.mode} training: {trained} samples, {ts.total_steps} steps{budget_note} of "
+        f"{ts.ranks.world * ts.cfg.train.grad_accum} "
         f"micro-batches ({packing.rows_per_batch} x {packing.row_len} tokens), {kind.label} drafting "
-        f"{meta['drafts']} tokens a step, "
-        f"{precision}, {attention} attention, {ranks.world} rank(s) "
-        f"on {ranks.device}, draft vocab {d2t.numel()}, aux layers {layers}")
-    return ts
+        f"{ts.meta['drafts']} tokens a step, "
+        f"{ts.precision}, {inputs.attention} attention, {ts.ranks.world} rank(s) "
+        f"on {ts.ranks.device}, draft vocab {inputs.d2t.numel()}, aux layers {inputs.layers}")
 
 
 def _validation(run, cfg, held_split: heldout.Split, ids: list[str], lengths: list[int], packing: Packing,
