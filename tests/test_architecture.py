@@ -189,3 +189,11 @@ def test_each_train_key_is_read_where_it_acts():
     assert shared == SHARED_TRAIN_KEYS
     # the kinds' objectives take ObjectiveOptions, never the config
     assert not [f for f in files if f.startswith("kinds/") and f.endswith("model.py")]
+
+
+def test_no_function_of_the_package_is_over_80_lines():
+    """docs/architecture.md: a function a reader holds in one screen; a longer one is split at its seams."""
+    long = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert not long, long

@@ -44,6 +44,7 @@ from draftsmith import DraftsmithError, heldout, kinds
 from draftsmith.acceptance import CALIBRATED_GAP, difference, fmt, tolerance
 from draftsmith.prompts import Prompt, PromptError, parse_record, source_identity, source_records
 from draftsmith.rundir import RunDir
+from draftsmith.target import target_info
 
 # differences that make the served drafter another function than the trained one (the rest explain gaps)
 HARD = ("aux layers", "draft vocabulary", "chat template", "kind", "method: served")
@@ -387,7 +388,6 @@ def _vllm_aux_differences(cfg, stage_dir: Path, engine_info: dict, export_dir: P
         return []
     if num_layers is None:
         try:
-            from draftsmith.target import target_info
             num_layers = target_info(cfg.target, cfg.trust_remote_code).num_layers
         except Exception:  # the target is eval's to load and report; without it the default is unknown
             return []
